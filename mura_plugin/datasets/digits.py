@@ -1,0 +1,68 @@
+"""The embedded default dataset: scikit-learn's bundled handwritten digits (1,797 real 8x8
+images, Alpaydin & Kaynak 1998), upscaled to 32x32 RGB, with a fixed stratified
+train/test split. Ships with scikit-learn, so it works offline."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+
+import numpy as np
+
+from tta_bench.catalog import entry
+from tta_bench.data import DomainStream
+
+__all__ = ["digits", "digits_arrays"]
+
+SPLITS = ("train", "test")
+IMAGE_SIZE = 32
+TEST_FRACTION = 0.2
+SPLIT_SEED = 0
+
+
+@lru_cache(maxsize=4)
+def digits_arrays(split: str) -> tuple[np.ndarray, np.ndarray]:
+    """``(images uint8 [N, 32, 32, 3], labels int64 [N])`` of one split."""
+    if split not in SPLITS:
+        raise ValueError(f"unknown digits split {split!r}; available: {', '.join(SPLITS)}")
+    from PIL import Image
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    bunch = load_digits()
+    raw = (bunch.images / 16.0 * 255.0).round().clip(0, 255).astype(np.uint8)
+    idx = np.arange(len(raw))
+    train_idx, test_idx = train_test_split(
+        idx, test_size=TEST_FRACTION, stratify=bunch.target, random_state=SPLIT_SEED
+    )
+    chosen = np.sort(train_idx if split == "train" else test_idx)
+    up = np.stack(
+        [
+            np.asarray(Image.fromarray(raw[i]).resize((IMAGE_SIZE, IMAGE_SIZE), Image.BICUBIC))
+            for i in chosen
+        ]
+    )
+    rgb = np.repeat(up[..., None], 3, axis=-1)
+    return rgb, bunch.target[chosen].astype(np.int64)
+
+
+def digits(*, split: str = "test") -> DomainStream:
+    """The digits split as a ``DomainStream`` (HF ``datasets.Dataset`` with image/label)."""
+    import datasets
+
+    meta = entry("datasets", "digits")
+    classnames = list(meta["classnames"])
+    images, labels = digits_arrays(split)
+    features = datasets.Features(
+        {"image": datasets.Image(), "label": datasets.ClassLabel(names=classnames)}
+    )
+    ds = datasets.Dataset.from_dict(
+        {"image": list(images), "label": labels.tolist()}, features=features
+    )
+    return DomainStream(
+        name=f"digits-{split}",
+        classnames=classnames,
+        templates=list(meta["templates"]),
+        dataset=ds,
+        fingerprint=f"sklearn-digits/v1/{split}/{IMAGE_SIZE}px/split-seed{SPLIT_SEED}",
+        metadata={"source": "sklearn.datasets.load_digits", "split": split},
+    )

@@ -1,0 +1,22 @@
+"""Zero-shot CLIP: the frozen source model with its prompt-ensemble text head.
+
+Paper: Radford et al., "Learning Transferable Visual Models From Natural Language
+Supervision", ICML 2021. Official code: https://github.com/openai/CLIP.
+Differences: none; this is the reference row of every table.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from tta_bench.method import Method
+
+__all__ = ["ZeroShot"]
+
+
+class ZeroShot(Method):
+    """No adaptation: ``step`` is a no-grad forward."""
+
+    @torch.no_grad()
+    def step(self, images: torch.Tensor) -> torch.Tensor:
+        return self.model(images).float()

@@ -1,0 +1,82 @@
+"""The catalogue: metadata that is not code (descriptions, hub ids, class names, templates,
+paper links, default hyperparameters, named suites).
+
+Each plugin distribution ships a ``registry.yaml`` and points at it through the
+``tta_bench.catalogs`` entry-point group (the object is the file's path). Reading the
+catalogue imports no torch.
+"""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+
+from tta_bench.registry import DISABLE_ENV, KINDS, RegistryError
+
+CATALOG_GROUP = "tta_bench.catalogs"
+SECTIONS = (*KINDS, "suites", "templates")
+
+_CATALOG: dict[str, dict[str, Any]] | None = None
+_EXTRA: list[dict[str, Any]] = []
+
+
+def _load_file(path: Path, origin: str) -> dict[str, Any]:
+    with open(path, encoding="utf-8") as fh:
+        data = yaml.safe_load(fh) or {}
+    unknown = set(data) - set(SECTIONS) - {"schema_version"}
+    if unknown:
+        raise RegistryError(
+            f"catalogue {path} ({origin}) has unknown sections {sorted(unknown)}; "
+            f"expected {list(SECTIONS)}"
+        )
+    return data
+
+
+def catalog() -> dict[str, dict[str, Any]]:
+    """All catalogues merged: ``{section: {name: metadata}}``."""
+    global _CATALOG
+    if _CATALOG is None:
+        merged: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
+        owner: dict[tuple[str, str], str] = {}
+        sources: list[tuple[str, dict[str, Any]]] = []
+        if os.environ.get(DISABLE_ENV) != "1":
+            for ep in md.entry_points(group=CATALOG_GROUP):
+                dist = ep.dist.metadata["Name"] if ep.dist is not None else ep.name
+                sources.append((dist, _load_file(Path(ep.load()), dist)))
+        sources.extend(("__local__", extra) for extra in _EXTRA)
+        for dist, data in sources:
+            for section in SECTIONS:
+                for name, meta in (data.get(section) or {}).items():
+                    if (section, name) in owner and owner[(section, name)] != dist:
+                        raise RegistryError(
+                            f"duplicate {section} entry {name!r} in the catalogues of "
+                            f"{owner[(section, name)]} and {dist}"
+                        )
+                    owner[(section, name)] = dist
+                    merged[section][name] = meta if meta is not None else {}
+        _CATALOG = merged
+    return _CATALOG
+
+
+def entry(section: str, name: str) -> dict[str, Any]:
+    """Metadata of one component or suite; empty if the catalogue does not describe it."""
+    return dict(catalog()[section].get(name) or {})
+
+
+def description(section: str, name: str) -> str:
+    return str(entry(section, name).get("description", "")).strip()
+
+
+def add_catalog(data: dict[str, Any]) -> None:
+    """Add an in-process catalogue (tests, notebooks)."""
+    _EXTRA.append(data)
+    reset_catalog()
+
+
+def reset_catalog() -> None:
+    global _CATALOG
+    _CATALOG = None

@@ -1,0 +1,282 @@
+"""``tta-bench``: run, ls, env.
+
+Exit status: 0 success, 1 runtime failure, 2 bad input (unknown name, bad override, bad
+value); every bad-input message names the value and lists the options.
+Listing commands import no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+from tta_bench import catalog
+from tta_bench.registry import KINDS, RegistryError, registry
+
+LIST_KINDS = (*[k for k in KINDS if k != "configs"], "suites", "configs")
+SINGULAR = {
+    "methods": "method",
+    "losses": "loss",
+    "shifts": "shift",
+    "datasets": "dataset",
+    "models": "model",
+    "configs": "config",
+}
+
+
+class UsageError(Exception):
+    """Bad input from the user: printed without a traceback, exit status 2."""
+
+
+# -- run -------------------------------------------------------------------------------
+def _split_choice(overrides: list[str], key: str) -> tuple[str | None, list[str]]:
+    """Pull ``key=value`` (a config-group choice) out of the Hydra overrides."""
+    value, rest = None, []
+    for o in overrides:
+        if o.startswith(f"{key}="):
+            value = o.split("=", 1)[1]
+        else:
+            rest.append(o)
+    return value, rest
+
+
+def _resolve_run(args: argparse.Namespace) -> tuple[Any, Any]:
+    from omegaconf import OmegaConf
+
+    from tta_bench.config import compose, method_config, to_container
+    from tta_bench.protocol import load_protocol
+
+    overrides = list(args.overrides)
+    method, overrides = _split_choice(overrides, "method")
+    model, overrides = _split_choice(overrides, "model")
+    suite, overrides = _split_choice(overrides, "suite")
+    method = args.method or method or "zeroshot"
+    suite = args.suite or suite or "digits-c"
+    catalog_suites = catalog.catalog()["suites"]
+    if suite not in catalog_suites:
+        from tta_bench.registry import UnknownNameError
+
+        raise UnknownNameError("suites", suite, list(catalog_suites))
+    model = args.model or model or catalog_suites[suite].get("default_model") or "tiny-clip-digits"
+    registry("methods").origin(method)  # unknown names: "did you mean"
+    registry("models").origin(model)
+    extra = [f"suite={suite}"]
+    if args.output:
+        extra.append(f"output={args.output}")
+    if args.data_dir:
+        extra.append(f"data_dir={args.data_dir}")
+    try:
+        cfg = compose([*overrides, *extra], method=method, model=model)
+    except Exception as exc:  # Hydra's composition errors: unknown keys, bad types
+        if type(exc).__module__.startswith(("hydra", "omegaconf")):
+            raise UsageError(f"bad configuration override: {exc}") from exc
+        raise
+    OmegaConf.set_struct(cfg, True)
+    try:
+        mcfg = method_config(cfg)
+    except Exception as exc:
+        raise UsageError(f"bad method configuration: {exc}") from exc
+    overrides_p = {k: v for k, v in to_container(cfg.protocol).items() if v is not None}
+    try:
+        protocol = load_protocol(suite, **overrides_p)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    cfg_dict = to_container(cfg)
+    cfg_dict.pop("defaults", None)
+    cfg_dict["method"] = {"name": method, **cfg_dict["method"]}
+    cfg_dict["model"] = {"name": model, **cfg_dict["model"]}
+    return cfg, (method, mcfg, model, protocol, cfg_dict)
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from omegaconf import OmegaConf
+
+    cfg, (method, mcfg, model, protocol, cfg_dict) = _resolve_run(args)
+    if args.cfg:
+        print(OmegaConf.to_yaml(OmegaConf.create(cfg_dict)), end="")
+        print(f"# protocol: {protocol.id}")
+        return 0
+    _check_components(protocol, mcfg)
+
+    from pathlib import Path
+
+    from tta_bench import results, runner, tables
+
+    output = (
+        Path(cfg.output)
+        if cfg.output
+        else results.default_output(cfg.results_dir, method, protocol.name)
+    )
+    spec = runner.RunSpec(
+        method=method,
+        method_config=mcfg,
+        model=model,
+        model_args={k: v for k, v in cfg_dict["model"].items() if k != "name"},
+        protocol=protocol,
+        seeds=[int(s) for s in cfg.seeds],
+        device=cfg.device,
+        data_dir=cfg.data_dir,
+        reference=bool(cfg.reference),
+        progress=bool(cfg.progress) and not args.quiet,
+        config=cfg_dict,
+    )
+    try:
+        record = runner.run(spec, output)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    print(
+        f"\n{method} on {protocol.name} ({protocol.id}), model {model}, "
+        f"seeds {spec.seeds}: accuracy (%)"
+    )
+    print(tables.shift_table(record))
+    print("\ncost")
+    print(tables.cost_table(record))
+    mean = record["summary"]["mean_accuracy"]
+    print(
+        f"\nmean accuracy {100 * mean:.2f}%  wall {record['wall_time_s']:.1f}s  results: {output}"
+    )
+    return 0
+
+
+def _check_components(protocol: Any, mcfg: Any) -> None:
+    """Fail before any work if the suite names unknown components."""
+    registry("datasets").origin(protocol.dataset)
+    if protocol.shift_source == "synthetic":
+        for s in protocol.shifts:
+            registry("shifts").origin(s)
+    loss = getattr(mcfg, "loss", None)
+    if isinstance(loss, str):
+        registry("losses").origin(loss)
+
+
+# -- ls / env ----------------------------------------------------------------------------
+def cmd_ls(args: argparse.Namespace) -> int:
+    from tabulate import tabulate
+
+    kinds = [args.kind] if args.kind else [k for k in LIST_KINDS if k != "configs"]
+    for kind in kinds:
+        if kind == "suites":
+            rows = []
+            for name, meta in sorted(catalog.catalog()["suites"].items()):
+                shifts = meta.get("shifts") or []
+                rows.append(
+                    [
+                        name,
+                        f"{len(shifts)} shifts x sev {meta.get('severities')}",
+                        str(meta.get("description", "")).strip(),
+                    ]
+                )
+            headers = ["suite", "protocol", "description"]
+        else:
+            reg = registry(kind)
+            rows = [
+                [n, reg.origin(n).distribution, catalog.description(kind, n)] for n in reg.names()
+            ]
+            headers = [SINGULAR[kind], "from", "description"]
+        if len(kinds) > 1:
+            print(f"\n{kind}:")
+        print(tabulate(rows, headers=headers, tablefmt="simple"))
+    return 0
+
+
+def cmd_env(args: argparse.Namespace) -> int:
+    import importlib.metadata as md
+
+    import torch
+
+    from tta_bench.paths import cache_dir
+    from tta_bench.runner import resolve_device
+
+    device = resolve_device("auto")
+    lines = [
+        ("tta-bench", md.version("tta-bench")),
+        ("python", sys.version.split()[0]),
+        ("torch", torch.__version__),
+        ("CUDA available", str(torch.cuda.is_available())),
+        ("CUDA (torch build)", str(torch.version.cuda)),
+        (
+            "cuDNN",
+            str(torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None),
+        ),
+        (
+            "device used",
+            str(device)
+            + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""),
+        ),
+        ("CPU threads", str(torch.get_num_threads())),
+        ("cache dir", str(cache_dir())),
+    ]
+    for name in ("torchvision", "open_clip_torch", "timm", "datasets", "hydra-core"):
+        try:
+            lines.append((name, md.version(name)))
+        except md.PackageNotFoundError:
+            lines.append((name, "not installed"))
+    width = max(len(k) for k, _ in lines)
+    for k, v in lines:
+        print(f"{k:<{width}}  {v}")
+    dists: dict[str, tuple[str, list[str]]] = {}
+    for kind in KINDS:
+        reg = registry(kind)
+        for n in reg.names():
+            o = reg.origin(n)
+            dists.setdefault(o.distribution, (o.version, []))[1].append(f"{kind}:{n}")
+    print("\nplugin distributions:")
+    for dist, (version, items) in sorted(dists.items()):
+        print(f"  {dist} {version}: {len(items)} components")
+    return 0
+
+
+# -- entry point -------------------------------------------------------------------------
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="tta-bench",
+        description="Test-time adaptation benchmark for CLIP-style models.",
+    )
+    sub = p.add_subparsers(dest="command", required=True)
+
+    r = sub.add_parser(
+        "run",
+        help="evaluate one method on a suite",
+        description="Evaluate a method on a shifted test stream. Extra "
+        "arguments are Hydra overrides, e.g. method.lr=1e-3 seeds=[0,1,2].",
+    )
+    r.add_argument("--method", help="method name (tta-bench ls methods); default zeroshot")
+    r.add_argument("--suite", help="suite name (tta-bench ls suites); default digits-c")
+    r.add_argument("--model", help="model name (tta-bench ls models); default: the suite's")
+    r.add_argument("--output", help="results JSON path; default: a timestamped file")
+    r.add_argument("--data-dir", help="root of local data for hub-backed datasets")
+    r.add_argument("--cfg", action="store_true", help="print the resolved config and exit")
+    r.add_argument("--quiet", action="store_true", help="no progress bars")
+    r.add_argument("overrides", nargs="*", help="Hydra overrides (key=value)")
+    r.set_defaults(func=cmd_run)
+
+    ls = sub.add_parser("ls", help="list registered components and suites")
+    ls.add_argument("kind", nargs="?", choices=LIST_KINDS)
+    ls.set_defaults(func=cmd_ls)
+
+    e = sub.add_parser("env", help="versions, device, cache dir, plugin distributions")
+    e.set_defaults(func=cmd_env)
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    if getattr(args, "quiet", False):
+        import os
+
+        os.environ["TQDM_DISABLE"] = "1"  # also silences plugins' own bars (pretraining)
+    try:
+        return int(args.func(args) or 0)
+    except (UsageError, RegistryError) as exc:
+        print(f"tta-bench: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("tta-bench: interrupted; finished cells are in the results file", file=sys.stderr)
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,123 @@
+"""Run configuration: Hydra structured configs composed from the registered components.
+
+Every registered method contributes its ``Config`` dataclass as the config group
+``method/<name>``; every model factory contributes ``model/<name>`` built from its
+keyword-only parameters. Plugins may add Hydra config packages (``tta_bench.configs``),
+which are put on the search path. Overrides use Hydra's grammar
+(``method.lr=1e-3 seeds=[0,1,2]``); unknown keys are errors.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import inspect
+from dataclasses import dataclass, field
+from typing import Any, Optional
+
+from omegaconf import MISSING, DictConfig, OmegaConf
+
+from tta_bench.registry import registry
+
+
+@dataclass
+class ProtocolOverrides:
+    """Changes to the suite's protocol; each one changes the protocol id."""
+
+    shifts: Optional[list[str]] = None
+    severities: Optional[list[int]] = None
+    batch_size: Optional[int] = None
+    reset: Optional[str] = None
+    max_images: Optional[int] = None
+    severity_table: Optional[str] = None
+
+
+@dataclass
+class RunConfig:
+    defaults: list[Any] = field(
+        default_factory=lambda: ["_self_", {"method": "zeroshot"}, {"model": "tiny-clip-digits"}]
+    )
+    method: Any = MISSING
+    model: Any = MISSING
+    suite: str = "digits-c"
+    seeds: list[int] = field(default_factory=lambda: [0])
+    device: str = "auto"  # auto | cpu | cuda | cuda:N
+    #: Results JSON path; default: a timestamped file under ``results_dir``.
+    output: Optional[str] = None
+    results_dir: str = "tta-results"
+    #: Root of local data for hub-backed datasets (see ``tta-bench ls datasets``).
+    data_dir: Optional[str] = None
+    #: Also score the frozen source model on the identical stream (the table's delta column).
+    reference: bool = True
+    progress: bool = True
+    protocol: ProtocolOverrides = field(default_factory=ProtocolOverrides)
+
+
+def _simple_type(default: Any) -> Any:
+    for t in (bool, int, float, str):
+        if type(default) is t:
+            return t
+    return Any
+
+
+def factory_config(name: str, factory: Any) -> type:
+    """A dataclass of a factory's keyword-only parameters (those with defaults)."""
+    specs = []
+    for p in inspect.signature(factory).parameters.values():
+        if p.kind != p.KEYWORD_ONLY or p.name.startswith("_"):
+            continue
+        if p.default is inspect.Parameter.empty:
+            continue
+        default = p.default
+        if isinstance(default, (list, tuple, dict)):
+            specs.append((p.name, Any, field(default_factory=lambda d=default: d)))
+        else:
+            specs.append((p.name, Optional[_simple_type(default)], field(default=default)))
+    return dataclasses.make_dataclass(f"{name.replace('-', '_')}_config", specs)
+
+
+def _register(method_names: list[str], model_names: list[str]) -> None:
+    from hydra.core.config_store import ConfigStore
+
+    cs = ConfigStore.instance()
+    cs.store(name="tta_bench_run", node=RunConfig)
+    for name in method_names:
+        cs.store(group="method", name=name, node=registry("methods").get(name).Config)
+    for name in model_names:
+        factory = registry("models").get(name)
+        cs.store(group="model", name=name, node=factory_config(name, factory))
+
+
+def _search_path_overrides() -> list[str]:
+    configs = registry("configs")
+    paths = [f"pkg://{configs.origin(n).value.split(':')[0]}" for n in configs.names()]
+    if not paths:
+        return []
+    return [f"hydra.searchpath=[{','.join(paths)}]"]
+
+
+def compose(overrides: list[str], method: str, model: str) -> DictConfig:
+    """Compose the run config for ``method`` and ``model`` (both already validated)."""
+    from hydra import compose as hydra_compose
+    from hydra import initialize
+
+    _register([method], [model])
+    with initialize(config_path=None, version_base="1.3"):
+        cfg = hydra_compose(
+            config_name="tta_bench_run",
+            overrides=[
+                *_search_path_overrides(),
+                *overrides,
+                f"method={method}",
+                f"model={model}",
+            ],
+        )
+    return cfg
+
+
+def method_config(cfg: DictConfig) -> Any:
+    """The method's Config dataclass instance from a composed run config."""
+    return OmegaConf.to_object(cfg.method)
+
+
+def to_container(cfg: DictConfig) -> dict[str, Any]:
+    return OmegaConf.to_container(cfg, resolve=True, structured_config_mode=None)  # type: ignore[return-value]

@@ -1,0 +1,110 @@
+"""Measured cost of a cell: wall time split by phase, peak memory, passes per sample.
+
+Everything here is measured during the run, never estimated: time with
+``time.perf_counter`` (after a device synchronise), peak memory with
+``torch.cuda.max_memory_allocated`` (reset per cell) on CUDA and as the growth of the
+process's resident set size (sampled by a background thread) on the CPU.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import threading
+import time
+from collections import defaultdict
+from collections.abc import Iterator
+
+import torch
+from torch import nn
+
+
+def _rss_bytes() -> int:
+    try:
+        with open("/proc/self/statm") as fh:
+            pages = int(fh.read().split()[1])
+        import os
+
+        return pages * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError):  # not Linux: fall back to the high-water mark
+        import resource
+
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+
+
+class PeakMemory:
+    """Peak memory while the context is open: CUDA allocator peak, or CPU RSS growth."""
+
+    def __init__(self, device: torch.device, interval_s: float = 0.002):
+        self.device = device
+        self.interval_s = interval_s
+        self.peak_bytes = 0
+        self.kind = "cuda_max_allocated" if device.type == "cuda" else "cpu_rss_growth"
+
+    def __enter__(self) -> PeakMemory:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            torch.cuda.reset_peak_memory_stats(self.device)
+            return self
+        self._base = _rss_bytes()
+        self._max = self._base
+        self._stop = threading.Event()
+
+        def poll() -> None:
+            while not self._stop.wait(self.interval_s):
+                self._max = max(self._max, _rss_bytes())
+
+        self._thread = threading.Thread(target=poll, daemon=True)
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+            self.peak_bytes = int(torch.cuda.max_memory_allocated(self.device))
+            return
+        self._stop.set()
+        self._thread.join()
+        self._max = max(self._max, _rss_bytes())
+        self.peak_bytes = int(self._max - self._base)
+
+
+class PhaseTimer:
+    """Accumulates wall time per named phase (``data``, ``method``, ...)."""
+
+    def __init__(self, device: torch.device):
+        self.device = device
+        self.seconds: dict[str, float] = defaultdict(float)
+
+    def _sync(self) -> None:
+        if self.device.type == "cuda":
+            torch.cuda.synchronize(self.device)
+
+    @contextlib.contextmanager
+    def phase(self, name: str) -> Iterator[None]:
+        self._sync()
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            self._sync()
+            self.seconds[name] += time.perf_counter() - start
+
+
+class PassCounter:
+    """Counts images through the image encoder, and how many of them carried gradients."""
+
+    def __init__(self, module: nn.Module):
+        self.forward = 0
+        self.backward = 0
+
+        def hook(_module: nn.Module, args: tuple, output: object) -> None:
+            x = args[0] if args else None
+            n = int(x.shape[0]) if isinstance(x, torch.Tensor) and x.dim() > 0 else 0
+            self.forward += n
+            if isinstance(output, torch.Tensor) and output.requires_grad:
+                self.backward += n
+
+        self._handle = module.register_forward_hook(hook)
+
+    def close(self) -> None:
+        self._handle.remove()

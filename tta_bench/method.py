@@ -1,0 +1,208 @@
+"""The Method contract (DESIGN §3) and the GradientMethod base.
+
+The harness builds a method with ``Method(model, config)`` (store only), calls ``setup()``
+once, ``reseed(seed)`` + ``step(images)`` per batch, and ``reset()`` where the protocol says.
+Methods never receive labels: the runner keeps them.
+"""
+
+from __future__ import annotations
+
+import abc
+import contextlib
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, ClassVar
+
+import torch
+from torch import nn
+
+from tta_bench.model import ZeroShotClassifier
+
+
+@dataclass
+class NoConfig:
+    """A method without hyperparameters."""
+
+
+OPTIMIZERS = ("adam", "adamw", "sgd")
+
+
+@dataclass
+class GradientConfig:
+    """Hyperparameters every gradient-based method shares."""
+
+    loss: str = "entropy"
+    optimizer: str = "adam"
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    momentum: float = 0.9  # SGD only
+    steps: int = 1
+    autocast: bool = True  # bf16 autocast when running on CUDA; ignored on CPU
+
+
+class Method(abc.ABC):
+    """A test-time adaptation method. Subclasses define ``Config`` (a dataclass)."""
+
+    Config: ClassVar[type] = NoConfig
+    #: True when ``step`` changes the model; False for parameter-free methods.
+    adapts: ClassVar[bool] = False
+
+    def __init__(self, model: ZeroShotClassifier, config: Any = None):
+        self.model = model
+        self.config = config if config is not None else self.Config()
+        self.generator = torch.Generator()
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.mean.device
+
+    def setup(self) -> None:  # noqa: B027 - parameter-free methods need nothing
+        """Model surgery, freezing, optimiser, snapshot. Called once."""
+
+    @abc.abstractmethod
+    def step(self, images: torch.Tensor) -> torch.Tensor:
+        """Adapt (maybe) on a batch of images in [0, 1] and return its logits ``[B, C]``."""
+
+    def reset(self) -> None:  # noqa: B027 - stateless methods have nothing to reset
+        """Return to exactly the state right after ``setup()``."""
+
+    def reseed(self, seed: int) -> None:
+        """Seed the method's own randomness (augmented views); the runner calls it per batch."""
+        self.generator.manual_seed(int(seed))
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return []
+
+
+def build_optimizer(params: list[torch.Tensor], config: GradientConfig) -> torch.optim.Optimizer:
+    name = config.optimizer.lower()
+    if name == "adam":
+        return torch.optim.Adam(params, lr=config.lr, weight_decay=config.weight_decay)
+    if name == "adamw":
+        return torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay)
+    if name == "sgd":
+        return torch.optim.SGD(
+            params, lr=config.lr, momentum=config.momentum, weight_decay=config.weight_decay
+        )
+    raise ValueError(f"unknown optimizer {config.optimizer!r}; available: {', '.join(OPTIMIZERS)}")
+
+
+class GradientMethod(Method):
+    """Adapts a declared set of parameters by gradient steps on a label-free loss.
+
+    A subclass supplies:
+      * ``configure(model)`` - surgery (optional), e.g. inserting adapters;
+      * ``collect_params(model)`` - the parameters that adapt (everything else is frozen);
+      * ``compute_loss(images)`` - per-sample loss ``[B]`` and the logits of that forward.
+
+    The base owns freezing, the optimiser, ``torch.enable_grad()``, autocast, the snapshot
+    of all adapted state (parameters, buffers, optimiser, ``extra_state``) and ``reset()``.
+    """
+
+    Config: ClassVar[type] = GradientConfig
+    adapts: ClassVar[bool] = True
+    #: True: return the logits of the last adaptation forward (Tent); False: predict again
+    #: after the update (TPT-style).
+    predict_from_last_forward: ClassVar[bool] = False
+
+    def configure(self, model: ZeroShotClassifier) -> None:  # noqa: B027 - optional hook
+        """Model surgery before parameters are collected."""
+
+    @abc.abstractmethod
+    def collect_params(self, model: ZeroShotClassifier) -> list[nn.Parameter]:
+        """The parameters to adapt."""
+
+    @abc.abstractmethod
+    def compute_loss(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(per_sample_loss [B], logits [B, C])`` for one adaptation step."""
+
+    def extra_state(self) -> dict[str, Any]:
+        """State beyond parameters/buffers/optimiser that ``reset()`` must restore."""
+        return {}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:  # noqa: B027 - optional hook
+        pass
+
+    # -- lifecycle ---------------------------------------------------------------------
+    def setup(self) -> None:
+        self.model.requires_grad_(False)
+        self.configure(self.model)
+        self.params = list(self.collect_params(self.model))
+        if not self.params:
+            raise ValueError(f"{type(self).__name__}.collect_params returned no parameters")
+        for p in self.params:
+            p.requires_grad_(True)
+        self.loss_fn = _load_loss(self.config.loss)
+        self.optimizer = build_optimizer(self.params, self.config)
+        self._snapshot = self._capture()
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        return list(self.params)
+
+    def _capture(self) -> dict[str, Any]:
+        return {
+            "params": [p.detach().clone() for p in self.params],
+            "buffers": {k: b.detach().clone() for k, b in self.model.named_buffers()},
+            "extra": _clone(self.extra_state()),
+        }
+
+    def reset(self) -> None:
+        snap = self._snapshot
+        with torch.no_grad():
+            for p, saved in zip(self.params, snap["params"]):
+                p.copy_(saved)
+            for k, b in self.model.named_buffers():
+                if k in snap["buffers"]:
+                    b.copy_(snap["buffers"][k])
+        self.load_extra_state(_clone(snap["extra"]))
+        self.optimizer = build_optimizer(self.params, self.config)
+
+    # -- adaptation --------------------------------------------------------------------
+    def autocast(self) -> contextlib.AbstractContextManager:
+        if self.config.autocast and self.device.type == "cuda":
+            return torch.autocast("cuda", dtype=torch.bfloat16)
+        return contextlib.nullcontext()
+
+    def adapt(self, images: torch.Tensor) -> torch.Tensor:
+        """``config.steps`` optimisation steps; returns the logits of the last forward."""
+        logits = None
+        for _ in range(self.config.steps):
+            with torch.enable_grad(), self.autocast():
+                loss, logits = self.compute_loss(images)
+                loss = loss.mean()
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            self.optimizer.step()
+        return logits
+
+    @torch.no_grad()
+    def predict(self, images: torch.Tensor) -> torch.Tensor:
+        with self.autocast():
+            logits = self.model(images)
+        return logits.float()
+
+    def step(self, images: torch.Tensor) -> torch.Tensor:
+        logits = self.adapt(images)
+        if self.predict_from_last_forward and logits is not None:
+            return logits.detach().float()
+        return self.predict(images)
+
+
+def _load_loss(name: str):
+    from tta_bench.registry import registry
+
+    return registry("losses").get(name)
+
+
+def _clone(obj: Any) -> Any:
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().clone()
+    if isinstance(obj, dict):
+        return {k: _clone(v) for k, v in obj.items()}
+    if isinstance(obj, (list, tuple)):
+        return type(obj)(_clone(v) for v in obj)
+    return obj
+
+
+def config_dict(config: Any) -> dict[str, Any]:
+    return dataclasses.asdict(config) if dataclasses.is_dataclass(config) else dict(config)

@@ -1,0 +1,118 @@
+"""The zero-shot classifier every method adapts.
+
+``ZeroShotClassifier`` wraps a CLIP-style dual encoder (open_clip, or timm-backed through
+open_clip): the image tower ``visual``, the text side needed to rebuild class embeddings
+(prompt tuning), the class text embeddings built from class names x templates (prompt
+ensemble), and the logit scale. It takes images as float tensors in [0, 1] at
+``image_size`` and normalises them itself, so shifts and augmentations work in pixel space.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+
+
+@dataclass(frozen=True)
+class Preprocess:
+    """What the model expects: square input size and per-channel normalisation."""
+
+    image_size: int
+    mean: tuple[float, float, float]
+    std: tuple[float, float, float]
+
+
+@dataclass
+class ModelBundle:
+    """What a model factory returns: the CLIP model, its tokenizer and its preprocessing."""
+
+    clip: nn.Module
+    tokenizer: Callable[[Sequence[str]], torch.Tensor]
+    preprocess: Preprocess
+    name: str
+    weights: str  # pretrained tag, checkpoint path or cache fingerprint
+
+
+def format_prompts(classnames: Sequence[str], templates: Sequence[str]) -> list[str]:
+    return [t.format(c) for c in classnames for t in templates]
+
+
+class ZeroShotClassifier(nn.Module):
+    """Images in [0, 1] -> class logits ``[B, C]`` = scale * <image feature, class embedding>."""
+
+    def __init__(
+        self,
+        bundle: ModelBundle,
+        classnames: Sequence[str],
+        templates: Sequence[str],
+    ):
+        super().__init__()
+        if not classnames:
+            raise ValueError("a zero-shot classifier needs at least one class name")
+        if not templates:
+            raise ValueError("a zero-shot classifier needs at least one prompt template")
+        self.clip = bundle.clip
+        self.tokenizer = bundle.tokenizer
+        self.preprocess = bundle.preprocess
+        self.model_name = bundle.name
+        self.weights = bundle.weights
+        self.classnames = list(classnames)
+        self.templates = list(templates)
+        self.register_buffer("mean", torch.tensor(bundle.preprocess.mean).view(1, 3, 1, 1))
+        self.register_buffer("std", torch.tensor(bundle.preprocess.std).view(1, 3, 1, 1))
+        self.clip.eval()
+        for p in self.clip.parameters():
+            p.requires_grad_(False)
+        with torch.no_grad():
+            self.register_buffer("class_embeddings", self.build_class_embeddings())
+
+    @property
+    def visual(self) -> nn.Module:
+        return self.clip.visual
+
+    @property
+    def logit_scale(self) -> torch.Tensor:
+        return self.clip.logit_scale.exp()
+
+    @property
+    def num_classes(self) -> int:
+        return len(self.classnames)
+
+    def build_class_embeddings(self) -> torch.Tensor:
+        """Normalised mean over templates of the normalised text embeddings: ``[C, D]``."""
+        device = next(self.clip.parameters()).device
+        tokens = self.tokenizer(format_prompts(self.classnames, self.templates)).to(device)
+        feats = self.clip.encode_text(tokens)
+        feats = feats / feats.norm(dim=-1, keepdim=True)
+        feats = feats.view(len(self.classnames), len(self.templates), -1).mean(dim=1)
+        return feats / feats.norm(dim=-1, keepdim=True)
+
+    def normalize(self, images: torch.Tensor) -> torch.Tensor:
+        return (images - self.mean) / self.std
+
+    def encode_image(self, images: torch.Tensor) -> torch.Tensor:
+        """L2-normalised image features ``[B, D]`` of images in [0, 1]."""
+        size = self.preprocess.image_size
+        if images.shape[-1] != size or images.shape[-2] != size:
+            raise ValueError(
+                f"{self.model_name} expects {size}x{size} images, got "
+                f"{tuple(images.shape[-2:])}: the data pipeline must resize to the model's size"
+            )
+        feats = self.clip.encode_image(self.normalize(images))
+        return feats / feats.norm(dim=-1, keepdim=True)
+
+    def logits_from_features(
+        self, features: torch.Tensor, class_embeddings: torch.Tensor | None = None
+    ) -> torch.Tensor:
+        emb = self.class_embeddings if class_embeddings is None else class_embeddings
+        return self.logit_scale * features @ emb.t()
+
+    def forward(self, images: torch.Tensor) -> torch.Tensor:
+        return self.logits_from_features(self.encode_image(images))
+
+
+def count_parameters(module: nn.Module, trainable_only: bool = False) -> int:
+    return sum(p.numel() for p in module.parameters() if p.requires_grad or not trainable_only)

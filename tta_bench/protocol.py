@@ -1,0 +1,108 @@
+"""Protocols: everything a number depends on, with a stable id (DESIGN §6).
+
+A named suite in the catalogue (``registry.yaml``: ``suites:``) is resolved, together with
+the run's overrides, into a frozen ``Protocol``. Its ``id`` hashes every field, so results
+from different protocols are never compared by accident.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from tta_bench import catalog
+from tta_bench.registry import UnknownNameError
+
+#: When the harness calls ``method.reset()``.
+RESET_POLICIES = {
+    "episodic_batch": "reset after every batch",
+    "episodic_sample": "batch size 1, reset after every sample",
+    "reset_each_shift": "reset at the start of every (shift, severity) cell; online inside it",
+    "continual": "all cells in the pinned order, never reset",
+}
+SHIFT_SOURCES = ("synthetic", "dataset")
+
+
+@dataclass(frozen=True)
+class Protocol:
+    name: str
+    version: int
+    dataset: str
+    dataset_args: dict[str, Any]
+    shifts: tuple[str, ...]
+    severities: tuple[int, ...]
+    batch_size: int
+    reset: str
+    #: ``synthetic``: shift kernels corrupt the clean split on the fly; ``dataset``: the
+    #: dataset factory serves each (shift, severity) domain itself (CIFAR-10-C, ImageNet-A).
+    shift_source: str = "synthetic"
+    #: Severity parameter table for synthetic shifts: ``cifar`` (32 px) or ``imagenet``.
+    severity_table: str = "cifar"
+    max_images: int | None = None
+    default_model: str | None = None
+    description: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        if self.reset not in RESET_POLICIES:
+            raise ValueError(
+                f"unknown reset policy {self.reset!r} in suite {self.name!r}; "
+                f"available: {', '.join(RESET_POLICIES)}"
+            )
+        if self.shift_source not in SHIFT_SOURCES:
+            raise ValueError(
+                f"unknown shift_source {self.shift_source!r}; expected one of {SHIFT_SOURCES}"
+            )
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.reset == "episodic_sample" and self.batch_size != 1:
+            raise ValueError("reset policy 'episodic_sample' needs batch_size 1")
+        bad = [s for s in self.severities if not 1 <= int(s) <= 5]
+        if bad:
+            raise ValueError(f"severities must be in 1..5, got {bad}")
+
+    def identity(self) -> dict[str, Any]:
+        data = asdict(self)
+        data.pop("description")
+        data.pop("default_model")
+        return data
+
+    @property
+    def id(self) -> str:
+        blob = json.dumps(self.identity(), sort_keys=True, default=list)
+        digest = hashlib.sha256(blob.encode()).hexdigest()[:10]
+        return f"{self.name}@v{self.version}-{self.reset}-bs{self.batch_size}-{digest}"
+
+
+PROTOCOL_FIELDS = {f.name for f in fields(Protocol)}
+#: Fields a run may override (the override changes the protocol id).
+OVERRIDABLE = ("shifts", "severities", "batch_size", "reset", "max_images", "severity_table")
+
+
+def load_protocol(suite: str, **overrides: Any) -> Protocol:
+    """Resolve a named suite from the catalogue, applying non-None overrides."""
+    suites = catalog.catalog()["suites"]
+    if suite not in suites:
+        raise UnknownNameError("suites", suite, list(suites))
+    spec = dict(suites[suite])
+    unknown = set(spec) - PROTOCOL_FIELDS
+    if unknown:
+        raise ValueError(
+            f"suite {suite!r} in the catalogue has unknown fields {sorted(unknown)}; "
+            f"known: {sorted(PROTOCOL_FIELDS)}"
+        )
+    for key, value in overrides.items():
+        if key not in OVERRIDABLE:
+            raise ValueError(f"cannot override {key!r}; overridable: {', '.join(OVERRIDABLE)}")
+        if value is not None:
+            spec[key] = value
+    spec["name"] = suite
+    spec.setdefault("version", 1)
+    spec.setdefault("dataset_args", {})
+    spec["dataset_args"] = dict(spec["dataset_args"] or {})
+    spec["shifts"] = tuple(spec.get("shifts") or ())
+    spec["severities"] = tuple(int(s) for s in spec.get("severities") or (5,))
+    if spec.get("reset") == "episodic_sample":
+        spec["batch_size"] = 1
+    return Protocol(**spec)

@@ -1,0 +1,250 @@
+"""Plugin registries: entry points are the only way components are discovered.
+
+One typed, lazy ``Registry`` per entry-point group. Listing reads entry-point metadata and
+the catalogues (``registry.yaml`` files) only, so ``tta-bench ls`` never imports torch.
+Loading a component imports it and validates its shape (pluggy-style: at load, not at
+call). Duplicate names are an error naming both origins; unknown names answer with
+"did you mean ...? available: ...".
+"""
+
+from __future__ import annotations
+
+import difflib
+import importlib.metadata as md
+import inspect
+import os
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any, Generic, TypeVar
+
+T = TypeVar("T")
+
+GROUP_PREFIX = "tta_bench."
+KINDS = ("methods", "losses", "shifts", "datasets", "models", "configs")
+#: Set to 1 to ignore every installed plugin (only explicitly added ones remain); tests use it.
+DISABLE_ENV = "TTA_BENCH_DISABLE_PLUGIN_AUTOLOAD"
+
+
+class RegistryError(LookupError):
+    """A component name that is unknown, duplicated, or fails validation."""
+
+
+class UnknownNameError(RegistryError):
+    def __init__(self, kind: str, name: str, available: list[str]):
+        self.kind, self.name, self.available = kind, name, available
+        close = difflib.get_close_matches(name, available, n=3, cutoff=0.5)
+        hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
+        singular = {"losses": "loss"}.get(kind, kind[:-1] if kind.endswith("s") else kind)
+        super().__init__(
+            f"unknown {singular} {name!r}.{hint} Available: {', '.join(sorted(available))}"
+        )
+
+
+@dataclass(frozen=True)
+class Origin:
+    """Where a registered component comes from: recorded in every result."""
+
+    group: str
+    name: str
+    value: str
+    distribution: str
+    version: str
+
+    def as_dict(self) -> dict[str, str]:
+        return {
+            "group": self.group,
+            "name": self.name,
+            "object": self.value,
+            "distribution": self.distribution,
+            "version": self.version,
+        }
+
+
+def _entry_points(group: str) -> list[md.EntryPoint]:
+    if os.environ.get(DISABLE_ENV) == "1":
+        return []
+    return list(md.entry_points(group=group))
+
+
+def _origin(group: str, ep: md.EntryPoint) -> Origin:
+    dist = getattr(ep, "dist", None)
+    return Origin(
+        group=group,
+        name=ep.name,
+        value=ep.value,
+        distribution=dist.metadata["Name"] if dist is not None else "unknown",
+        version=dist.version if dist is not None else "unknown",
+    )
+
+
+class Registry(Generic[T]):
+    """The components of one entry-point group, by canonical name.
+
+    ``validate`` is called on the loaded object and returns an error message or None.
+    """
+
+    def __init__(self, kind: str, validate: Callable[[Any], str | None] | None = None):
+        if kind not in KINDS:
+            raise ValueError(f"unknown registry kind {kind!r}; expected one of {KINDS}")
+        self.kind = kind
+        self.group = GROUP_PREFIX + kind
+        self._validate = validate
+        self._entries: dict[str, tuple[Origin, Callable[[], Any]]] | None = None
+        self._loaded: dict[str, T] = {}
+
+    # -- discovery (metadata only) -------------------------------------------------------
+    def _scan(self) -> dict[str, tuple[Origin, Callable[[], Any]]]:
+        if self._entries is None:
+            entries: dict[str, tuple[Origin, Callable[[], Any]]] = {}
+            for ep in _entry_points(self.group):
+                origin = _origin(self.group, ep)
+                if ep.name in entries:
+                    first = entries[ep.name][0]
+                    # The same distribution seen twice on sys.path (e.g. an editable install
+                    # plus a build dir) pointing at the same object is not a conflict.
+                    if (first.distribution, first.value) == (origin.distribution, origin.value):
+                        continue
+                    raise RegistryError(
+                        f"duplicate {self.kind[:-1]} name {ep.name!r} in group {self.group}: "
+                        f"{first.value} (from {first.distribution} {first.version}) and "
+                        f"{origin.value} (from {origin.distribution} {origin.version})"
+                    )
+                entries[ep.name] = (origin, ep.load)
+            self._entries = entries
+        return self._entries
+
+    def names(self) -> list[str]:
+        return sorted(self._scan())
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name in self._scan()
+
+    def origin(self, name: str) -> Origin:
+        return self._lookup(name)[0]
+
+    def _lookup(self, name: str) -> tuple[Origin, Callable[[], Any]]:
+        entries = self._scan()
+        if name not in entries:
+            raise UnknownNameError(self.kind, name, list(entries))
+        return entries[name]
+
+    # -- loading -------------------------------------------------------------------------
+    def get(self, name: str) -> T:
+        if name not in self._loaded:
+            origin, load = self._lookup(name)
+            try:
+                obj = load()
+            except Exception as exc:  # a broken plugin should say which one broke
+                raise RegistryError(
+                    f"{self.kind[:-1]} {name!r} ({origin.value} from {origin.distribution}) "
+                    f"failed to import: {type(exc).__name__}: {exc}"
+                ) from exc
+            if self._validate is not None:
+                problem = self._validate(obj)
+                if problem:
+                    raise RegistryError(
+                        f"{self.kind[:-1]} {name!r} ({origin.value} from {origin.distribution})"
+                        f" is invalid: {problem}"
+                    )
+            self._loaded[name] = obj
+        return self._loaded[name]
+
+    def add(self, name: str, obj: T, distribution: str = "__local__") -> None:
+        """Register an object directly (for in-process plugins and tests)."""
+        entries = self._scan()
+        if name in entries:
+            first = entries[name][0]
+            raise RegistryError(
+                f"duplicate {self.kind[:-1]} name {name!r}: {first.value} (from "
+                f"{first.distribution}) and an object added by {distribution}"
+            )
+        if self._validate is not None and (problem := self._validate(obj)):
+            raise RegistryError(f"{self.kind[:-1]} {name!r} is invalid: {problem}")
+        value = f"{getattr(obj, '__module__', '?')}:{getattr(obj, '__qualname__', repr(obj))}"
+        origin = Origin(self.group, name, value, distribution, "0")
+        entries[name] = (origin, lambda: obj)
+
+
+# -- validators (shape checks at load time) ---------------------------------------------
+def _validate_method(obj: Any) -> str | None:
+    from tta_bench.method import Method  # deferred: importing torch only when loading
+
+    if not (inspect.isclass(obj) and issubclass(obj, Method)):
+        return f"expected a subclass of tta_bench.method.Method, got {obj!r}"
+    import dataclasses
+
+    if not dataclasses.is_dataclass(getattr(obj, "Config", None)):
+        return "a Method must define a dataclass `Config` with its hyperparameters"
+    return None
+
+
+def _validate_callable_with(*required: str, keyword_only: tuple[str, ...] = ()):
+    def check(obj: Any) -> str | None:
+        if not callable(obj):
+            return f"expected a callable, got {obj!r}"
+        try:
+            params = inspect.signature(obj).parameters
+        except (TypeError, ValueError):
+            return None
+        positional = [
+            p.name
+            for p in params.values()
+            if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)
+        ]
+        if len(positional) < len(required):
+            return f"expected parameters ({', '.join(required)}, ...), got {list(params)}"
+        for kw in keyword_only:
+            if kw not in params and not any(p.kind == p.VAR_KEYWORD for p in params.values()):
+                return f"expected a keyword-only parameter {kw!r}, got {list(params)}"
+        return None
+
+    return check
+
+
+def _validate_keyword_only_factory(obj: Any) -> str | None:
+    if not callable(obj):
+        return f"expected a callable, got {obj!r}"
+    params = inspect.signature(obj).parameters.values()
+    bad = [p.name for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    if bad:
+        return f"a factory takes keyword-only arguments; positional parameters: {bad}"
+    return None
+
+
+def _validate_config_package(obj: Any) -> str | None:
+    if not inspect.ismodule(obj):
+        return f"expected a package holding Hydra configs, got {obj!r}"
+    return None
+
+
+_VALIDATORS: dict[str, Callable[[Any], str | None]] = {
+    "methods": _validate_method,
+    "losses": _validate_callable_with("logits"),
+    "shifts": _validate_callable_with("images", "severity", keyword_only=("generator",)),
+    "datasets": _validate_keyword_only_factory,
+    "models": _validate_keyword_only_factory,
+    "configs": _validate_config_package,
+}
+
+_REGISTRIES: dict[str, Registry[Any]] = {}
+
+
+def registry(kind: str) -> Registry[Any]:
+    """The process-wide registry of one kind (``methods``, ``losses``, ``shifts``, ...)."""
+    if kind not in _REGISTRIES:
+        if kind not in KINDS:
+            raise UnknownNameError("registry kinds", kind, list(KINDS))
+        _REGISTRIES[kind] = Registry(kind, _VALIDATORS[kind])
+    return _REGISTRIES[kind]
+
+
+def reset_registries() -> None:
+    """Forget every scanned and loaded component (tests that change sys.path use it)."""
+    _REGISTRIES.clear()
+    from tta_bench import catalog
+
+    catalog.reset_catalog()
+
+
+def provenance(kind: str, name: str) -> dict[str, str]:
+    return registry(kind).origin(name).as_dict()

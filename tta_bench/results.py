@@ -1,0 +1,145 @@
+"""Results JSON: one file per run, one entry per cell, written atomically after every cell.
+
+Schema (``schema_version`` 1)::
+
+    {schema_version, created, method, model, suite, protocol: {id, ...}, config,
+     provenance: {git_sha, packages, device, plugins: [...]}, cells: [...], summary}
+
+A cell holds at least ``shift, severity, seed, n, accuracy`` (a fraction), ``error``,
+``time_per_sample_s``, ``peak_memory_bytes``, plus the reference (source model) accuracy
+and the cost breakdown.
+"""
+
+from __future__ import annotations
+
+import datetime as dt
+import importlib.metadata as md
+import json
+import os
+import platform
+import subprocess
+import tempfile
+from pathlib import Path
+from typing import Any
+
+from tta_bench import SCHEMA_VERSION
+
+PACKAGES = (
+    "tta-bench",
+    "torch",
+    "torchvision",
+    "open_clip_torch",
+    "timm",
+    "numpy",
+    "datasets",
+    "hydra-core",
+    "scikit-learn",
+)
+
+
+def package_versions() -> dict[str, str | None]:
+    out: dict[str, str | None] = {}
+    for name in PACKAGES:
+        try:
+            out[name] = md.version(name)
+        except md.PackageNotFoundError:
+            out[name] = None
+    return out
+
+
+def git_sha() -> str | None:
+    """The commit of the tta_bench source tree, when it is a git checkout."""
+    here = Path(__file__).resolve().parent
+    try:
+        sha = subprocess.run(
+            ["git", "rev-parse", "HEAD"],
+            cwd=here,
+            capture_output=True,
+            text=True,
+            timeout=5,
+            check=True,
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"],
+            cwd=here,
+            capture_output=True,
+            text=True,
+            timeout=5,
+        ).stdout.strip()
+        return sha + ("-dirty" if dirty else "")
+    except (OSError, subprocess.SubprocessError):
+        return None
+
+
+def device_info(device: Any) -> dict[str, Any]:
+    import torch
+
+    info: dict[str, Any] = {"type": device.type, "platform": platform.platform()}
+    if device.type == "cuda":
+        info["name"] = torch.cuda.get_device_name(device)
+        info["cuda"] = torch.version.cuda
+    else:
+        info["name"] = platform.processor() or platform.machine()
+        info["threads"] = torch.get_num_threads()
+    return info
+
+
+def now_iso() -> str:
+    return dt.datetime.now(dt.timezone.utc).isoformat(timespec="seconds")
+
+
+def default_output(results_dir: str, method: str, suite: str) -> Path:
+    stamp = dt.datetime.now().strftime("%Y%m%d-%H%M%S")
+    return Path(results_dir) / f"{suite}_{method}_{stamp}.json"
+
+
+def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
+    """Write via a temporary file in the same directory and ``os.replace``: a reader (or a
+    killed run) sees the old file or the new one, never a truncated one."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    try:
+        with os.fdopen(fd, "w", encoding="utf-8") as fh:
+            json.dump(data, fh, indent=1, sort_keys=False)
+            fh.write("\n")
+            fh.flush()
+            os.fsync(fh.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def load_results(path: str | Path) -> dict[str, Any]:
+    with open(path, encoding="utf-8") as fh:
+        data = json.load(fh)
+    version = data.get("schema_version")
+    if version != SCHEMA_VERSION:
+        raise ValueError(
+            f"{path}: results schema_version {version!r} is not supported "
+            f"(this tta-bench reads {SCHEMA_VERSION})"
+        )
+    return data
+
+
+def summarize(cells: list[dict[str, Any]]) -> dict[str, Any]:
+    """Suite-level figures: mean accuracy over cells (per seed, then over seeds)."""
+    if not cells:
+        return {"mean_accuracy": None, "n_cells": 0}
+    by_seed: dict[int, list[float]] = {}
+    for c in cells:
+        by_seed.setdefault(int(c["seed"]), []).append(float(c["accuracy"]))
+    per_seed = {s: sum(v) / len(v) for s, v in sorted(by_seed.items())}
+    out: dict[str, Any] = {
+        "mean_accuracy": sum(per_seed.values()) / len(per_seed),
+        "mean_accuracy_per_seed": {str(s): a for s, a in per_seed.items()},
+        "n_cells": len(cells),
+    }
+    refs = [c["reference_accuracy"] for c in cells if c.get("reference_accuracy") is not None]
+    if len(refs) == len(cells):
+        out["mean_reference_accuracy"] = sum(refs) / len(refs)
+    times = [c["time_per_sample_s"] for c in cells]
+    out["mean_time_per_sample_s"] = sum(times) / len(times)
+    out["max_peak_memory_bytes"] = max(int(c["peak_memory_bytes"]) for c in cells)
+    return out
