@@ -1,0 +1,47 @@
+"""Shared fixtures: the real default model (pretrained once per machine, cached) and the
+real digits data. No mocks of our own code."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
+
+
+@pytest.fixture(scope="session")
+def digits_stream():
+    from tta_bench.registry import registry
+
+    return registry("datasets").get("digits")(split="test")
+
+
+@pytest.fixture(scope="session")
+def default_bundle():
+    """The pretrained tiny-clip-digits bundle (trained on first use, then cached)."""
+    from tta_bench.registry import registry
+
+    return registry("models").get("tiny-clip-digits")()
+
+
+@pytest.fixture(scope="session")
+def classifier(default_bundle, digits_stream):
+    from tta_bench.model import ZeroShotClassifier
+
+    return ZeroShotClassifier(default_bundle, digits_stream.classnames, digits_stream.templates)
+
+
+@pytest.fixture(scope="session")
+def test_images(digits_stream):
+    """Clean digits test images [N, 3, 32, 32] in [0, 1] and labels [N]."""
+    from mura_plugin.datasets.digits import digits_arrays
+
+    x, y = digits_arrays("test")
+    return torch.from_numpy(x).permute(0, 3, 1, 2).float() / 255.0, torch.from_numpy(y)
+
+
+@pytest.fixture()
+def tmp_cache(tmp_path, monkeypatch):
+    """An empty tta-bench cache directory for tests of caching itself."""
+    monkeypatch.setenv("TTA_BENCH_CACHE", str(tmp_path / "cache"))
+    return tmp_path / "cache"
