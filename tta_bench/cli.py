@@ -13,17 +13,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from tta_bench import catalog
-from tta_bench.registry import KINDS, RegistryError, registry
+from tta_bench.registry import KINDS, SINGULAR, RegistryError, registry
 
 LIST_KINDS = (*[k for k in KINDS if k != "configs"], "suites", "configs")
-SINGULAR = {
-    "methods": "method",
-    "losses": "loss",
-    "shifts": "shift",
-    "datasets": "dataset",
-    "models": "model",
-    "configs": "config",
-}
 
 
 class UsageError(Exception):
@@ -263,7 +255,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
-    args = parser.parse_args(argv)
+    args, unknown = parser.parse_known_args(argv)
+    # Hydra overrides may come before, between or after options: collect them all.
+    stray = [u for u in unknown if u.startswith("-") or "=" not in u]
+    if stray or (unknown and not hasattr(args, "overrides")):
+        parser.error(f"unrecognized arguments: {' '.join(stray or unknown)}")
+    if unknown:
+        args.overrides = [*args.overrides, *unknown]
     if getattr(args, "quiet", False):
         import os
 

@@ -20,7 +20,17 @@ from typing import Any, Generic, TypeVar
 T = TypeVar("T")
 
 GROUP_PREFIX = "tta_bench."
-KINDS = ("methods", "losses", "shifts", "datasets", "models", "configs")
+KINDS = ("methods", "losses", "shifts", "datasets", "models", "configs", "metrics")
+SINGULAR = {
+    "methods": "method",
+    "losses": "loss",
+    "shifts": "shift",
+    "datasets": "dataset",
+    "models": "model",
+    "configs": "config",
+    "metrics": "metric",
+    "suites": "suite",
+}
 #: Set to 1 to ignore every installed plugin (only explicitly added ones remain); tests use it.
 DISABLE_ENV = "TTA_BENCH_DISABLE_PLUGIN_AUTOLOAD"
 
@@ -34,7 +44,7 @@ class UnknownNameError(RegistryError):
         self.kind, self.name, self.available = kind, name, available
         close = difflib.get_close_matches(name, available, n=3, cutoff=0.5)
         hint = f" Did you mean {', '.join(repr(c) for c in close)}?" if close else ""
-        singular = {"losses": "loss"}.get(kind, kind[:-1] if kind.endswith("s") else kind)
+        singular = SINGULAR.get(kind, kind)
         super().__init__(
             f"unknown {singular} {name!r}.{hint} Available: {', '.join(sorted(available))}"
         )
@@ -105,7 +115,7 @@ class Registry(Generic[T]):
                     if (first.distribution, first.value) == (origin.distribution, origin.value):
                         continue
                     raise RegistryError(
-                        f"duplicate {self.kind[:-1]} name {ep.name!r} in group {self.group}: "
+                        f"duplicate {SINGULAR[self.kind]} name {ep.name!r} in group {self.group}: "
                         f"{first.value} (from {first.distribution} {first.version}) and "
                         f"{origin.value} (from {origin.distribution} {origin.version})"
                     )
@@ -136,15 +146,15 @@ class Registry(Generic[T]):
                 obj = load()
             except Exception as exc:  # a broken plugin should say which one broke
                 raise RegistryError(
-                    f"{self.kind[:-1]} {name!r} ({origin.value} from {origin.distribution}) "
+                    f"{SINGULAR[self.kind]} {name!r} ({origin.value} from {origin.distribution}) "
                     f"failed to import: {type(exc).__name__}: {exc}"
                 ) from exc
             if self._validate is not None:
                 problem = self._validate(obj)
                 if problem:
                     raise RegistryError(
-                        f"{self.kind[:-1]} {name!r} ({origin.value} from {origin.distribution})"
-                        f" is invalid: {problem}"
+                        f"{SINGULAR[self.kind]} {name!r} ({origin.value} from "
+                        f"{origin.distribution}) is invalid: {problem}"
                     )
             self._loaded[name] = obj
         return self._loaded[name]
@@ -155,11 +165,11 @@ class Registry(Generic[T]):
         if name in entries:
             first = entries[name][0]
             raise RegistryError(
-                f"duplicate {self.kind[:-1]} name {name!r}: {first.value} (from "
+                f"duplicate {SINGULAR[self.kind]} name {name!r}: {first.value} (from "
                 f"{first.distribution}) and an object added by {distribution}"
             )
         if self._validate is not None and (problem := self._validate(obj)):
-            raise RegistryError(f"{self.kind[:-1]} {name!r} is invalid: {problem}")
+            raise RegistryError(f"{SINGULAR[self.kind]} {name!r} is invalid: {problem}")
         value = f"{getattr(obj, '__module__', '?')}:{getattr(obj, '__qualname__', repr(obj))}"
         origin = Origin(self.group, name, value, distribution, "0")
         entries[name] = (origin, lambda: obj)
@@ -224,6 +234,7 @@ _VALIDATORS: dict[str, Callable[[Any], str | None]] = {
     "datasets": _validate_keyword_only_factory,
     "models": _validate_keyword_only_factory,
     "configs": _validate_config_package,
+    "metrics": _validate_callable_with("logits", "labels"),
 }
 
 _REGISTRIES: dict[str, Registry[Any]] = {}

@@ -1,0 +1,125 @@
+"""End-to-end CLI tests on the embedded default (real model, real data)."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+import pytest
+
+from tta_bench.cli import main
+
+SMALL = ["protocol.shifts=[gaussian_noise,contrast]", "protocol.max_images=96", "--quiet"]
+REQUIRED_CELL_KEYS = {"shift", "severity", "seed", "n", "accuracy", "time_per_sample_s",
+                      "peak_memory_bytes"}
+
+
+def _run(tmp_path, *args: str) -> tuple[int, dict]:
+    out = tmp_path / "r.json"
+    code = main(["run", *args, "--output", str(out)])
+    return code, (json.loads(out.read_text()) if out.exists() else {})
+
+
+def test_run_writes_the_results_schema(tmp_path, capsys):
+    code, record = _run(tmp_path, "--method", "tent", *SMALL, "seeds=[0,1]")
+    assert code == 0
+    printed = capsys.readouterr().out
+    assert "gaussian_noise" in printed and "mean" in printed and "ms/sample" in printed
+    for key in ("schema_version", "method", "model", "suite", "config", "provenance", "cells",
+                "summary", "protocol"):
+        assert key in record
+    assert record["method"] == "tent" and record["suite"] == "digits-c"
+    prov = record["provenance"]
+    assert prov["packages"]["torch"] and prov["device"]["type"] == "cpu"
+    assert {p["group"] for p in prov["plugins"]} >= {"tta_bench.methods", "tta_bench.shifts"}
+    assert len(record["cells"]) == 4  # 2 shifts x 1 severity x 2 seeds
+    for cell in record["cells"]:
+        assert REQUIRED_CELL_KEYS <= set(cell)
+        assert 0.0 <= cell["accuracy"] <= 1.0 and cell["n"] == 96
+    assert record["summary"]["mean_accuracy"] == pytest.approx(
+        sum(c["accuracy"] for c in record["cells"]) / 4
+    )
+    assert record["config"]["method"]["name"] == "tent"
+    assert record["parameters"]["trainable"] > 0
+
+
+def test_same_seed_same_config_gives_identical_accuracies(tmp_path):
+    accs = []
+    for i in range(2):
+        (tmp_path / str(i)).mkdir()
+        _, record = _run(tmp_path / str(i), "--method", "mura", *SMALL)
+        accs.append([c["accuracy"] for c in record["cells"]])
+    assert accs[0] == accs[1]
+
+
+def test_overrides_reach_the_method_and_the_protocol(tmp_path):
+    code, record = _run(tmp_path, "--method", "tent", "method.lr=0.01", "method.steps=2",
+                        "protocol.batch_size=32", *SMALL)
+    assert code == 0
+    assert record["method_config"]["lr"] == 0.01 and record["method_config"]["steps"] == 2
+    assert record["protocol"]["batch_size"] == 32
+    assert "bs32" in record["protocol"]["id"]
+
+
+@pytest.mark.parametrize(
+    ("args", "message"),
+    [
+        (["--method", "mrua"], "Did you mean 'mura'"),
+        (["--suite", "digits-cc"], "Did you mean 'digits-c'"),
+        (["--model", "tiny-clip"], "unknown model 'tiny-clip'"),
+        (["--method", "tent", "method.nonexistent=1"], "nonexistent"),
+        (["--method", "tent", "bogus_key=1"], "bogus_key"),
+        (["--method", "tent", "method.lr=fast"], "lr"),
+        (["--method", "tent", "method.optimizer=rmsprop"], "available: adam, adamw, sgd"),
+        (["--method", "tent", "method.loss=entropi"], "Did you mean 'entropy'"),
+        (["protocol.reset=sometimes"], "available: episodic_batch"),
+        (["protocol.shifts=[gausian_noise]"], "Did you mean 'gaussian_noise'"),
+    ],
+)
+def test_bad_input_exits_2_with_a_clear_message(tmp_path, capsys, args, message):
+    code = main(["run", *args, "--quiet", "--output", str(tmp_path / "r.json")])
+    assert code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_cfg_prints_the_resolved_config(capsys):
+    assert main(["run", "--method", "mura", "method.lr=0.001", "seeds=[0,1,2]", "--cfg"]) == 0
+    out = capsys.readouterr().out
+    assert "name: mura" in out and "lr: 0.001" in out and "- 2" in out
+    assert "# protocol: digits-c@v1" in out
+
+
+def test_ls_methods_lists_the_methods(capsys):
+    assert main(["ls", "methods"]) == 0
+    out = capsys.readouterr().out
+    for name in ("zeroshot", "tent", "mura"):
+        assert name in out
+
+
+def test_env_reports_versions_device_and_plugins(capsys):
+    assert main(["env"]) == 0
+    out = capsys.readouterr().out
+    for needle in ("torch", "CUDA available", "cuDNN", "device used", "cache dir", "tta-bench"):
+        assert needle in out
+
+
+def test_console_script_end_to_end(tmp_path):
+    """The installed `tta-bench` entry point, as a user types it."""
+    out = tmp_path / "r.json"
+    done = subprocess.run(
+        ["tta-bench", "run", "--method", "zeroshot", "--output", str(out), *SMALL],
+        capture_output=True, text=True,
+    )
+    assert done.returncode == 0, done.stderr
+    assert "zeroshot on digits-c" in done.stdout
+    assert json.loads(out.read_text())["cells"]
+    bad = subprocess.run(["tta-bench", "run", "--method", "mrua"], capture_output=True,
+                         text=True)
+    assert bad.returncode == 2 and "mura" in bad.stderr
+
+
+def test_python_dash_m_entry(tmp_path):
+    done = subprocess.run([sys.executable, "-m", "tta_bench.cli", "ls", "suites"],
+                          capture_output=True, text=True, check=True)
+    assert "digits-c-full" in done.stdout

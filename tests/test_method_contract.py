@@ -1,0 +1,131 @@
+"""The Method contract (DESIGN §3), checked on every registered method with the real
+default model: reset() returns to the state after setup(); the frozen backbone is
+bit-identical after adaptation; only declared parameters change; methods never see labels."""
+
+from __future__ import annotations
+
+import copy
+
+import pytest
+import torch
+
+from tta_bench.method import Method
+from tta_bench.registry import registry
+
+METHODS = registry("methods").names()
+
+
+def _fresh(name: str, classifier) -> Method:
+    method_cls = registry("methods").get(name)
+    method = method_cls(copy.deepcopy(classifier), method_cls.Config())
+    torch.manual_seed(0)
+    method.setup()
+    return method
+
+
+@pytest.fixture(scope="module")
+def batches(test_images):
+    x, _ = test_images
+    # Shifted inputs so adaptation has something to do: strong contrast reduction.
+    x = (x - x.mean(dim=(1, 2, 3), keepdim=True)) * 0.2 + x.mean(dim=(1, 2, 3), keepdim=True)
+    return x[:8], x[8:16]
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_reset_then_step_equals_a_fresh_instance(name, classifier, batches):
+    x, other = batches
+    fresh = _fresh(name, classifier)
+    fresh.reseed(7)
+    expected = fresh.step(x)
+
+    used = _fresh(name, classifier)
+    for seed in (1, 2):
+        used.reseed(seed)
+        used.step(other)
+    used.reset()
+    used.reseed(7)
+    got = used.step(x)
+    assert got.shape == (x.shape[0], classifier.num_classes)
+    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_only_declared_parameters_change(name, classifier, batches):
+    x, other = batches
+    method = _fresh(name, classifier)
+    declared = {id(p) for p in method.trainable_parameters()}
+    before = {k: v.detach().clone() for k, v in method.model.state_dict().items()}
+    declared_names = {k for k, p in method.model.named_parameters() if id(p) in declared}
+    for seed in (1, 2):
+        method.reseed(seed)
+        method.step(other if seed == 1 else x)
+    after = method.model.state_dict()
+    for key, value in before.items():
+        if key in declared_names:
+            continue
+        assert torch.equal(value, after[key]), f"{name} changed undeclared state {key}"
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_the_source_model_is_never_touched(name, classifier, batches):
+    x, _ = batches
+    before = {k: v.clone() for k, v in classifier.state_dict().items()}
+    method = _fresh(name, classifier)
+    method.reseed(0)
+    method.step(x)
+    for key, value in classifier.state_dict().items():
+        assert torch.equal(before[key], value), key
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_same_seed_same_logits(name, classifier, batches):
+    x, _ = batches
+    outs = []
+    for _ in range(2):
+        method = _fresh(name, classifier)
+        method.reseed(3)
+        outs.append(method.step(x))
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
+
+
+def test_parameter_free_method_declares_nothing(classifier):
+    method = _fresh("zeroshot", classifier)
+    assert method.trainable_parameters() == []
+
+
+def test_methods_never_receive_labels(classifier, digits_stream):
+    """A method sees only what the runner hands it: its step() arguments are images only,
+    and nothing reachable from the method holds the labels."""
+    from tta_bench import runner
+    from tta_bench.protocol import load_protocol
+
+    seen: list[tuple] = []
+
+    class Spy(Method):
+        def step(self, *args, **kwargs):
+            seen.append((args, kwargs))
+            return self.model(args[0])
+
+    registry("methods").add("spy-labels", Spy)
+    try:
+        protocol = load_protocol("digits-c", shifts=["contrast"], max_images=40)
+        spec = runner.RunSpec(
+            method="spy-labels",
+            method_config=Spy.Config(),
+            model="tiny-clip-digits",
+            model_args={},
+            protocol=protocol,
+            seeds=[0],
+            progress=False,
+        )
+        import tempfile
+        from pathlib import Path
+
+        with tempfile.TemporaryDirectory() as d:
+            runner.run(spec, Path(d) / "r.json")
+    finally:
+        registry("methods")._scan().pop("spy-labels")
+    assert seen, "the runner never called step()"
+    for args, kwargs in seen:
+        assert kwargs == {}
+        assert len(args) == 1 and args[0].is_floating_point() and args[0].dim() == 4

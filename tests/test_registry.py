@@ -1,0 +1,159 @@
+"""Registry: entry points only, lazy, validated at load, duplicates and unknown names are
+clear errors, and the catalogue (registry.yaml) matches the entry points."""
+
+from __future__ import annotations
+
+import importlib.metadata as md
+import subprocess
+import sys
+import zipfile
+from pathlib import Path
+
+import pytest
+import yaml
+
+from tta_bench import catalog
+from tta_bench.registry import KINDS, RegistryError, UnknownNameError, registry
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def _our_entry_points(kind: str) -> set[str]:
+    return {
+        ep.name
+        for ep in md.entry_points(group=f"tta_bench.{kind}")
+        if ep.dist is not None and ep.dist.metadata["Name"] == "tta-bench"
+    }
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_entry_points_and_catalogue_list_the_same_names(kind):
+    data = yaml.safe_load((ROOT / "registry.yaml").read_text())
+    in_catalogue = set(data.get(kind) or {})
+    assert _our_entry_points(kind) == in_catalogue
+
+
+@pytest.mark.parametrize("kind", [k for k in KINDS if k != "configs"])
+def test_every_component_has_a_description(kind):
+    for name in _our_entry_points(kind):
+        assert catalog.description(kind, name), f"{kind}/{name} has no description"
+
+
+@pytest.mark.parametrize("kind", KINDS)
+def test_every_registered_component_loads_and_validates(kind):
+    reg = registry(kind)
+    for name in reg.names():
+        reg.get(name)
+
+
+def test_unknown_name_suggests_close_matches():
+    with pytest.raises(UnknownNameError) as err:
+        registry("methods").get("mrua")
+    msg = str(err.value)
+    assert "Did you mean 'mura'" in msg
+    assert "Available:" in msg and "tent" in msg and "zeroshot" in msg
+
+
+def test_suites_reference_registered_components():
+    for name, suite in catalog.catalog()["suites"].items():
+        assert suite["dataset"] in registry("datasets"), name
+        if suite.get("shift_source", "synthetic") == "synthetic":
+            for shift in suite["shifts"]:
+                assert shift in registry("shifts"), (name, shift)
+
+
+def test_listing_does_not_import_torch():
+    code = (
+        "import sys\n"
+        "from tta_bench.cli import main\n"
+        "assert main(['ls']) == 0\n"
+        "assert 'torch' not in sys.modules, 'tta-bench ls imported torch'\n"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert out.returncode == 0, out.stderr
+    assert "mura" in out.stdout and "digits-c" in out.stdout
+
+
+def _write_dist(root: Path, dist: str, entry_points: str, files: dict[str, str]) -> None:
+    info = root / f"{dist.replace('-', '_')}-0.1.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {dist}\nVersion: 0.1\n")
+    (info / "entry_points.txt").write_text(entry_points)
+    for rel, text in files.items():
+        (root / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / rel).write_text(text)
+
+
+def test_duplicate_names_are_an_error_naming_both_origins(tmp_path):
+    _write_dist(
+        tmp_path,
+        "clash-plugin",
+        "[tta_bench.methods]\ntent = clash_plugin:Tent\n",
+        {"clash_plugin/__init__.py": "Tent = None\n"},
+    )
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1])\n"
+        "from tta_bench.registry import registry, RegistryError\n"
+        "try:\n    registry('methods').names()\nexcept RegistryError as e:\n    print(e)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True
+    ).stdout
+    assert "duplicate method name 'tent'" in out
+    assert "clash_plugin:Tent (from clash-plugin 0.1)" in out
+    assert "mura_plugin.methods.tent:Tent (from tta-bench" in out
+
+
+def test_invalid_plugin_fails_at_load_with_its_origin(tmp_path):
+    _write_dist(
+        tmp_path,
+        "bad-plugin",
+        "[tta_bench.shifts]\nbroken = bad_plugin:broken\n",
+        {"bad_plugin/__init__.py": "def broken(images):\n    return images\n"},
+    )
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1])\n"
+        "from tta_bench.registry import registry, RegistryError\n"
+        "try:\n    registry('shifts').get('broken')\nexcept RegistryError as e:\n    print(e)\n"
+    )
+    out = subprocess.run(
+        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True
+    ).stdout
+    assert "shift 'broken' (bad_plugin:broken from bad-plugin) is invalid" in out
+
+
+def test_add_rejects_duplicates_and_invalid_objects():
+    from tta_bench.registry import Registry, _validate_callable_with
+
+    reg = Registry("losses", _validate_callable_with("logits"))
+    with pytest.raises(RegistryError, match="duplicate loss name 'entropy'"):
+        reg.add("entropy", lambda logits: logits)
+    with pytest.raises(RegistryError, match="invalid"):
+        reg.add("not_callable", 3)
+
+
+def test_catalogue_ships_inside_the_wheel(tmp_path):
+    subprocess.run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--no-deps",
+            "--no-build-isolation",
+            "-q",
+            "-w",
+            str(tmp_path),
+            str(ROOT),
+        ],
+        check=True,
+        capture_output=True,
+    )
+    (wheel,) = tmp_path.glob("tta_bench-*.whl")
+    with zipfile.ZipFile(wheel) as zf:
+        shipped = zf.read("mura_plugin/registry.yaml").decode()
+        entry_points = zf.read(
+            next(n for n in zf.namelist() if n.endswith("entry_points.txt"))
+        ).decode()
+    assert shipped == (ROOT / "registry.yaml").read_text()
+    assert "[tta_bench.catalogs]" in entry_points
