@@ -11,8 +11,15 @@ import pytest
 from tta_bench.cli import main
 
 SMALL = ["protocol.shifts=[gaussian_noise,contrast]", "protocol.max_images=96", "--quiet"]
-REQUIRED_CELL_KEYS = {"shift", "severity", "seed", "n", "accuracy", "time_per_sample_s",
-                      "peak_memory_bytes"}
+REQUIRED_CELL_KEYS = {
+    "shift",
+    "severity",
+    "seed",
+    "n",
+    "accuracy",
+    "time_per_sample_s",
+    "peak_memory_bytes",
+}
 
 
 def _run(tmp_path, *args: str) -> tuple[int, dict]:
@@ -26,8 +33,17 @@ def test_run_writes_the_results_schema(tmp_path, capsys):
     assert code == 0
     printed = capsys.readouterr().out
     assert "gaussian_noise" in printed and "mean" in printed and "ms/sample" in printed
-    for key in ("schema_version", "method", "model", "suite", "config", "provenance", "cells",
-                "summary", "protocol"):
+    for key in (
+        "schema_version",
+        "method",
+        "model",
+        "suite",
+        "config",
+        "provenance",
+        "cells",
+        "summary",
+        "protocol",
+    ):
         assert key in record
     assert record["method"] == "tent" and record["suite"] == "digits-c"
     prov = record["provenance"]
@@ -54,8 +70,15 @@ def test_same_seed_same_config_gives_identical_accuracies(tmp_path):
 
 
 def test_overrides_reach_the_method_and_the_protocol(tmp_path):
-    code, record = _run(tmp_path, "--method", "tent", "method.lr=0.01", "method.steps=2",
-                        "protocol.batch_size=32", *SMALL)
+    code, record = _run(
+        tmp_path,
+        "--method",
+        "tent",
+        "method.lr=0.01",
+        "method.steps=2",
+        "protocol.batch_size=32",
+        *SMALL,
+    )
     assert code == 0
     assert record["method_config"]["lr"] == 0.01 and record["method_config"]["steps"] == 2
     assert record["protocol"]["batch_size"] == 32
@@ -109,17 +132,21 @@ def test_console_script_end_to_end(tmp_path):
     out = tmp_path / "r.json"
     done = subprocess.run(
         ["tta-bench", "run", "--method", "zeroshot", "--output", str(out), *SMALL],
-        capture_output=True, text=True,
+        capture_output=True,
+        text=True,
     )
     assert done.returncode == 0, done.stderr
     assert "zeroshot on digits-c" in done.stdout
     assert json.loads(out.read_text())["cells"]
-    bad = subprocess.run(["tta-bench", "run", "--method", "mrua"], capture_output=True,
-                         text=True)
+    bad = subprocess.run(["tta-bench", "run", "--method", "mrua"], capture_output=True, text=True)
     assert bad.returncode == 2 and "mura" in bad.stderr
 
 
 def test_python_dash_m_entry(tmp_path):
-    done = subprocess.run([sys.executable, "-m", "tta_bench.cli", "ls", "suites"],
-                          capture_output=True, text=True, check=True)
+    done = subprocess.run(
+        [sys.executable, "-m", "tta_bench.cli", "ls", "suites"],
+        capture_output=True,
+        text=True,
+        check=True,
+    )
     assert "digits-c-full" in done.stdout

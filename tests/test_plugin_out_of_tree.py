@@ -80,13 +80,29 @@ def test_out_of_tree_method_and_shift_run_end_to_end(tmp_path):
     out = tmp_path / "r.json"
     ls = subprocess.run(
         [sys.executable, "-m", "tta_bench.cli", "ls", "methods"],
-        env=env, capture_output=True, text=True, check=True,
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
     ).stdout
     assert "flip_vote" in ls and "flipvote-plugin" in ls
     done = subprocess.run(
-        [sys.executable, "-m", "tta_bench.cli", "run", "--method", "flip_vote",
-         "--suite", "digits-invert", "--quiet", "--output", str(out)],
-        env=env, capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "tta_bench.cli",
+            "run",
+            "--method",
+            "flip_vote",
+            "--suite",
+            "digits-invert",
+            "--quiet",
+            "--output",
+            str(out),
+        ],
+        env=env,
+        capture_output=True,
+        text=True,
     )
     assert done.returncode == 0, done.stderr
     assert "invert" in done.stdout

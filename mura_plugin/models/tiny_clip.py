@@ -157,8 +157,8 @@ def load_or_pretrain(recipe: TinyClipRecipe, progress: bool = True) -> torch.nn.
             model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
             model.eval()
             return model
-        except (RuntimeError, OSError, EOFError):
-            path.unlink(missing_ok=True)  # truncated or stale: train again
+        except Exception:  # truncated, corrupt or stale (torch raises many types): retrain
+            path.unlink(missing_ok=True)
     model = pretrain(recipe, progress=progress)
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".pt.tmp")
