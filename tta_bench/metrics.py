@@ -1,6 +1,11 @@
 """Per-cell metrics computed by the runner from the cell's logits and labels (labels never
-reach the method). A metric is ``fn(logits [N, C] float, labels [N] int64) -> float``;
-plugins add metrics through ``register_metric``."""
+reach the method). A metric is ``fn(logits [N, C] float, labels [N] int64) -> float``.
+
+Built in: ``accuracy`` (fraction), ``nll`` (nats), ``ece`` (15 equal-width confidence
+bins, a fraction). Plugins add metrics through the ``tta_bench.metrics`` entry-point group
+(each one is computed for every cell and stored under its name), or in-process through
+``register_metric``.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +15,8 @@ import torch
 import torch.nn.functional as F
 
 Metric = Callable[[torch.Tensor, torch.Tensor], float]
+
+ECE_BINS = 15
 
 
 def accuracy(logits: torch.Tensor, labels: torch.Tensor) -> float:
@@ -21,14 +28,75 @@ def nll(logits: torch.Tensor, labels: torch.Tensor) -> float:
     return float(F.cross_entropy(logits.float(), labels))
 
 
-METRICS: dict[str, Metric] = {"accuracy": accuracy, "nll": nll}
+def expected_calibration_error(
+    logits: torch.Tensor, labels: torch.Tensor, n_bins: int = ECE_BINS
+) -> float:
+    """ECE (Guo et al. 2017): the confidence (max softmax probability) falls into one of
+    ``n_bins`` equal-width bins ``(k/n, (k+1)/n]``; ECE = sum over bins of
+    ``|bin| / N * |accuracy(bin) - mean confidence(bin)|``. A fraction in [0, 1]."""
+    if logits.dim() != 2 or labels.shape != logits.shape[:1]:
+        raise ValueError(
+            f"expected logits [N, C] and labels [N], got {tuple(logits.shape)} and "
+            f"{tuple(labels.shape)}"
+        )
+    if len(labels) == 0:
+        return 0.0
+    probs = torch.softmax(logits.double(), dim=1)
+    confidence, prediction = probs.max(dim=1)
+    correct = (prediction == labels).double()
+    inner_edges = torch.linspace(0.0, 1.0, n_bins + 1, dtype=torch.float64)[1:-1]
+    bins = torch.bucketize(confidence, inner_edges)  # (lo, hi] -> bin index
+    conf_sum = torch.bincount(bins, weights=confidence, minlength=n_bins)
+    acc_sum = torch.bincount(bins, weights=correct, minlength=n_bins)
+    return float((conf_sum - acc_sum).abs().sum() / len(labels))
+
+
+def per_class_accuracy(
+    logits: torch.Tensor, labels: torch.Tensor, num_classes: int
+) -> list[float | None]:
+    """Accuracy of each class ``0..num_classes-1`` (recall); None for a class absent from
+    ``labels``."""
+    pred = logits.argmax(dim=1)
+    out: list[float | None] = []
+    for k in range(num_classes):
+        mask = labels == k
+        n = int(mask.sum())
+        out.append(int((pred[mask] == k).sum()) / n if n else None)
+    return out
+
+
+METRICS: dict[str, Metric] = {
+    "accuracy": accuracy,
+    "nll": nll,
+    "ece": expected_calibration_error,
+}
 
 
 def register_metric(name: str, fn: Metric) -> None:
+    """Add an in-process metric (tests, notebooks); installed plugins use the
+    ``tta_bench.metrics`` entry-point group instead."""
     if name in METRICS:
         raise ValueError(f"metric {name!r} is already registered ({METRICS[name]!r})")
     METRICS[name] = fn
 
 
+def all_metrics() -> dict[str, Metric]:
+    """Built-in and registered metrics, then plugin metrics from entry points (sorted)."""
+    from tta_bench.registry import RegistryError, registry
+
+    out = dict(METRICS)
+    plugins = registry("metrics")
+    for name in plugins.names():
+        if name in out:
+            origin = plugins.origin(name)
+            raise RegistryError(
+                f"metric {name!r} from {origin.distribution} ({origin.value}) clashes with "
+                f"the built-in or registered metric of that name; rename it"
+            )
+        out[name] = plugins.get(name)
+    return out
+
+
 def compute_all(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
-    return {name: fn(logits, labels) for name, fn in METRICS.items()}
+    """Every metric of ``all_metrics()`` on one cell: ``{name: float}``."""
+    return {name: float(fn(logits, labels)) for name, fn in all_metrics().items()}

@@ -1,14 +1,23 @@
-"""Tables rendered from results only (tabulate): the shift-wise accuracy table and the cost
-table of one run. Values are accuracies in percent; with several seeds a cell reads
-``mean ± std``."""
+"""Tables rendered from results records only (tabulate): the shift-wise accuracy table, the
+suite summary (mean ± 95% CI over seeds, paired difference against a baseline, ECE) and the
+cost table. Accuracies, differences and ECE are in percent.
+
+Formats: ``github`` (= ``markdown``), ``latex`` (booktabs), ``csv``, ``html``, ``plain``.
+Every function is a pure function of its records, so regenerated tables are identical.
+"""
 
 from __future__ import annotations
 
+import csv
+import io
 import statistics
 from collections import defaultdict
+from collections.abc import Sequence
 from typing import Any
 
 from tabulate import tabulate
+
+from tta_bench import stats
 
 FORMATS = {
     "github": "github",
@@ -18,30 +27,40 @@ FORMATS = {
     "html": "html",
     "plain": "simple",
 }
+MISSING = "-"
+#: Characters our cells use that plain (pdf)LaTeX text mode does not typeset.
+LATEX_SYMBOLS = {"±": r"$\pm$", "Δ": r"$\Delta$", "<": r"$<$"}
 
 
 def _fmt(values: list[float], digits: int = 1) -> str:
+    """``mean ± std`` (sample std over seeds) in percent; the mean alone for one value."""
     if not values:
-        return "-"
+        return MISSING
     mean = 100 * statistics.fmean(values)
     if len(values) == 1:
         return f"{mean:.{digits}f}"
     return f"{mean:.{digits}f} ± {100 * statistics.stdev(values):.{digits}f}"
 
 
-def _render(rows: list[list[Any]], headers: list[str], fmt: str) -> str:
+def render(rows: list[list[Any]], headers: list[str], fmt: str) -> str:
+    """One table in ``fmt`` (see ``FORMATS``); cells are rendered verbatim (no number
+    parsing), so the formatting chosen here is what the reader gets."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown table format {fmt!r}; available: {', '.join(FORMATS)}")
     if fmt == "csv":
-        import csv
-        import io
-
         buf = io.StringIO()
         writer = csv.writer(buf, lineterminator="\n")
         writer.writerow(headers)
         writer.writerows(rows)
         return buf.getvalue().rstrip("\n")
-    return tabulate(rows, headers=headers, tablefmt=FORMATS[fmt], disable_numparse=True)
+    text = tabulate(rows, headers=headers, tablefmt=FORMATS[fmt], disable_numparse=True)
+    if fmt == "latex":  # tabulate escapes LaTeX specials but leaves these to the encoding
+        for char, macro in LATEX_SYMBOLS.items():
+            text = text.replace(char, macro)
+    return text
+
+
+_render = render  # the name the first tables used
 
 
 def _per_seed_means(cells: list[dict[str, Any]], key: str) -> list[float]:
@@ -52,9 +71,23 @@ def _per_seed_means(cells: list[dict[str, Any]], key: str) -> list[float]:
     return [statistics.fmean(v) for _, v in sorted(by_seed.items())]
 
 
+def _labels(records: Sequence[dict[str, Any]], labels: Sequence[str] | None) -> list[str]:
+    if labels is None:
+        return [r["method"] for r in records]
+    if len(labels) != len(records):
+        raise ValueError(f"{len(labels)} labels for {len(records)} records")
+    return list(labels)
+
+
+def _check_one_protocol(records: Sequence[dict[str, Any]]) -> None:
+    for other in records[1:]:
+        stats.check_same_protocol(records[0], other)
+
+
 def shift_table(record: dict[str, Any], fmt: str = "plain") -> str:
-    """Rows: shifts in protocol order, then the mean; columns: severities, mean, and the
-    zero-shot reference with the delta when the run scored it."""
+    """One run. Rows: shifts in protocol order, then the mean; columns: severities, mean
+    (``mean ± std`` over seeds), and the zero-shot reference with the delta when the run
+    scored it."""
     cells = record["cells"]
     shifts = list(dict.fromkeys(c["shift"] for c in cells))
     severities = sorted({c["severity"] for c in cells})
@@ -77,38 +110,220 @@ def shift_table(record: dict[str, Any], fmt: str = "plain") -> str:
             row.append(_fmt(ref))
             row.append(f"{100 * (statistics.fmean(acc) - statistics.fmean(ref)):+.1f}")
         rows.append(row)
-    return _render(rows, headers, fmt)
+    return render(rows, headers, fmt)
 
 
-def cost_table(record: dict[str, Any], fmt: str = "plain") -> str:
-    """Time per sample (split data / method), data-wait share, peak memory, parameters and
-    passes per sample, averaged over cells."""
-    cells = record["cells"]
+def method_shift_table(
+    records: Sequence[dict[str, Any]], fmt: str = "plain", labels: Sequence[str] | None = None
+) -> str:
+    """Several runs of one protocol. Rows: methods; columns: shifts (mean over severities)
+    in protocol order, then the mean; each ``mean ± std`` over seeds, in percent."""
+    _check_one_protocol(records)
+    names = _labels(records, labels)
+    shifts = list(dict.fromkeys(c["shift"] for r in records for c in r["cells"]))
+    rows = []
+    for name, rec in zip(names, records):
+        row: list[Any] = [name]
+        for shift in shifts:
+            sel = [c for c in rec["cells"] if c["shift"] == shift]
+            row.append(_fmt(_per_seed_means(sel, "accuracy")))
+        row.append(_fmt(_per_seed_means(rec["cells"], "accuracy")))
+        rows.append(row)
+    return render(rows, ["method", *shifts, "mean"], fmt)
 
-    def mean(key: str) -> float:
-        return statistics.fmean(float(c[key]) for c in cells)
 
-    params = record.get("parameters") or {}
+# -- suite summary ---------------------------------------------------------------------
+def _pct_ci(est: stats.Estimate | None) -> str:
+    if est is None:
+        return MISSING
+    if est.half_width is None:
+        return f"{100 * est.mean:.1f}"
+    return f"{100 * est.mean:.1f} ± {100 * est.half_width:.1f}"
+
+
+def _p(p: float | None) -> str:
+    if p is None:
+        return MISSING
+    return "<0.001" if p < 0.001 else f"{p:.3f}"
+
+
+def _delta(cmp: stats.PairedComparison | None) -> str:
+    if cmp is None:
+        return MISSING
+    text = f"{100 * cmp.mean_difference:+.1f}"
+    if cmp.ci_low is not None and cmp.ci_high is not None:
+        text += f" [{100 * cmp.ci_low:+.1f}, {100 * cmp.ci_high:+.1f}]"
+    return text
+
+
+def resolve_baseline(
+    records: Sequence[dict[str, Any]], baseline: str | None
+) -> tuple[dict[str, Any] | None, str | None]:
+    """The baseline record among ``records`` (by method name) and the column label.
+
+    When no record is the baseline and ``baseline`` is ``zeroshot``, each run's own
+    reference (the frozen source model on the identical stream) is the baseline:
+    ``(None, "zeroshot (reference)")``. Otherwise an unknown baseline is an error that
+    lists the methods present."""
+    if baseline is None:
+        return None, None
+    found = [r for r in records if r["method"] == baseline]
+    if len(found) > 1:
+        raise ValueError(
+            f"{len(found)} results of baseline {baseline!r}; pass one (or rank them with "
+            f"'tta-bench leaderboard', which keeps one per method and config)"
+        )
+    if found:
+        return found[0], baseline
+    if baseline == "zeroshot":
+        return None, "zeroshot (reference)"
+    methods = sorted({r["method"] for r in records})
+    raise ValueError(
+        f"baseline {baseline!r} is not among the results (methods: {', '.join(methods)}); "
+        f"pass its results file too, or use --baseline zeroshot to pair with each run's "
+        f"reference"
+    )
+
+
+def compare_to_baseline(
+    record: dict[str, Any],
+    baseline_record: dict[str, Any] | None,
+    baseline: str | None,
+    test: str = "t",
+) -> stats.PairedComparison | None:
+    """The paired comparison of ``record`` with the resolved baseline; None for the
+    baseline itself, or when no baseline figures exist for this run."""
+    if baseline is None or record is baseline_record:
+        return None
+    if baseline_record is not None:
+        return stats.paired_comparison(record, baseline_record, test=test)
+    if record["method"] == "zeroshot" or not any(
+        c.get("reference_accuracy") is not None for c in record["cells"]
+    ):
+        return None
+    return stats.paired_comparison(record, stats.reference_record(record), test=test)
+
+
+def summary_rows(
+    records: Sequence[dict[str, Any]],
+    labels: Sequence[str] | None = None,
+    baseline: str | None = "zeroshot",
+    test: str = "t",
+) -> tuple[list[str], list[list[Any]]]:
+    """Headers and rows of the suite summary (see ``summary_table``)."""
+    _check_one_protocol(records)
+    names = _labels(records, labels)
+    base_rec, base_label = resolve_baseline(records, baseline)
+    headers = ["method", "model", "seeds", "accuracy % (95% CI)"]
+    if base_label is not None:
+        headers += [f"Δ vs {base_label} (95% CI)", "p"]
+    headers += ["ECE %", "NLL"]
+    rows = []
+    for name, rec in zip(names, records):
+        row: list[Any] = [
+            name,
+            rec["model"]["name"],
+            str(len({c["seed"] for c in rec["cells"]})),
+            _pct_ci(stats.suite_estimate(rec, "accuracy")),
+        ]
+        if base_label is not None:
+            cmp = compare_to_baseline(rec, base_rec, baseline, test)
+            row += [_delta(cmp), _p(cmp.p_value if cmp else None)]
+        ece = stats.suite_estimate(rec, "ece")
+        nll = stats.suite_estimate(rec, "nll")
+        row += [
+            MISSING if ece is None else f"{100 * ece.mean:.1f}",
+            MISSING if nll is None else f"{nll.mean:.3f}",
+        ]
+        rows.append(row)
+    return headers, rows
+
+
+def summary_table(
+    records: Sequence[dict[str, Any]],
+    fmt: str = "plain",
+    baseline: str | None = "zeroshot",
+    test: str = "t",
+    labels: Sequence[str] | None = None,
+) -> str:
+    """Runs of one protocol: accuracy mean ± 95% CI half-width (Student t over seeds), the
+    paired difference to ``baseline`` with its interval and p-value (``test``: ``t`` or
+    ``bootstrap``), mean ECE (percent) and NLL (nats)."""
+    headers, rows = summary_rows(records, labels, baseline, test)
+    return render(rows, headers, fmt)
+
+
+# -- cost ------------------------------------------------------------------------------
+def _mean_ms(cells: list[dict[str, Any]], key: str) -> str:
+    vals = [float(c[key]) for c in cells if c.get(key) is not None]
+    if len(vals) != len(cells) or not vals:
+        return MISSING
+    return f"{1e3 * statistics.fmean(vals):.3f}"
+
+
+def cost_rows(
+    records: Sequence[dict[str, Any]], labels: Sequence[str] | None = None
+) -> tuple[list[str], list[list[Any]]]:
+    """Headers and rows of the cost table (see ``cost_table``)."""
+    names = _labels(records, labels)
+    with_flops = any(c.get("flops_per_sample") is not None for r in records for c in r["cells"])
     headers = [
         "method",
         "ms/sample",
-        "method ms",
         "data ms",
-        "data wait",
+        "adapt ms",
+        "predict ms",
+        "samples/s",
         "peak MB",
         "trainable params",
+        "total params",
         "fwd/sample",
         "bwd/sample",
     ]
-    row = [
-        record["method"],
-        f"{1e3 * mean('time_per_sample_s'):.2f}",
-        f"{1e3 * mean('method_time_per_sample_s'):.2f}",
-        f"{1e3 * mean('data_time_per_sample_s'):.2f}",
-        f"{100 * mean('data_wait_share'):.0f}%",
-        f"{max(c['peak_memory_bytes'] for c in cells) / 2**20:.1f}",
-        f"{params.get('trainable', 0):,}",
-        f"{mean('forward_passes_per_sample'):.1f}",
-        f"{mean('backward_passes_per_sample'):.1f}",
-    ]
-    return _render([row], headers, fmt)
+    if with_flops:
+        headers.append("GFLOPs/sample")
+    rows = []
+    for name, rec in zip(names, records):
+        cells = rec["cells"]
+        params = rec.get("parameters") or {}
+
+        def mean(key: str, cells: list[dict[str, Any]] = cells) -> float | None:
+            vals = [float(c[key]) for c in cells if c.get(key) is not None]
+            return statistics.fmean(vals) if vals and len(vals) == len(cells) else None
+
+        total_s = mean("time_per_sample_s")
+        row: list[Any] = [
+            name,
+            _mean_ms(cells, "time_per_sample_s"),
+            _mean_ms(cells, "data_time_per_sample_s"),
+            _mean_ms(cells, "adapt_time_per_sample_s"),
+            _mean_ms(cells, "predict_time_per_sample_s"),
+            MISSING if not total_s else f"{1 / total_s:.0f}",
+            f"{max(int(c['peak_memory_bytes']) for c in cells) / 2**20:.1f}" if cells else MISSING,
+            f"{params['trainable']:,}" if "trainable" in params else MISSING,
+            f"{params['total']:,}" if "total" in params else MISSING,
+        ]
+        for key in ("forward_passes_per_sample", "backward_passes_per_sample"):
+            value = mean(key)
+            row.append(MISSING if value is None else f"{value:.1f}")
+        if with_flops:
+            flops = mean("flops_per_sample")
+            row.append(MISSING if flops is None else f"{flops / 1e9:.3f}")
+        rows.append(row)
+    return headers, rows
+
+
+def cost_table(
+    records: dict[str, Any] | Sequence[dict[str, Any]],
+    fmt: str = "plain",
+    labels: Sequence[str] | None = None,
+) -> str:
+    """Per run, averaged over cells: time per sample in ms (total, and split into data
+    wait, adaptation = forward + backward + step, and prediction), samples per second over
+    the total, the peak memory of the heaviest cell (MiB), trainable and total parameters,
+    image-encoder forward and backward passes per sample, and GFLOPs per sample where the
+    run counted them."""
+    if isinstance(records, dict):
+        records = [records]
+    headers, rows = cost_rows(records, labels)
+    return render(rows, headers, fmt)

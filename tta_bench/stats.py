@@ -1,0 +1,225 @@
+"""Statistics over seeds: mean, spread and 95% confidence intervals, and paired comparisons
+against a baseline, computed from results records only (``results.load_results``).
+
+The replicate is the seed: a suite figure is first averaged over the cells (shift x
+severity) of one seed, then summarised over seeds with a Student t interval. A paired
+comparison pairs a method's and a baseline's figures on the same (shift, severity, seed)
+cells, so the stream, shift noise and order are identical on both sides and only the
+method differs. Records from different protocols are never compared.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+from collections import defaultdict
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+
+#: Pairing units of a paired comparison.
+UNITS = ("seed", "cell")
+#: Tests of a paired comparison.
+TESTS = ("t", "bootstrap")
+
+CellKey = tuple[str, int, int]  # (shift, severity, seed)
+
+
+class ProtocolMismatchError(ValueError):
+    """Two records were produced under different protocols and must not be compared."""
+
+
+@dataclass(frozen=True)
+class Estimate:
+    """Mean of ``n`` replicates with the sample standard deviation (``ddof=1``) and a
+    two-sided Student t confidence interval; ``std`` and the interval are ``None`` with
+    fewer than two replicates."""
+
+    mean: float
+    std: float | None
+    n: int
+    ci_low: float | None
+    ci_high: float | None
+    confidence: float = 0.95
+
+    @property
+    def half_width(self) -> float | None:
+        if self.ci_low is None or self.ci_high is None:
+            return None
+        return (self.ci_high - self.ci_low) / 2
+
+
+@dataclass(frozen=True)
+class PairedComparison:
+    """``method - baseline`` on paired units; ``p_value`` tests a zero mean difference
+    (two-sided). Interval and p-value are ``None`` when they are undefined (one pair, or
+    identical differences under the t test)."""
+
+    method: str
+    baseline: str
+    key: str
+    unit: str
+    test: str
+    n_pairs: int
+    mean_difference: float
+    ci_low: float | None
+    ci_high: float | None
+    p_value: float | None
+    confidence: float = 0.95
+
+
+def describe(values: Iterable[float], confidence: float = 0.95) -> Estimate:
+    """Mean, sample std and the Student t interval ``mean ± t_{(1+c)/2, n-1} s / sqrt(n)``."""
+    from scipy import stats as sps
+
+    vals = [float(v) for v in values]
+    if not vals:
+        raise ValueError("describe() needs at least one value")
+    if not 0 < confidence < 1:
+        raise ValueError(f"confidence must be in (0, 1), got {confidence}")
+    mean = statistics.fmean(vals)
+    if len(vals) < 2:
+        return Estimate(mean, None, len(vals), None, None, confidence)
+    std = statistics.stdev(vals)
+    half = float(sps.t.ppf((1 + confidence) / 2, len(vals) - 1)) * std / math.sqrt(len(vals))
+    return Estimate(mean, std, len(vals), mean - half, mean + half, confidence)
+
+
+def cell_values(record: dict[str, Any], key: str = "accuracy") -> dict[CellKey, float]:
+    """``{(shift, severity, seed): value}`` of every cell that holds ``key``."""
+    out: dict[CellKey, float] = {}
+    for c in record["cells"]:
+        if c.get(key) is not None:
+            out[(str(c["shift"]), int(c["severity"]), int(c["seed"]))] = float(c[key])
+    return out
+
+
+def per_seed_means(values: dict[CellKey, float]) -> dict[int, float]:
+    """The mean over a seed's cells, per seed (sorted by seed)."""
+    by_seed: dict[int, list[float]] = defaultdict(list)
+    for (_shift, _sev, seed), v in values.items():
+        by_seed[seed].append(v)
+    return {s: statistics.fmean(v) for s, v in sorted(by_seed.items())}
+
+
+def suite_estimate(
+    record: dict[str, Any], key: str = "accuracy", confidence: float = 0.95
+) -> Estimate | None:
+    """The suite figure over seeds (each seed: mean over its cells); None if no cell has
+    ``key``."""
+    per_seed = per_seed_means(cell_values(record, key))
+    return describe(per_seed.values(), confidence) if per_seed else None
+
+
+def cell_estimates(
+    record: dict[str, Any], key: str = "accuracy", confidence: float = 0.95
+) -> dict[tuple[str, int], Estimate]:
+    """Per (shift, severity) cell: the estimate over seeds, in the record's cell order."""
+    grouped: dict[tuple[str, int], list[float]] = {}
+    for (shift, sev, _seed), v in cell_values(record, key).items():
+        grouped.setdefault((shift, sev), []).append(v)
+    return {k: describe(v, confidence) for k, v in grouped.items()}
+
+
+def check_same_protocol(record: dict[str, Any], other: dict[str, Any]) -> None:
+    """Raise ``ProtocolMismatchError`` naming both ids and the fields that differ."""
+    a, b = record["protocol"], other["protocol"]
+    if a["id"] == b["id"]:
+        return
+    fields = sorted(k for k in set(a) | set(b) if k != "id" and a.get(k) != b.get(k))
+    diff = "; ".join(f"{k}: {a.get(k)!r} vs {b.get(k)!r}" for k in fields) or "unknown fields"
+    raise ProtocolMismatchError(
+        f"cannot compare {record['method']!r} ({a['id']}) with {other['method']!r} "
+        f"({b['id']}): results from different protocols measure different things ({diff}); "
+        f"rerun one of them under the other's protocol"
+    )
+
+
+def reference_record(record: dict[str, Any]) -> dict[str, Any]:
+    """The frozen source model as a baseline record: the runner scored it on the identical
+    stream of every cell (``reference_accuracy``), so it pairs exactly with the method."""
+    cells = [c for c in record["cells"] if c.get("reference_accuracy") is not None]
+    if not cells:
+        raise ValueError(
+            f"results of {record['method']!r} hold no reference accuracy (run with "
+            f"reference=true, or pass a results file of the baseline method)"
+        )
+    return {
+        **record,
+        "method": "zeroshot (reference)",
+        "cells": [{**c, "accuracy": c["reference_accuracy"]} for c in cells],
+    }
+
+
+def paired_comparison(
+    record: dict[str, Any],
+    baseline: dict[str, Any],
+    key: str = "accuracy",
+    unit: str = "seed",
+    test: str = "t",
+    confidence: float = 0.95,
+    n_resamples: int = 10_000,
+    rng_seed: int = 0,
+) -> PairedComparison:
+    """``record - baseline`` on the cells both hold.
+
+    ``unit="seed"``: one pair per seed (the mean over that seed's common cells), the
+    replicate the seeds make independent; ``unit="cell"``: one pair per (shift, severity,
+    seed). ``test="t"``: paired Student t interval and p-value (``scipy.stats.ttest_1samp``
+    on the differences); ``test="bootstrap"``: percentile interval of the mean difference
+    over ``n_resamples`` resamples of the pairs (fixed ``rng_seed``: reproducible), and the
+    two-sided p-value of the shifted-null bootstrap ``(#{|d*-d| >= |d|} + 1) / (B + 1)``.
+    The bootstrap needs many pairs: with three seeds there are only ten distinct resamples
+    and its interval is far too narrow; use the t test there (or ``unit="cell"``).
+    """
+    if unit not in UNITS:
+        raise ValueError(f"unknown pairing unit {unit!r}; available: {', '.join(UNITS)}")
+    if test not in TESTS:
+        raise ValueError(f"unknown test {test!r}; available: {', '.join(TESTS)}")
+    check_same_protocol(record, baseline)
+    mine, theirs = cell_values(record, key), cell_values(baseline, key)
+    common = sorted(set(mine) & set(theirs))
+    if not common:
+        raise ValueError(
+            f"{record['method']!r} and {baseline['method']!r} share no (shift, severity, seed) "
+            f"cell with {key!r}: seeds {sorted({k[2] for k in mine})} vs "
+            f"{sorted({k[2] for k in theirs})}"
+        )
+    if unit == "cell":
+        diffs = [mine[k] - theirs[k] for k in common]
+    else:
+        a = per_seed_means({k: mine[k] for k in common})
+        b = per_seed_means({k: theirs[k] for k in common})
+        diffs = [a[s] - b[s] for s in a]
+    d = np.asarray(diffs, dtype=np.float64)
+    mean = float(d.mean())
+    lo = hi = p = None
+    if len(d) >= 2 and test == "t":
+        est = describe(d, confidence)
+        lo, hi = est.ci_low, est.ci_high
+        if est.std:  # all-equal differences: the t statistic is undefined
+            from scipy import stats as sps
+
+            p = float(sps.ttest_1samp(d, 0.0).pvalue)
+    elif len(d) >= 2:
+        rng = np.random.default_rng(rng_seed)
+        boot = d[rng.integers(0, len(d), size=(n_resamples, len(d)))].mean(axis=1)
+        alpha = (1 - confidence) / 2
+        lo, hi = (float(q) for q in np.quantile(boot, [alpha, 1 - alpha]))
+        extreme = int(np.count_nonzero(np.abs(boot - mean) >= abs(mean)))
+        p = (extreme + 1) / (n_resamples + 1)
+    return PairedComparison(
+        method=record["method"],
+        baseline=baseline["method"],
+        key=key,
+        unit=unit,
+        test=test,
+        n_pairs=len(d),
+        mean_difference=mean,
+        ci_low=lo,
+        ci_high=hi,
+        p_value=p,
+        confidence=confidence,
+    )
