@@ -1,0 +1,200 @@
+"""CIFAR-10/100 (clean, corrupted on the fly) and the pre-generated CIFAR-10-C/100-C.
+
+Clean sets: a local copy under ``data_dir`` (the published python pickle batches
+``cifar-10-batches-py/test_batch`` / ``cifar-100-python/test``, or a ``save_to_disk`` /
+parquet copy), else the HF hub id (``uoft-cs/cifar10``, ``uoft-cs/cifar100``) from the
+``datasets`` cache.
+
+-C sets: the published ``.npy`` layout (Zenodo 2535967 / 3555552): ``<corruption>.npy``
+uint8 ``[50000, 32, 32, 3]`` where severity s is rows ``(s-1)*10000 .. s*10000``, and
+``labels.npy`` ``[50000]``. Images are served as an ``Array3D`` column, so at 32 px they
+reach the model without any decode.
+"""
+
+from __future__ import annotations
+
+import pickle
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mura_plugin.datasets import _common as c
+from tta_bench.data import DataUnavailableError, DomainStream
+
+__all__ = ["cifar10", "cifar100", "cifar10_c", "cifar100_c", "CORRUPTIONS", "EXTRA_CORRUPTIONS"]
+
+#: The 15 corruptions of the benchmark, in the pinned order, and the 4 held-out extras.
+CORRUPTIONS = (
+    "gaussian_noise",
+    "shot_noise",
+    "impulse_noise",
+    "defocus_blur",
+    "glass_blur",
+    "motion_blur",
+    "zoom_blur",
+    "snow",
+    "frost",
+    "fog",
+    "brightness",
+    "contrast",
+    "elastic_transform",
+    "pixelate",
+    "jpeg_compression",
+)
+EXTRA_CORRUPTIONS = ("speckle_noise", "gaussian_blur", "spatter", "saturate")
+SEVERITIES = (1, 2, 3, 4, 5)
+_PICKLES = {"cifar10": ("test_batch", b"labels"), "cifar100": ("test", b"fine_labels")}
+
+
+def _array_dataset(images: np.ndarray, labels: np.ndarray) -> Any:
+    import datasets
+
+    h, w = images.shape[1:3]
+    features = datasets.Features(
+        {
+            "image": datasets.Array3D(shape=(h, w, 3), dtype="uint8"),
+            "label": datasets.Value("int64"),
+        }
+    )
+    return datasets.Dataset.from_dict(
+        {"image": np.ascontiguousarray(images), "label": np.asarray(labels, dtype=np.int64)},
+        features=features,
+    )
+
+
+def _read_pickle(path: Path, label_key: bytes) -> tuple[np.ndarray, np.ndarray]:
+    with open(path, "rb") as fh:
+        batch = pickle.load(fh, encoding="bytes")
+    images = np.asarray(batch[b"data"], dtype=np.uint8).reshape(-1, 3, 32, 32).transpose(0, 2, 3, 1)
+    return images, np.asarray(batch[label_key], dtype=np.int64)
+
+
+def _clean(name: str, split: str, data_dir: Any, revision: str | None, tmpl: Any) -> DomainStream:
+    meta = c.dataset_meta(name)
+    if split != "test":
+        raise ValueError(f"{name}: only the 'test' split is a test domain; got split={split!r}")
+    pickle_name, label_key = _PICKLES[name]
+    local = c.find_local(
+        data_dir, meta["local_dirs"], lambda p: (p / pickle_name).exists() or c.is_hf_copy(p)
+    )
+    if local is not None and (local / pickle_name).exists():
+        images, labels = _read_pickle(local / pickle_name, label_key)
+        ds = _array_dataset(images, labels)
+        fingerprint = f"{name}/pickle/{c.files_fingerprint(local, [local / pickle_name])}"
+        source = str(local / pickle_name)
+    else:
+        if local is not None:
+            raw = c.load_hf_copy(local, split)
+            source = str(local)
+        else:
+            missing = c.unavailable_message(
+                name, meta, data_dir, f"{meta['local_dirs'][0]}/{pickle_name} (python pickle)"
+            )
+            raw = c.load_hub(meta["hub_id"], split, revision, missing)
+            source = f"hf:{meta['hub_id']}@{revision or 'cached'}"
+        ds = c.normalize(raw, meta["image_column"], meta["label_column"], "index")
+        fingerprint = f"{name}/{source}/{split}/{len(ds)}"
+    return DomainStream(
+        name=f"{name}-{split}",
+        classnames=list(meta["classnames"]),
+        templates=c.templates(tmpl or meta["templates"]),
+        dataset=ds,
+        fingerprint=fingerprint,
+        metadata={"source": source, "split": split},
+    )
+
+
+def cifar10(
+    *,
+    split: str = "test",
+    data_dir: str | None = None,
+    revision: str | None = None,
+    templates: str | Sequence[str] | None = None,
+) -> DomainStream:
+    """CIFAR-10 test split (10,000 images, 32 px) as a clean ``DomainStream``."""
+    return _clean("cifar10", split, data_dir, revision, templates)
+
+
+def cifar100(
+    *,
+    split: str = "test",
+    data_dir: str | None = None,
+    revision: str | None = None,
+    templates: str | Sequence[str] | None = None,
+) -> DomainStream:
+    """CIFAR-100 test split (10,000 images, 32 px, 100 fine classes), clean."""
+    return _clean("cifar100", split, data_dir, revision, templates)
+
+
+def _corrupted(
+    name: str, shift: str | None, severity: int | None, data_dir: Any, tmpl: Any
+) -> DomainStream:
+    meta = c.dataset_meta(name)
+    known = CORRUPTIONS + EXTRA_CORRUPTIONS
+    if shift not in known:
+        raise ValueError(f"{name}: unknown corruption {shift!r}; available: {', '.join(known)}")
+    if severity not in SEVERITIES:
+        raise ValueError(f"{name}: severity must be one of {SEVERITIES}, got {severity!r}")
+    local = c.find_local(data_dir, meta["local_dirs"], lambda p: (p / "labels.npy").exists())
+    if local is None or not (local / f"{shift}.npy").exists():
+        layout = f"{meta['local_dirs'][0]}/<corruption>.npy + labels.npy"
+        msg = c.unavailable_message(name, meta, data_dir, layout)
+        if local is not None:
+            msg = f"{name}: {local / (shift + '.npy')} is missing. " + msg
+        raise DataUnavailableError(msg)
+    images = np.load(local / f"{shift}.npy", mmap_mode="r")
+    labels = np.load(local / "labels.npy", mmap_mode="r")
+    if images.ndim != 4 or images.shape[3] != 3 or images.dtype != np.uint8:
+        raise ValueError(
+            f"{local / (shift + '.npy')}: expected uint8 [N, H, W, 3], "
+            f"got {images.dtype} {images.shape}"
+        )
+    if len(images) != len(labels) or len(images) % len(SEVERITIES):
+        raise ValueError(
+            f"{local}: {shift}.npy has {len(images)} rows and labels.npy {len(labels)}; both must "
+            f"be equal and hold {len(SEVERITIES)} severities (published: 50000 = 5 x 10000)"
+        )
+    per = len(images) // len(SEVERITIES)
+    if per != meta["rows_per_severity"]:
+        import warnings
+
+        warnings.warn(
+            f"{name}: {per} rows per severity, the published layout has "
+            f"{meta['rows_per_severity']}: a subset or a different release",
+            stacklevel=3,
+        )
+    rows = slice((severity - 1) * per, severity * per)
+    ds = _array_dataset(np.asarray(images[rows]), np.asarray(labels[rows]))
+    files = [local / f"{shift}.npy", local / "labels.npy"]
+    return DomainStream(
+        name=f"{name}/{shift}/{severity}",
+        classnames=list(meta["classnames"]),
+        templates=c.templates(tmpl or meta["templates"]),
+        dataset=ds,
+        fingerprint=f"{name}/{shift}/{severity}/{c.files_fingerprint(local, files)}",
+        metadata={"source": str(local), "rows": [rows.start, rows.stop]},
+    )
+
+
+def cifar10_c(
+    *,
+    shift: str,
+    severity: int,
+    data_dir: str | None = None,
+    templates: str | Sequence[str] | None = None,
+) -> DomainStream:
+    """One (corruption, severity) domain of the pre-generated CIFAR-10-C."""
+    return _corrupted("cifar10_c", shift, severity, data_dir, templates)
+
+
+def cifar100_c(
+    *,
+    shift: str,
+    severity: int,
+    data_dir: str | None = None,
+    templates: str | Sequence[str] | None = None,
+) -> DomainStream:
+    """One (corruption, severity) domain of the pre-generated CIFAR-100-C."""
+    return _corrupted("cifar100_c", shift, severity, data_dir, templates)

@@ -1,0 +1,314 @@
+"""ImageNet validation (clean, corrupted on the fly), the pre-generated ImageNet-C folder
+tree, and the natural-shift sets ImageNet-A, -R (200-class subsets), -V2 and -Sketch.
+
+Labels are indices into the domain's own class list: 0..999 in the canonical ImageNet
+order (sorted WordNet ids) for the 1000-class sets, and 0..199 in the sorted order of the
+subset's wnids for -A and -R, whose class names are the ImageNet names of those wnids
+(``imagenet_indices`` gives the 1000-class index of each). Local layouts:
+
+* validation: ``val/<wnid>/*.JPEG``;  ImageNet-C: ``<corruption>/<severity>/<wnid>/*.JPEG``
+  (224 px, never resized or cropped again);  -A / -R / -Sketch: ``<wnid>/*``;
+* -V2: ``imagenetv2-<variant>-format-val/<class index 0..999>/*.jpeg`` (folders are class
+  indices, not wnids: sorted as strings they would scramble the labels).
+"""
+
+from __future__ import annotations
+
+import hashlib
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from mura_plugin.datasets import _common as c
+from mura_plugin.datasets.cifar import CORRUPTIONS, EXTRA_CORRUPTIONS, SEVERITIES
+from tta_bench.data import DataUnavailableError, DomainStream
+
+__all__ = [
+    "imagenet",
+    "imagenet_c",
+    "imagenet_a",
+    "imagenet_r",
+    "imagenet_v2",
+    "imagenet_sketch",
+    "imagenet_ood",
+    "imagenet_indices",
+]
+
+NUM_CLASSES = 1000
+
+
+def imagenet_indices(name: str) -> list[int]:
+    """For each class of ``name`` (``imagenet_a`` / ``imagenet_r``), its ImageNet-1k index."""
+    pos = {w: i for i, w in enumerate(c.imagenet_wnids())}
+    return [pos[w] for w in c.dataset_meta(name)["wnids"]]
+
+
+def _per_class_pick(files: list[Path], wnid: str, per_class: int | None) -> list[Path]:
+    """A fixed, seeded choice of ``per_class`` files of one class, chosen by file name so
+    that every corruption and severity of ImageNet-C uses the same images."""
+    if per_class is None or per_class >= len(files):
+        return files
+    seed = int.from_bytes(hashlib.sha256(f"imagenet-subset/{wnid}".encode()).digest()[:8], "little")
+    order = np.random.default_rng(seed).permutation(len(files))[:per_class]
+    return [files[i] for i in sorted(order)]
+
+
+def _wnid_tree(
+    root: Path, wnids: Sequence[str], per_class: int | None = None
+) -> tuple[list[Path], list[int]]:
+    """Files of ``root/<wnid>/*`` with labels = position of the wnid in ``wnids``."""
+    pos = {w: i for i, w in enumerate(wnids)}
+    folders = c.class_folders(root)
+    unknown = [f for f in folders if f not in pos]
+    if unknown:
+        raise ValueError(
+            f"{root}: {len(unknown)} folder(s) are not classes of this dataset, e.g. "
+            f"{unknown[:5]}; expected WordNet ids such as {wnids[0]}"
+        )
+    files: list[Path] = []
+    labels: list[int] = []
+    for folder in folders:
+        chosen = _per_class_pick(c.list_images(root / folder), folder, per_class)
+        files += chosen
+        labels += [pos[folder]] * len(chosen)
+    if not files:
+        raise DataUnavailableError(f"{root}: no image files in <wnid>/ folders")
+    return files, labels
+
+
+def _has_wnid_folders(path: Path) -> bool:
+    wnids = set(c.imagenet_wnids())
+    folders = c.class_folders(path)
+    return bool(folders) and all(f in wnids for f in folders)
+
+
+def _per_class(subset: int | None) -> int | None:
+    if subset is None:
+        return None
+    if subset < NUM_CLASSES or subset % NUM_CLASSES:
+        raise ValueError(
+            f"subset must be a positive multiple of {NUM_CLASSES} (images per class x 1000), "
+            f"got {subset}"
+        )
+    return subset // NUM_CLASSES
+
+
+def _stream(
+    name: str,
+    meta: dict[str, Any],
+    ds: Any,
+    fingerprint: str,
+    tmpl: Any,
+    *,
+    native_size: int | None = None,
+    **metadata: Any,
+) -> DomainStream:
+    return DomainStream(
+        name=name,
+        classnames=list(meta["classnames"]),
+        templates=c.templates(tmpl or meta["templates"]),
+        dataset=ds,
+        fingerprint=fingerprint,
+        native_size=native_size,
+        metadata=metadata,
+    )
+
+
+def _hub_or_tree(
+    name: str,
+    data_dir: Any,
+    revision: str | None,
+    layout: str,
+    per_class: int | None = None,
+) -> tuple[Any, str, str]:
+    """(dataset, fingerprint, source) of a wnid-folder / HF-copy / hub-backed set."""
+    meta = c.dataset_meta(name)
+    wnids = meta["wnids"]
+    local = c.find_local(
+        data_dir, meta["local_dirs"], lambda p: _has_wnid_folders(p) or c.is_hf_copy(p)
+    )
+    if local is not None and not c.is_hf_copy(local):
+        files, labels = _wnid_tree(local, wnids, per_class)
+        fp = f"{name}/tree/{c.files_fingerprint(local, files)}"
+        return c.folder_dataset(files, labels), fp, str(local)
+    if per_class is not None:
+        raise ValueError(f"{name}: a per-class subset needs the local folder tree ({layout})")
+    if local is not None:
+        raw, source = c.load_hf_copy(local, meta.get("split")), str(local)
+    elif meta.get("hub_id"):
+        missing = c.unavailable_message(name, meta, data_dir, layout)
+        raw = c.load_hub(meta["hub_id"], meta["split"], revision, missing)
+        source = f"hf:{meta['hub_id']}@{revision or 'cached'}"
+    else:
+        raise DataUnavailableError(c.unavailable_message(name, meta, data_dir, layout))
+    ds = c.normalize(
+        raw,
+        meta.get("image_column", "image"),
+        meta.get("label_column", "label"),
+        meta.get("label_kind", "imagenet_index"),
+        wnids,
+    )
+    return ds, f"{name}/{source}/{meta.get('split')}/{len(ds)}", source
+
+
+def imagenet(
+    *,
+    split: str = "validation",
+    data_dir: str | None = None,
+    revision: str | None = None,
+    subset: int | None = None,
+    templates: str | Sequence[str] | None = None,
+) -> DomainStream:
+    """ImageNet-1k validation (50,000 images, 1000 classes), clean; ``subset`` = a fixed
+    stratified subset of that many images (a multiple of 1000; local folder tree only)."""
+    if split != "validation":
+        raise ValueError(f"imagenet: only the 'validation' split is a test domain; got {split!r}")
+    meta = c.dataset_meta("imagenet")
+    ds, fp, source = _hub_or_tree(
+        "imagenet", data_dir, revision, "val/<wnid>/*.JPEG", _per_class(subset)
+    )
+    return _stream(f"imagenet-{split}", meta, ds, f"{fp}/subset={subset}", templates, source=source)
+
+
+def imagenet_c(
+    *,
+    shift: str,
+    severity: int,
+    data_dir: str | None = None,
+    subset: int | None = None,
+    templates: str | Sequence[str] | None = None,
+) -> DomainStream:
+    """One (corruption, severity) domain of the pre-generated ImageNet-C (224 px).
+    ``subset``: a fixed stratified subset (5000 = 5 images per class, the same images in
+    every domain); ``None`` = all 50,000."""
+    meta = c.dataset_meta("imagenet_c")
+    known = CORRUPTIONS + EXTRA_CORRUPTIONS
+    if shift not in known:
+        raise ValueError(f"imagenet_c: unknown corruption {shift!r}; available: {', '.join(known)}")
+    if severity not in SEVERITIES:
+        raise ValueError(f"imagenet_c: severity must be one of {SEVERITIES}, got {severity!r}")
+    layout = "<corruption>/<severity>/<wnid>/*.JPEG"
+
+    def looks_like_c(p: Path) -> bool:
+        return any((p / k / "1").is_dir() or (p / k / "5").is_dir() for k in known)
+
+    local = c.find_local(data_dir, meta["local_dirs"], looks_like_c)
+    domain = local / shift / str(severity) if local is not None else None
+    if domain is None or not domain.is_dir():
+        msg = c.unavailable_message("imagenet_c", meta, data_dir, layout)
+        if local is not None:
+            msg = f"imagenet_c: {domain} is missing. " + msg
+        raise DataUnavailableError(msg)
+    files, labels = _wnid_tree(domain, meta["wnids"], _per_class(subset))
+    fp = f"imagenet_c/{shift}/{severity}/subset={subset}/{c.files_fingerprint(local, files)}"
+    return _stream(
+        f"imagenet_c/{shift}/{severity}",
+        meta,
+        c.folder_dataset(files, labels),
+        fp,
+        templates,
+        native_size=int(meta["native_size"]),
+        source=str(domain),
+    )
+
+
+def _subset_set(name: str, data_dir: Any, revision: str | None, tmpl: Any) -> DomainStream:
+    meta = c.dataset_meta(name)
+    ds, fp, source = _hub_or_tree(name, data_dir, revision, "<wnid>/*.jpg (200 class folders)")
+    return _stream(name, meta, ds, fp, tmpl, source=source, imagenet_indices=imagenet_indices(name))
+
+
+def imagenet_a(
+    *,
+    data_dir: str | None = None,
+    revision: str | None = None,
+    templates: str | Sequence[str] | None = None,
+) -> DomainStream:
+    """ImageNet-A: 7,500 natural adversarial images, 200 classes (labels 0..199)."""
+    return _subset_set("imagenet_a", data_dir, revision, templates)
+
+
+def imagenet_r(
+    *,
+    data_dir: str | None = None,
+    revision: str | None = None,
+    templates: str | Sequence[str] | None = None,
+) -> DomainStream:
+    """ImageNet-R: 30,000 renditions, 200 classes (labels 0..199)."""
+    return _subset_set("imagenet_r", data_dir, revision, templates)
+
+
+def imagenet_v2(
+    *,
+    variant: str = "matched-frequency",
+    data_dir: str | None = None,
+    templates: str | Sequence[str] | None = None,
+) -> DomainStream:
+    """ImageNetV2 (10,000 images, 1000 classes) in its published folder layout."""
+    meta = c.dataset_meta("imagenet_v2")
+    if variant not in meta["variants"]:
+        raise ValueError(
+            f"imagenet_v2: unknown variant {variant!r}; available: {', '.join(meta['variants'])}"
+        )
+    dirs = [d.format(variant=variant) for d in meta["local_dirs"]]
+    meta = {**meta, "local_dirs": dirs}
+
+    def index_folders(p: Path) -> bool:
+        folders = c.class_folders(p)
+        return bool(folders) and all(f.isdigit() and int(f) < NUM_CLASSES for f in folders)
+
+    local = c.find_local(data_dir, dirs, index_folders)
+    if local is None:
+        raise DataUnavailableError(
+            c.unavailable_message("imagenet_v2", meta, data_dir, "<class index 0..999>/*.jpeg")
+        )
+    files: list[Path] = []
+    labels: list[int] = []
+    for folder in sorted(c.class_folders(local), key=int):  # numeric order, not "10" < "2"
+        found = c.list_images(local / folder)
+        files += found
+        labels += [int(folder)] * len(found)
+    fp = f"imagenet_v2/{variant}/{c.files_fingerprint(local, files)}"
+    ds = c.folder_dataset(files, labels)
+    return _stream(f"imagenet_v2-{variant}", meta, ds, fp, templates, source=str(local))
+
+
+def imagenet_sketch(
+    *,
+    data_dir: str | None = None,
+    revision: str | None = None,
+    templates: str | Sequence[str] | None = None,
+) -> DomainStream:
+    """ImageNet-Sketch (50,889 sketches, 1000 classes)."""
+    meta = c.dataset_meta("imagenet_sketch")
+    ds, fp, source = _hub_or_tree("imagenet_sketch", data_dir, revision, "<wnid>/*.JPEG")
+    return _stream("imagenet_sketch", meta, ds, fp, templates, source=source)
+
+
+_OOD = {
+    "imagenet_a": imagenet_a,
+    "imagenet_v2": imagenet_v2,
+    "imagenet_r": imagenet_r,
+    "imagenet_sketch": imagenet_sketch,
+}
+
+
+def imagenet_ood(
+    *,
+    shift: str,
+    severity: int = 1,
+    data_dir: str | None = None,
+    templates: str | Sequence[str] | None = None,
+) -> DomainStream:
+    """One natural-shift domain (``shift`` = imagenet_a / imagenet_v2 / imagenet_r /
+    imagenet_sketch) for suites with ``shift_source: dataset``. These domains have a single
+    level, recorded as severity 1; any other severity is an error."""
+    if shift not in _OOD:
+        raise ValueError(f"imagenet_ood: unknown domain {shift!r}; available: {', '.join(_OOD)}")
+    if severity != 1:
+        raise ValueError(
+            f"imagenet_ood: natural-shift domains have one level (severity 1), got {severity}"
+        )
+    return _OOD[shift](data_dir=data_dir, templates=templates)

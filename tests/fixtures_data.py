@@ -1,0 +1,68 @@
+"""Tiny on-disk datasets in the published layouts, built inside tests (no downloads)."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from pathlib import Path
+
+import numpy as np
+
+CORRUPTIONS = (
+    "gaussian_noise",
+    "shot_noise",
+    "impulse_noise",
+    "defocus_blur",
+    "glass_blur",
+    "motion_blur",
+    "zoom_blur",
+    "snow",
+    "frost",
+    "fog",
+    "brightness",
+    "contrast",
+    "elastic_transform",
+    "pixelate",
+    "jpeg_compression",
+)
+
+
+def cifar_c(
+    root: Path, n: int = 6, corruptions: Sequence[str] = CORRUPTIONS, name: str = "CIFAR-10-C"
+) -> Path:
+    """``<root>/<name>/<corruption>.npy`` uint8 [5n, 32, 32, 3] and ``labels.npy`` [5n].
+    Every pixel of severity s, image i holds ``10 * s + i`` so row slicing is checkable."""
+    d = root / name
+    d.mkdir(parents=True, exist_ok=True)
+    labels = np.arange(n) % 10
+    for k, c in enumerate(corruptions):
+        arr = np.zeros((5 * n, 32, 32, 3), dtype=np.uint8)
+        for s in range(5):
+            for i in range(n):
+                arr[s * n + i] = 10 * (s + 1) + i + k
+        np.save(d / f"{c}.npy", arr)
+    np.save(d / "labels.npy", np.tile(labels, 5).astype(np.int64))
+    return d
+
+
+def jpeg(path: Path, size: tuple[int, int] = (40, 48), value: int = 128) -> Path:
+    """A solid-colour RGB JPEG of ``size`` (width, height)."""
+    from PIL import Image
+
+    path.parent.mkdir(parents=True, exist_ok=True)
+    Image.new("RGB", size, (value, 255 - value, value // 2)).save(path, quality=95)
+    return path
+
+
+def tree(
+    root: Path,
+    folders: Sequence[str],
+    per_folder: int = 2,
+    size: tuple[int, int] = (40, 48),
+    ext: str = ".JPEG",
+) -> list[Path]:
+    """``root/<folder>/img<i><ext>`` for each folder."""
+    out = []
+    for k, f in enumerate(folders):
+        for i in range(per_folder):
+            out.append(jpeg(root / f / f"img{i}{ext}", size, value=(40 * k + 10 * i) % 256))
+    return out

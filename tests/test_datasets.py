@@ -1,0 +1,299 @@
+"""Dataset factories on small local fixtures in the published layouts (offline), the
+ImageNet-A/-R class mapping, the decoded-image cache and the real-data suites via the CLI."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import fixtures_data as fx
+import numpy as np
+import pytest
+
+from tta_bench.data import BadImageError, DataUnavailableError, cache_path, decode
+from tta_bench.registry import registry
+
+
+@pytest.fixture(autouse=True)
+def offline(monkeypatch, tmp_path):
+    """Never touch the network; an empty HF datasets cache."""
+    import datasets
+    import huggingface_hub.constants as hc
+
+    monkeypatch.setenv("HF_DATASETS_OFFLINE", "1")
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(datasets.config, "HF_HUB_OFFLINE", True, raising=False)
+    monkeypatch.setattr(hc, "HF_HUB_OFFLINE", True, raising=False)
+    monkeypatch.setenv("HF_DATASETS_CACHE", str(tmp_path / "hf-cache"))
+
+
+def factory(name):
+    return registry("datasets").get(name)
+
+
+# -- CIFAR ---------------------------------------------------------------------------------
+def test_cifar10_c_rows_of_a_severity(tmp_path, tmp_cache):
+    fx.cifar_c(tmp_path, n=6)
+    with pytest.warns(UserWarning, match="rows per severity"):
+        s = factory("cifar10_c")(shift="fog", severity=3, data_dir=str(tmp_path))
+    assert len(s) == 6 and s.classnames[0] == "airplane" and s.templates == ["a photo of a {}."]
+    assert s.labels.tolist() == [0, 1, 2, 3, 4, 5]
+    k = fx.CORRUPTIONS.index("fog")
+    dec = decode(s, 32)
+    assert dec.images[:, 0, 0, 0].tolist() == [30 + i + k for i in range(6)]  # severity 3 rows
+    assert not (tmp_cache / "decoded").exists() or not any((tmp_cache / "decoded").iterdir())
+    with pytest.warns(UserWarning):
+        s5 = factory("cifar10_c")(shift="fog", severity=5, data_dir=str(tmp_path / "CIFAR-10-C"))
+    assert decode(s5, 32).images[0, 0, 0, 0] == 50 + k
+    assert s5.fingerprint != s.fingerprint
+
+
+def test_cifar_c_errors_say_what_to_download(tmp_path, tmp_cache):
+    with pytest.raises(DataUnavailableError, match=r"zenodo.org/records/2535967.*--data-dir"):
+        factory("cifar10_c")(shift="fog", severity=5, data_dir=str(tmp_path))
+    with pytest.raises(DataUnavailableError, match="3555552"):
+        factory("cifar100_c")(shift="fog", severity=5)
+    fx.cifar_c(tmp_path, n=2, corruptions=["fog"])
+    with pytest.raises(DataUnavailableError, match="snow.npy is missing"):
+        factory("cifar10_c")(shift="snow", severity=5, data_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="unknown corruption 'fgo'.*gaussian_noise"):
+        factory("cifar10_c")(shift="fgo", severity=5, data_dir=str(tmp_path))
+    assert not (tmp_cache / "decoded").exists()
+
+
+def test_cifar10_clean_from_pickle_and_missing_hub(tmp_path):
+    import pickle
+
+    d = tmp_path / "cifar-10-batches-py"
+    d.mkdir()
+    data = np.arange(4 * 3072, dtype=np.int64).reshape(4, 3072) % 256
+    with open(d / "test_batch", "wb") as fh:
+        pickle.dump({b"data": data.astype(np.uint8), b"labels": [3, 1, 4, 1]}, fh)
+    s = factory("cifar10")(data_dir=str(tmp_path))
+    assert s.labels.tolist() == [3, 1, 4, 1] and len(s.classnames) == 10
+    img = decode(s, 32, use_cache=False).images
+    assert img[0, 0, 0].tolist() == [0, 1024 % 256, 2048 % 256]  # CHW pickle -> HWC
+    with pytest.raises(DataUnavailableError, match="uoft-cs/cifar100.*--data-dir"):
+        factory("cifar100")()
+
+
+# -- ImageNet family -----------------------------------------------------------------------
+def test_imagenet_a_and_r_class_mapping(tmp_path):
+    from mura_plugin.datasets.imagenet import imagenet_indices
+    from tta_bench.catalog import entry
+
+    wnids = entry("datasets", "imagenet")["wnids"]
+    names = entry("datasets", "imagenet")["classnames"]
+    assert len(wnids) == len(set(wnids)) == 1000 and len(names) == 1000 and wnids == sorted(wnids)
+    assert (wnids[1], names[1]) == ("n01443537", "goldfish")
+    assert (wnids[94], names[94]) == ("n01833805", "hummingbird")
+    for sub in ("imagenet_a", "imagenet_r"):
+        w = entry("datasets", sub)["wnids"]
+        assert len(w) == len(set(w)) == 200 and set(w) <= set(wnids) and w == sorted(w)
+    # The published index lists shipped with timm (independent of our catalogue).
+    import timm
+
+    info = os.path.join(os.path.dirname(timm.__file__), "data", "_info")
+    for sub, fname in (
+        ("imagenet_a", "imagenet_a_indices.txt"),
+        ("imagenet_r", "imagenet_r_indices.txt"),
+    ):
+        with open(os.path.join(info, fname)) as fh:
+            assert imagenet_indices(sub) == [int(x) for x in fh.read().split()]
+
+    fx.tree(tmp_path / "imagenet-r", ["n01443537", "n01833805", "n02123045"], per_folder=1)
+    fx.tree(tmp_path / "imagenet-a", ["n01498041", "n01531178"], per_folder=1, ext=".jpg")
+    r = factory("imagenet_r")(data_dir=str(tmp_path))
+    a = factory("imagenet_a")(data_dir=str(tmp_path))
+    assert len(r.classnames) == len(a.classnames) == 200
+    assert [r.classnames[y] for y in r.labels] == ["goldfish", "hummingbird", "tabby cat"]
+    assert [r.metadata["imagenet_indices"][y] for y in r.labels] == [1, 94, 281]
+    assert [a.classnames[y] for y in a.labels] == ["stingray", "goldfinch"]
+    assert [a.metadata["imagenet_indices"][y] for y in a.labels] == [6, 11]
+    assert decode(a, 224, use_cache=False).images.shape == (2, 224, 224, 3)
+
+
+def test_imagenet_r_local_hf_copy_with_wnid_labels(tmp_path):
+    import datasets
+
+    files = fx.tree(tmp_path / "src", ["n01443537", "n01833805"], per_folder=1)
+    ds = datasets.Dataset.from_dict(
+        {
+            "image": [str(f) for f in files],
+            "wnid": ["n01833805", "n01443537"],
+            "class_name": ["x", "y"],
+        },
+        features=datasets.Features(
+            {
+                "image": datasets.Image(),
+                "wnid": datasets.Value("string"),
+                "class_name": datasets.Value("string"),
+            }
+        ),
+    )
+    ds.save_to_disk(str(tmp_path / "imagenet-r"))
+    r = factory("imagenet_r")(data_dir=str(tmp_path))
+    assert r.dataset.column_names == ["image", "label"]
+    assert [r.classnames[y] for y in r.labels] == ["hummingbird", "goldfish"]
+
+
+def test_imagenet_c_tree_subset_and_native_size(tmp_path):
+    import datasets
+
+    root = tmp_path / "imagenet-c"
+    for c in ("fog", "snow"):
+        fx.tree(root / c / "5", ["n01440764", "n01443537"], per_folder=4, size=(224, 224))
+    with pytest.raises(ValueError, match="multiple of 1000"):
+        factory("imagenet_c")(shift="fog", severity=5, data_dir=str(tmp_path), subset=500)
+    fog = factory("imagenet_c")(shift="fog", severity=5, data_dir=str(tmp_path), subset=2000)
+    snow = factory("imagenet_c")(shift="snow", severity=5, data_dir=str(tmp_path), subset=2000)
+    assert fog.native_size == 224 and len(fog) == 4 and fog.labels.tolist() == [0, 0, 1, 1]
+
+    def names(s):
+        raw = s.dataset.cast_column("image", datasets.Image(decode=False))["image"]
+        return [os.path.basename(p["path"]) for p in raw]
+
+    assert names(fog) == names(snow)  # the same images in every domain
+    full = factory("imagenet_c")(shift="fog", severity=5, data_dir=str(tmp_path))
+    assert len(full) == 8 and full.fingerprint != fog.fingerprint
+    assert decode(full, 224, use_cache=False).images.shape == (8, 224, 224, 3)
+    with pytest.raises(ValueError, match="must not be resized"):
+        decode(full, 32)
+    with pytest.raises(DataUnavailableError, match="imagenet-c/fog/3 is missing"):
+        factory("imagenet_c")(shift="fog", severity=3, data_dir=str(tmp_path))
+    with pytest.raises(DataUnavailableError, match="2235448"):
+        factory("imagenet_c")(shift="fog", severity=5)
+
+
+def test_imagenet_v2_numeric_folders_and_sketch(tmp_path):
+    v2 = tmp_path / "imagenetv2-matched-frequency-format-val"
+    fx.tree(v2, ["0", "2", "10"], per_folder=1, ext=".jpeg")
+    s = factory("imagenet_v2")(data_dir=str(tmp_path))
+    assert s.labels.tolist() == [0, 2, 10] and len(s.classnames) == 1000  # not "10" < "2"
+    with pytest.raises(ValueError, match="unknown variant"):
+        factory("imagenet_v2")(variant="matched", data_dir=str(tmp_path))
+    fx.tree(tmp_path / "sketch", ["n01440764", "n15075141"], per_folder=1)
+    sk = factory("imagenet_sketch")(data_dir=str(tmp_path))
+    assert sk.labels.tolist() == [0, 999] and sk.classnames[999] == "toilet paper"
+    with pytest.raises(DataUnavailableError, match="songweig/imagenet_sketch"):
+        factory("imagenet_sketch")()
+    ood = factory("imagenet_ood")(shift="imagenet_v2", severity=1, data_dir=str(tmp_path))
+    assert ood.labels.tolist() == [0, 2, 10]
+    with pytest.raises(ValueError, match="one level"):
+        factory("imagenet_ood")(shift="imagenet_v2", severity=2, data_dir=str(tmp_path))
+
+
+def test_templates_in_catalogue():
+    from tta_bench.catalog import catalog
+
+    t = catalog()["templates"]
+    assert len(t["clip-imagenet-80"]["templates"]) == 80 and t["simple"]["templates"] == [
+        "a photo of a {}."
+    ]
+    assert all(x.count("{}") == 1 for x in t["clip-imagenet-80"]["templates"])
+    assert (
+        len(factory("cifar100_c").__module__)
+        and len(
+            set(
+                __import__("tta_bench.catalog", fromlist=["entry"]).entry("datasets", "cifar100")[
+                    "classnames"
+                ]
+            )
+        )
+        == 100
+    )
+
+
+# -- any local dataset ---------------------------------------------------------------------
+def test_imagefolder_and_parquet(tmp_path):
+    import datasets
+
+    fx.tree(tmp_path / "folder", ["cat", "dog"], per_folder=2, ext=".png")
+    s = factory("imagefolder")(data_dir=str(tmp_path / "folder"), classnames=["a cat", "a dog"])
+    assert s.labels.tolist() == [0, 0, 1, 1] and s.classnames == ["a cat", "a dog"]
+    with pytest.raises(ValueError, match="1 class names for 2 folders"):
+        factory("imagefolder")(data_dir=str(tmp_path / "folder"), classnames=["x"])
+    files = fx.tree(tmp_path / "pq-src", ["a", "b"], per_folder=1)
+    ds = datasets.Dataset.from_dict(
+        {"img": [{"bytes": f.read_bytes(), "path": None} for f in files], "y": [1, 0]},
+        features=datasets.Features({"img": datasets.Image(), "y": datasets.Value("int64")}),
+    )
+    (tmp_path / "pq").mkdir()
+    ds.to_parquet(str(tmp_path / "pq" / "test.parquet"))
+    p = factory("parquet")(
+        data_dir=str(tmp_path / "pq"), classnames=["x", "y"], image_column="img", label_column="y"
+    )
+    assert p.labels.tolist() == [1, 0]
+    assert decode(p, 32, use_cache=False).images.shape == (2, 32, 32, 3)
+
+
+# -- the decoded-image cache ---------------------------------------------------------------
+def test_decode_cache_reuse_and_bad_images(tmp_path, tmp_cache):
+    files = fx.tree(tmp_path / "f", ["a", "b"], per_folder=3)
+    s = factory("imagefolder")(data_dir=str(tmp_path / "f"))
+    first = decode(s, 24, workers=2)
+    assert not first.from_cache and cache_path(s, 24).exists()
+    again = decode(s, 24)
+    assert again.from_cache and np.array_equal(np.asarray(again.images), np.asarray(first.images))
+    assert not cache_path(s, 32).exists()
+    # a truncated JPEG: named by index and path; nothing half-written in the cache
+    bad = files[4]
+    bad.write_bytes(bad.read_bytes()[:200])
+    s2 = factory("imagefolder")(data_dir=str(tmp_path / "f"))
+    assert s2.fingerprint != s.fingerprint  # the file changed: a new cache entry
+    with pytest.raises(BadImageError, match=r"index 4 \(.*img1.JPEG\)"):
+        decode(s2, 24)
+    assert not cache_path(s2, 24).exists()
+    assert not [p for p in (tmp_cache / "decoded").iterdir() if p.name.endswith(".tmp")]
+    skipped = decode(s2, 24, on_bad_image="skip")
+    assert skipped.skipped == [4] and skipped.bad[0]["path"].endswith("img1.JPEG")
+    assert not np.asarray(skipped.images[4]).any()
+    with pytest.raises(BadImageError):  # a cache made under "skip" still fails by default
+        decode(s2, 24)
+    assert decode(s2, 24, on_bad_image="skip").from_cache
+
+
+# -- suites through the CLI ----------------------------------------------------------------
+def test_suites_pinned():
+    from tta_bench.protocol import load_protocol
+
+    for name in ("cifar10-c", "cifar100-c", "imagenet-c-5k", "imagenet-c-50k"):
+        p = load_protocol(name)
+        assert p.shifts == fx.CORRUPTIONS and p.severities == (5,) and p.shift_source == "dataset"
+    assert load_protocol("cifar10-c").batch_size == 200
+    assert load_protocol("imagenet-c-5k").dataset_args["subset"] == 5000
+    assert (
+        load_protocol("imagenet-c-5k").batch_size
+        == load_protocol("imagenet-c-50k").batch_size
+        == 64
+    )
+    ood = load_protocol("imagenet-ood")
+    assert ood.shifts == ("imagenet_a", "imagenet_v2", "imagenet_r", "imagenet_sketch")
+
+
+def test_cli_cifar10_c_on_fixture_and_missing_data(tmp_path, tmp_cache, monkeypatch):
+    from tta_bench.cli import main
+
+    fx.cifar_c(tmp_path / "data", n=4)
+    out = tmp_path / "r.json"
+    common = [
+        "run",
+        "--method",
+        "zeroshot",
+        "--suite",
+        "cifar10-c",
+        "--model",
+        "openclip",
+        "--quiet",
+    ]
+    args = ["model.arch=ViT-S-32", "model.image_size=32", "device=cpu"]
+    rc = main([*common, "--data-dir", str(tmp_path / "data"), "--output", str(out), *args])
+    assert rc == 0
+    record = json.loads(out.read_text())
+    assert [c["shift"] for c in record["cells"]] == list(fx.CORRUPTIONS)
+    assert all(c["n"] == 4 and c["severity"] == 5 for c in record["cells"])
+    assert record["skipped_images"] == {}
+    missing = tmp_path / "missing.json"
+    (tmp_path / "empty").mkdir()
+    rc = main([*common, "--data-dir", str(tmp_path / "empty"), "--output", str(missing), *args])
+    assert rc == 2 and not missing.exists()
