@@ -1,0 +1,179 @@
+"""Batched linear-filter building blocks shared by the shift kernels.
+
+Everything here is device-agnostic torch on ``[B, C, H, W]`` float batches. Separable
+filters are applied as two dense matrix products (``M_h @ X @ M_w^T``): the boundary rule is
+folded into the matrices, so the cost does not grow with the filter's width and big blurs
+stay cheap. Non-separable kernels (disks, motion lines) use FFT convolution after padding.
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+import torch.nn.functional as F
+
+__all__ = [
+    "fold_index",
+    "gaussian_matrix",
+    "apply_separable",
+    "gaussian_filter",
+    "fft_correlate",
+    "zoom_axis",
+    "clipped_zoom",
+    "rgb_to_gray",
+]
+
+BOUNDARY_MODES = ("nearest", "reflect", "reflect101")
+
+
+def fold_index(idx: torch.Tensor, n: int, mode: str) -> torch.Tensor:
+    """Map out-of-range integer indices into ``0..n-1``.
+
+    ``nearest`` replicates the edge; ``reflect`` is scipy's half-sample mirror
+    (``d c b a | a b c d``); ``reflect101`` is OpenCV's default (``d c b | a b c d``).
+    Any distance from the image is handled (the mirror is periodic).
+    """
+    if mode == "nearest":
+        return idx.clamp(0, n - 1)
+    if n == 1:
+        return torch.zeros_like(idx)
+    if mode == "reflect":
+        period = 2 * n
+        r = idx.remainder(period)
+        return torch.where(r < n, r, period - 1 - r)
+    if mode == "reflect101":
+        period = 2 * n - 2
+        r = idx.remainder(period)
+        return torch.where(r < n, r, period - r)
+    raise ValueError(f"unknown boundary mode {mode!r}; expected one of {BOUNDARY_MODES}")
+
+
+def _filter_matrix(n: int, weights: torch.Tensor, mode: str) -> torch.Tensor:
+    """``[n, n]`` matrix applying the centred 1-D correlation ``weights`` with a boundary."""
+    radius = (weights.numel() - 1) // 2
+    rows = torch.arange(n, device=weights.device).repeat_interleave(weights.numel())
+    taps = torch.arange(-radius, radius + 1, device=weights.device).repeat(n)
+    cols = fold_index(rows + taps, n, mode)
+    mat = torch.zeros(n * n, dtype=weights.dtype, device=weights.device)
+    mat.index_add_(0, rows * n + cols, weights.repeat(n))
+    return mat.view(n, n)
+
+
+def gaussian_weights(
+    sigma: float, truncate: float, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:
+    """scipy.ndimage's normalised Gaussian taps (radius ``int(truncate * sigma + 0.5)``)."""
+    radius = int(truncate * sigma + 0.5)
+    x = torch.arange(-radius, radius + 1, device=device, dtype=torch.float64)
+    w = torch.exp(-0.5 * (x / sigma) ** 2)
+    return (w / w.sum()).to(dtype)
+
+
+def gaussian_matrix(
+    n: int,
+    sigma: float,
+    *,
+    truncate: float = 4.0,
+    mode: str = "nearest",
+    device: torch.device | str = "cpu",
+    dtype: torch.dtype = torch.float32,
+) -> torch.Tensor:
+    """``[n, n]`` matrix of a 1-D Gaussian filter (scipy ``gaussian_filter1d`` semantics)."""
+    if sigma <= 0:
+        return torch.eye(n, device=device, dtype=dtype)
+    w = gaussian_weights(sigma, truncate, torch.device(device), torch.float64)
+    return _filter_matrix(n, w, mode).to(dtype)
+
+
+def apply_separable(images: torch.Tensor, mh: torch.Tensor, mw: torch.Tensor) -> torch.Tensor:
+    """``mh @ X @ mw^T`` over the last two dims of ``images [..., H, W]``."""
+    out = torch.matmul(images, mw.t())
+    return torch.matmul(mh, out)
+
+
+def gaussian_filter(
+    images: torch.Tensor, sigma: float, *, truncate: float = 4.0, mode: str = "nearest"
+) -> torch.Tensor:
+    """Isotropic Gaussian blur of ``images [..., H, W]`` (skimage ``gaussian`` per channel)."""
+    h, w = images.shape[-2:]
+    kw = {"truncate": truncate, "mode": mode, "device": images.device, "dtype": images.dtype}
+    mh = gaussian_matrix(h, sigma, **kw)
+    mw = mh if w == h else gaussian_matrix(w, sigma, **kw)
+    return apply_separable(images, mh, mw)
+
+
+def fft_correlate(images: torch.Tensor, kernels: torch.Tensor, mode: str) -> torch.Tensor:
+    """Correlate ``images [B, C, H, W]`` with centred ``kernels [B or 1, kh, kw]`` (odd sides).
+
+    Pads by the kernel radius with ``mode`` (``replicate`` or ``reflect`` = OpenCV's
+    reflect-101) so the circular FFT product equals the bounded correlation inside the
+    image; one FFT per image, one per distinct kernel.
+    """
+    b, c, h, w = images.shape
+    kh, kw = kernels.shape[-2:]
+    ry, rx = kh // 2, kw // 2
+    if mode == "reflect" and (ry >= h or rx >= w):
+        # torch's reflect padding needs pad < size; fold indices ourselves instead.
+        iy = fold_index(torch.arange(-ry, h + ry, device=images.device), h, "reflect101")
+        ix = fold_index(torch.arange(-rx, w + rx, device=images.device), w, "reflect101")
+        padded = images[:, :, iy][:, :, :, ix]
+    else:
+        padded = F.pad(images, (rx, rx, ry, ry), mode=mode)
+    ph, pw = padded.shape[-2:]
+    # Correlation = convolution with the flipped kernel; put the kernel centre at (0, 0).
+    flipped = torch.flip(kernels, dims=(-2, -1)).to(images.dtype)
+    kpad = torch.zeros(kernels.shape[0], ph, pw, device=images.device, dtype=images.dtype)
+    kpad[:, :kh, :kw] = flipped
+    kpad = torch.roll(kpad, shifts=(-ry, -rx), dims=(-2, -1))
+    spec = torch.fft.rfft2(padded) * torch.fft.rfft2(kpad)[:, None]
+    out = torch.fft.irfft2(spec, s=(ph, pw))
+    return out[:, :, ry : ry + h, rx : rx + w]
+
+
+def zoom_axis(n: int, factor: float, device: torch.device) -> tuple[torch.Tensor, ...]:
+    """Linear-interpolation taps of ImageNet-C's ``clipped_zoom`` along one axis of length n.
+
+    The centre ``ceil(n / factor)`` pixels are zoomed by scipy.ndimage.zoom (order 1, corner
+    aligned: output o samples input ``o * (m - 1) / (M - 1)``) to ``M = round(m * factor)``
+    pixels and the centre ``n`` are kept. Returns ``(i0, i1, w1)`` with
+    ``out[o] = (1 - w1[o]) * x[i0[o]] + w1[o] * x[i1[o]]``.
+    """
+    m = int(math.ceil(n / factor))
+    top = (n - m) // 2
+    big = int(round(m * factor))
+    trim = (big - n) // 2
+    o = torch.arange(n, device=device, dtype=torch.float64) + trim
+    pos = o * ((m - 1) / (big - 1)) if big > 1 else torch.zeros_like(o)
+    i0 = pos.floor().clamp(0, m - 1)
+    w1 = pos - i0
+    i1 = (i0 + 1).clamp(max=m - 1)
+    return (i0.long() + top, i1.long() + top, w1)
+
+
+def clipped_zoom(images: torch.Tensor, factor: float) -> torch.Tensor:
+    """ImageNet-C's ``clipped_zoom`` of ``images [..., H, W]`` (centre crop, zoom, trim)."""
+    h, w = images.shape[-2:]
+    if images.dim() == 4 and factor >= 1.0:
+        # Fast path: scipy's order-1 zoom is bilinear with corners aligned.
+        mh, mw = int(math.ceil(h / factor)), int(math.ceil(w / factor))
+        top, left = (h - mh) // 2, (w - mw) // 2
+        bh, bw = int(round(mh * factor)), int(round(mw * factor))
+        crop = images[..., top : top + mh, left : left + mw]
+        big = F.interpolate(crop, size=(bh, bw), mode="bilinear", align_corners=True)
+        th, tw = (bh - h) // 2, (bw - w) // 2
+        return big[..., th : th + h, tw : tw + w]
+    y0, y1, wy = zoom_axis(h, factor, images.device)
+    x0, x1, wx = zoom_axis(w, factor, images.device)
+    wy = wy.to(images.dtype)[:, None]
+    wx = wx.to(images.dtype)
+    rows = images.index_select(-2, y0) * (1 - wy) + images.index_select(-2, y1) * wy
+    return rows.index_select(-1, x0) * (1 - wx) + rows.index_select(-1, x1) * wx
+
+
+def rgb_to_gray(images: torch.Tensor) -> torch.Tensor:
+    """ITU-R 601 luma (OpenCV's RGB2GRAY), ``[B, 1, H, W]``; 1-channel input passes through."""
+    if images.shape[1] == 1:
+        return images
+    r, g, b = images[:, 0:1], images[:, 1:2], images[:, 2:3]
+    return 0.299 * r + 0.587 * g + 0.114 * b
