@@ -5,8 +5,12 @@
   projections are not modules) by an equivalent module with ``q_proj / k_proj / v_proj /
   out_proj`` linears, so adapters can sit beside each projection.
 * ``MultiRankLinear`` wraps a frozen ``nn.Linear`` with K low-rank components of possibly
-  different ranks, mixed by global (softmax) or per-token (router) weights. With one
-  component and fixed weight 1 it is plain LoRA.
+  different ranks, mixed by global (softmax) weights or per-token weights from its own
+  router. With one component and weight 1 it is plain LoRA. It can adapt a subset of the
+  output rows only (the q and v slices of a fused timm ``qkv``).
+* ``attach_adapters`` places them by name patterns, matched against each linear's name
+  inside its block *and* a role alias shared by open_clip and timm (``attn.q``, ``attn.k``,
+  ``attn.v``, ``attn.out``, ``mlp.in``, ``mlp.out``), so one target list fits both.
 """
 
 from __future__ import annotations
@@ -20,12 +24,29 @@ import torch.nn.functional as F
 from torch import nn
 
 __all__ = [
+    "INITS",
+    "ROLE_ALIASES",
     "MultiRankLinear",
     "SplitAttention",
     "vision_blocks",
     "split_attention",
     "attach_adapters",
 ]
+
+INITS = ("zero", "svd")
+
+#: Projection names of open_clip (after ``split_attention``) and timm blocks -> role.
+ROLE_ALIASES = {
+    "attn.q_proj": "attn.q",
+    "attn.k_proj": "attn.k",
+    "attn.v_proj": "attn.v",
+    "attn.out_proj": "attn.out",
+    "attn.proj": "attn.out",
+    "mlp.c_fc": "mlp.in",
+    "mlp.fc1": "mlp.in",
+    "mlp.c_proj": "mlp.out",
+    "mlp.fc2": "mlp.out",
+}
 
 
 class SplitAttention(nn.Module):
@@ -104,14 +125,30 @@ def split_attention(block: nn.Module) -> None:
 
 
 class MultiRankLinear(nn.Module):
-    """``y = W x + b + sum_k w_k(x) * s_k * B_k A_k x`` beside a frozen linear layer.
+    """``y = W' x + b + P(sum_k w_k(x) * s_k * B_k A_k x)`` beside a frozen linear layer.
 
-    ``A_k: [r_k, in]``, ``B_k: [out, r_k]``, ``s_k = alpha / r_k``. All components are
-    computed with one matmul into the concatenated rank space. Mixing weights ``w`` are
-    set by the owner through ``set_weights``: ``[K]`` (global) or ``[..., K]`` (per token).
+    ``A_k: [r_k, in]``, ``B_k: [out', r_k]``, ``s_k = alpha / r_k``; all components share one
+    matmul into the concatenated rank space (``lora_A: [R, in]``, ``lora_B: [out', R]``,
+    ``R = sum r_k``). ``P`` scatters the ``out'`` adapted rows into the output (identity
+    unless ``out_index`` restricts the adapter to some rows, e.g. the q and v slices of a
+    fused qkv). ``W'`` is the frozen weight, or after ``init_svd`` the frozen weight minus
+    the initial adapter product (kept as the buffer ``frozen_weight``; the wrapped layer's
+    own weight is never modified).
+
+    Mixing weights ``w``: with ``router=True`` a zero-initialised ``nn.Linear(in, K)`` on each
+    token's input gives per-token softmax weights (uniform at initialisation); otherwise
+    the owner sets global weights ``[K]`` with ``set_weights`` (None means 1 for each).
     """
 
-    def __init__(self, base: nn.Linear, ranks: Sequence[int], alpha: float):
+    def __init__(
+        self,
+        base: nn.Linear,
+        ranks: Sequence[int],
+        alpha: float,
+        *,
+        out_index: torch.Tensor | None = None,
+        router: bool = False,
+    ):
         super().__init__()
         if not ranks or any(int(r) < 1 for r in ranks):
             raise ValueError(f"ranks must be positive integers, got {list(ranks)}")
@@ -121,8 +158,9 @@ class MultiRankLinear(nn.Module):
         self.ranks = [int(r) for r in ranks]
         total = sum(self.ranks)
         dev, dt = base.weight.device, base.weight.dtype
+        n_out = base.out_features if out_index is None else int(out_index.numel())
         self.lora_A = nn.Parameter(torch.zeros(total, base.in_features, device=dev, dtype=dt))
-        self.lora_B = nn.Parameter(torch.zeros(base.out_features, total, device=dev, dtype=dt))
+        self.lora_B = nn.Parameter(torch.zeros(n_out, total, device=dev, dtype=dt))
         scales = torch.cat([torch.full((r,), alpha / r) for r in self.ranks])
         self.register_buffer("rank_scale", scales.to(dev, dt))
         self.register_buffer(
@@ -131,7 +169,18 @@ class MultiRankLinear(nn.Module):
                 dev
             ),
         )
-        self.weights: torch.Tensor | None = None  # set per forward by the fusion module
+        self.register_buffer(
+            "out_index", None if out_index is None else out_index.to(dev, torch.long)
+        )
+        self.register_buffer("frozen_weight", None)
+        self.router = (
+            nn.Linear(base.in_features, len(self.ranks), device=dev, dtype=dt) if router else None
+        )
+        if self.router is not None:
+            with torch.no_grad():  # uniform weights at initialisation
+                self.router.weight.zero_()
+                self.router.bias.zero_()
+        self.weights: torch.Tensor | None = None  # global weights [K], set by the owner
         self.init_zero()
 
     @property
@@ -142,45 +191,162 @@ class MultiRankLinear(nn.Module):
     def out_features(self) -> int:
         return self.base.out_features
 
+    def adapter_parameters(self) -> list[nn.Parameter]:
+        return [self.lora_A, self.lora_B]
+
+    def router_parameters(self) -> list[nn.Parameter]:
+        return [] if self.router is None else list(self.router.parameters())
+
     def init_zero(self) -> None:
         """LoRA init: A ~ kaiming-uniform, B = 0, so the layer starts exactly at the source."""
         with torch.no_grad():
             nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
             self.lora_B.zero_()
+        self.frozen_weight = None
+
+    def init_svd(self, init_weights: torch.Tensor | None = None) -> None:
+        """Rank-specific orthogonal init from the frozen weight's SVD ``W = U S V^T``.
+
+        Component k takes its own consecutive slice of singular triplets (component 0 the
+        top ``r_0``, component 1 the next ``r_1``, ...), split symmetrically:
+        ``B_k = U_k sqrt(S_k) / sqrt(c_k)``, ``A_k = sqrt(S_k) V_k^T / sqrt(c_k)`` with
+        ``c_k = w_k * s_k`` the component's initial mixing weight times its scale, so its
+        initial contribution is exactly ``U_k S_k V_k^T``. The frozen path uses
+        ``W - sum_k U_k S_k V_k^T`` (computed in float64): the layer starts at the source.
+        ``init_weights`` [K]: the mixing weights at initialisation (1 each if None; a router
+        starts uniform, 1/K).
+        """
+        k = len(self.ranks)
+        if init_weights is None:
+            init_weights = torch.full((k,), 1.0 / k if self.router is not None else 1.0)
+        init_weights = init_weights.detach().double().cpu()
+        if init_weights.shape != (k,) or bool((init_weights <= 0).any()):
+            raise ValueError(f"init_weights must be {k} positive values, got {init_weights}")
+        weight = self.base.weight.detach().double()
+        rows = weight if self.out_index is None else weight.index_select(0, self.out_index)
+        total = sum(self.ranks)
+        if total > min(rows.shape):
+            raise ValueError(
+                f"svd init needs sum(ranks)={total} <= min{tuple(rows.shape)} of the weight"
+            )
+        u, s, vh = torch.linalg.svd(rows, full_matrices=False)
+        a = torch.empty(total, rows.shape[1], dtype=torch.float64, device=rows.device)
+        b = torch.empty(rows.shape[0], total, dtype=torch.float64, device=rows.device)
+        start = 0
+        for comp, r in enumerate(self.ranks):
+            sl = slice(start, start + r)
+            c = float(init_weights[comp]) * float(self.rank_scale[start])
+            root = s[sl].sqrt() / math.sqrt(c)
+            a[sl] = root[:, None] * vh[sl]
+            b[:, sl] = u[:, sl] * root[None, :]
+            start += r
+        principal = (u[:, :total] * s[:total]) @ vh[:total]  # sum of the initial products
+        frozen = weight.clone()
+        if self.out_index is None:
+            frozen -= principal
+        else:
+            frozen.index_add_(0, self.out_index, -principal)
+        with torch.no_grad():
+            self.lora_A.copy_(a.to(self.lora_A.dtype))
+            self.lora_B.copy_(b.to(self.lora_B.dtype))
+        self.frozen_weight = frozen.to(self.base.weight.dtype)
 
     def set_weights(self, weights: torch.Tensor | None) -> None:
         self.weights = weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        h = F.linear(x, self.lora_A) * self.rank_scale
-        if self.weights is not None:
-            w = self.weights
-            # [K] global or [..., K] per token -> one weight per rank dimension
-            h = h * w.index_select(-1, self.component_index).to(h.dtype)
-        return self.base(x) + F.linear(h, self.lora_B)
+        if self.frozen_weight is None:
+            y = self.base(x)
+        else:
+            y = F.linear(x, self.frozen_weight, self.base.bias)
+        h = F.linear(x, self.lora_A)
+        if self.router is not None:
+            w = self.router(x).float().softmax(dim=-1)  # [..., K] per token
+            scale = w.index_select(-1, self.component_index) * self.rank_scale
+        elif self.weights is not None:
+            scale = self.weights.index_select(0, self.component_index) * self.rank_scale
+        else:
+            scale = self.rank_scale
+        delta = F.linear(h * scale.to(h.dtype), self.lora_B)
+        if self.out_index is None:
+            return y + delta.to(y.dtype)
+        return y.index_add(-1, self.out_index, delta.to(y.dtype))
+
+
+def _matches(names: Sequence[str], targets: Sequence[str]) -> bool:
+    return any(fnmatch.fnmatchcase(n, pat) for n in names for pat in targets)
+
+
+def _fused_qkv_rows(name: str, module: nn.Linear, targets: Sequence[str]) -> torch.Tensor | None:
+    """For a fused ``...qkv`` linear: the output rows of the q/k/v slices that ``targets``
+    name (by ``attn.q``, ``attn.q_proj``, ...); None if no slice is named."""
+    prefix = name[: -len("qkv")]
+    if module.out_features % 3:
+        return None
+    d = module.out_features // 3
+    rows = [
+        torch.arange(i * d, (i + 1) * d)
+        for i, part in enumerate("qkv")
+        if _matches([prefix + part, prefix + part + "_proj"], targets)
+    ]
+    return torch.cat(rows) if rows else None
 
 
 def attach_adapters(
-    blocks: Sequence[nn.Module], targets: Sequence[str], ranks: Sequence[int], alpha: float
+    blocks: Sequence[nn.Module],
+    targets: Sequence[str],
+    ranks: Sequence[int],
+    alpha: float,
+    *,
+    init: str = "zero",
+    router: bool = False,
+    init_weights: torch.Tensor | None = None,
 ) -> dict[str, MultiRankLinear]:
-    """Wrap every ``nn.Linear`` in ``blocks`` whose name (relative to its block, e.g.
-    ``attn.q_proj``, ``mlp.c_fc``) matches a pattern in ``targets``."""
+    """Wrap every ``nn.Linear`` in ``blocks`` whose name inside its block (``attn.q_proj``,
+    ``mlp.c_fc``, timm ``attn.qkv``, ``mlp.fc1``) or role alias (``attn.q``, ``attn.v``,
+    ``attn.out``, ``mlp.in``, ``mlp.out``, see ``ROLE_ALIASES``) matches a pattern of
+    ``targets``. A fused ``attn.qkv`` matched only through its q/k/v roles gets an adapter
+    restricted to those output slices. ``init``: ``zero`` or ``svd`` (see ``MultiRankLinear``).
+    Returns ``{"block<i>.<name>": adapter}`` with ``i`` the position in ``blocks``."""
+    if init not in INITS:
+        raise ValueError(f"unknown init {init!r}; available: {', '.join(INITS)}")
     wrapped: dict[str, MultiRankLinear] = {}
     for bi, block in enumerate(blocks):
         split_attention(block)
         for name, module in list(block.named_modules()):
-            if not isinstance(module, nn.Linear) or isinstance(module, MultiRankLinear):
+            if not isinstance(module, nn.Linear):
                 continue
-            if not any(fnmatch.fnmatchcase(name, pat) for pat in targets):
+            if any(isinstance(m, MultiRankLinear) for m in _parents(block, name)):
                 continue
+            out_index = None
+            if not _matches([name, ROLE_ALIASES.get(name, name)], targets):
+                if not name.endswith("qkv"):
+                    continue
+                out_index = _fused_qkv_rows(name, module, targets)
+                if out_index is None:
+                    continue
             parent_name, _, child = name.rpartition(".")
             parent = block.get_submodule(parent_name) if parent_name else block
-            adapter = MultiRankLinear(module, ranks, alpha)
+            adapter = MultiRankLinear(module, ranks, alpha, out_index=out_index, router=router)
+            if init == "svd":
+                adapter.init_svd(init_weights)
             setattr(parent, child, adapter)
             wrapped[f"block{bi}.{name}"] = adapter
     if not wrapped:
         names = sorted(
             {n for b in blocks for n, m in b.named_modules() if isinstance(m, nn.Linear)}
         )
-        raise ValueError(f"no linear layer matches targets {list(targets)}; candidates: {names}")
+        raise ValueError(
+            f"no linear layer matches targets {list(targets)}; candidates: {names} "
+            f"(role aliases: {sorted(set(ROLE_ALIASES.values()))})"
+        )
     return wrapped
+
+
+def _parents(root: nn.Module, name: str) -> list[nn.Module]:
+    """The modules on the path from ``root`` to ``name`` (excluded)."""
+    out, mod = [], root
+    for part in name.split(".")[:-1]:
+        mod = getattr(mod, part)
+        out.append(mod)
+    return out

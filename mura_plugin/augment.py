@@ -12,7 +12,7 @@ import math
 import torch
 import torch.nn.functional as F
 
-__all__ = ["random_resized_crops"]
+__all__ = ["random_resized_crops", "make_views"]
 
 
 def random_resized_crops(
@@ -46,3 +46,25 @@ def random_resized_crops(
     grid = F.affine_grid(theta, [n, c, h, w], align_corners=False)
     out = F.grid_sample(src, grid, mode="bilinear", padding_mode="border", align_corners=False)
     return out.view(n_views, b, c, h, w)
+
+
+def make_views(
+    images: torch.Tensor,
+    n_views: int,
+    generator: torch.Generator,
+    *,
+    include_original: bool = True,
+    scale: tuple[float, float] = (0.08, 1.0),
+    flip: bool = True,
+) -> torch.Tensor:
+    """``[V, B, C, H, W]``: the original images first (when ``include_original``), then
+    ``n_views`` random resized crops (TPT's preprocessing: RandomResizedCrop + horizontal
+    flip). At least one view is required."""
+    if n_views < 0 or (n_views == 0 and not include_original):
+        raise ValueError(
+            f"need at least one view: n_views={n_views}, include_original={include_original}"
+        )
+    parts = [images.unsqueeze(0)] if include_original else []
+    if n_views > 0:
+        parts.append(random_resized_crops(images, n_views, generator, scale=scale, flip=flip))
+    return torch.cat(parts, dim=0)

@@ -9,6 +9,11 @@ What differs:
 * The default loss is ``info_max`` (entropy minus batch-marginal entropy): plain entropy
   collapses on the default suite (all predictions on one class). ``method.loss=entropy``
   is the original objective.
+* The default learning rate is 1e-2 (Adam), not the original 1e-3: a digits-c domain has
+  360 images (6 batches of 64), against 10,000 in CIFAR-10-C. It was selected on the
+  hyperparameter-selection suite ``digits-c-extra`` (lr in {1e-3, 5e-3, 1e-2, 2e-2, 5e-2},
+  mean accuracy 49.6 / 51.5 / 54.2 / 54.4 / 53.4 vs zero-shot 49.2), never on the evaluation
+  corruptions. ``method.lr=1e-3`` is the original setting.
 * Like the original, the prediction for a batch comes from the same forward pass that
   computes the loss (one forward + one backward per step); the update helps later batches.
 """
@@ -30,7 +35,7 @@ __all__ = ["Tent", "TentConfig", "norm_parameters"]
 class TentConfig(GradientConfig):
     loss: str = "info_max"
     optimizer: str = "adam"
-    lr: float = 1e-3
+    lr: float = 1e-2
     steps: int = 1
 
 

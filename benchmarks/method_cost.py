@@ -1,0 +1,163 @@
+"""Cost of every registered method on the same inputs: time per sample, peak memory,
+trainable parameters, and ratios to zero-shot.
+
+Two settings, measured in one run:
+  (a) the tiny default model (tiny-clip-digits), a batch of 64 noisy digits;
+  (b) an open_clip ViT-B-32 with random weights at 224 px and a 1,000-class text head
+      (random class names, prompt "a photo of a {}."), 1 image; multi-view methods use
+      their default 63 views + the original. CPU unless --device says otherwise.
+Each method is set up, warmed up with one step, then reset, reseeded and timed on one
+``step`` ``--repeats`` times (the minimum is reported: robust to other load on a shared
+machine; TPT on ViT-B-32, ~1 min a step, once); peak memory is the CPU RSS growth (or
+the CUDA allocator peak) during those steps.
+
+Usage: python benchmarks/method_cost.py [--methods a,b] [--skip-tiny] [--skip-vit]
+"""
+
+from __future__ import annotations
+
+import argparse
+import copy
+import random
+import string
+import time
+
+import torch
+
+from tta_bench.cost import PeakMemory
+from tta_bench.model import ModelBundle, Preprocess, ZeroShotClassifier
+from tta_bench.registry import registry
+
+OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
+OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
+
+
+def tiny_setting(device: torch.device) -> tuple[ZeroShotClassifier, torch.Tensor]:
+    from mura_plugin.datasets.digits import digits_arrays
+
+    bundle = registry("models").get("tiny-clip-digits")()
+    stream = registry("datasets").get("digits")(split="test")
+    model = ZeroShotClassifier(bundle, stream.classnames, stream.templates).to(device)
+    x, _ = digits_arrays("test")
+    images = torch.from_numpy(x[:64]).permute(0, 3, 1, 2).float() / 255.0
+    noise = torch.randn(images.shape, generator=torch.Generator().manual_seed(0))
+    return model, (images + 0.3 * noise).clamp(0, 1).to(device)
+
+
+def random_classnames(n: int, seed: int = 0) -> list[str]:
+    rng = random.Random(seed)
+    return [
+        " ".join(
+            "".join(rng.choice(string.ascii_lowercase) for _ in range(rng.randint(4, 9)))
+            for _ in range(rng.randint(1, 2))
+        )
+        for _ in range(n)
+    ]
+
+
+def vit_setting(device: torch.device, classes: int) -> tuple[ZeroShotClassifier, torch.Tensor]:
+    import open_clip
+
+    torch.manual_seed(0)
+    clip = open_clip.create_model("ViT-B-32")  # random weights, no download
+    bundle = ModelBundle(
+        clip=clip,
+        tokenizer=open_clip.get_tokenizer("ViT-B-32"),
+        preprocess=Preprocess(224, OPENAI_MEAN, OPENAI_STD),
+        name="ViT-B-32",
+        weights="random",
+    )
+    start = time.perf_counter()
+    model = ZeroShotClassifier(bundle, random_classnames(classes), ["a photo of a {}."])
+    print(f"  ({classes}-class text head built in {time.perf_counter() - start:.1f} s)")
+    images = torch.rand(1, 3, 224, 224, generator=torch.Generator().manual_seed(0))
+    return model.to(device), images.to(device)
+
+
+def measure(
+    name: str, model: ZeroShotClassifier, images: torch.Tensor, repeats: int
+) -> dict[str, float]:
+    method_cls = registry("methods").get(name)
+    torch.manual_seed(0)
+    method = method_cls(copy.deepcopy(model), method_cls.Config())
+    method.setup()
+    method.reseed(0)
+    method.step(images)  # warm-up: lazy allocations, kernel selection
+    device = images.device
+    seconds, peak = float("inf"), 0
+    for rep in range(max(1, repeats)):  # the minimum is robust to other load on the machine
+        method.reset()
+        method.reseed(1 + rep)
+        with PeakMemory(device) as mem:
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            start = time.perf_counter()
+            method.step(images)
+            if device.type == "cuda":
+                torch.cuda.synchronize(device)
+            seconds = min(seconds, time.perf_counter() - start)
+        peak = max(peak, mem.peak_bytes)
+    return {
+        "s_per_sample": seconds / images.shape[0],
+        "peak_mb": peak / 2**20,
+        "trainable": sum(p.numel() for p in method.trainable_parameters()),
+    }
+
+
+def report(title: str, rows: dict[str, dict[str, float]]) -> None:
+    from tabulate import tabulate
+
+    ref = rows.get("zeroshot", {}).get("s_per_sample")
+    table = [
+        [
+            name,
+            f"{r['s_per_sample'] * 1000:.1f}",
+            f"{r['s_per_sample'] / ref:.1f}x" if ref else "-",
+            f"{r['peak_mb']:.0f}",
+            f"{r['trainable']:,}",
+        ]
+        for name, r in rows.items()
+    ]
+    print(f"\n{title}")
+    print(tabulate(table, headers=["method", "ms/sample", "vs zeroshot", "peak MB", "trainable"]))
+    if {"mura", "tpt", "lora"} <= rows.keys():
+        m, t, lo = (rows[k]["s_per_sample"] for k in ("mura", "tpt", "lora"))
+        print(f"mura/tpt = {m / t:.2f} (target <= 0.5), mura/lora = {m / lo:.2f} (target < 1)")
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--methods", help="comma-separated subset (default: all registered)")
+    parser.add_argument("--skip-tiny", action="store_true")
+    parser.add_argument("--skip-vit", action="store_true")
+    parser.add_argument("--classes", type=int, default=1000)
+    parser.add_argument("--device", default="cpu")
+    parser.add_argument("--repeats", type=int, default=3, help="timed steps; the minimum")
+    args = parser.parse_args()
+    device = torch.device(args.device)
+    names = args.methods.split(",") if args.methods else sorted(registry("methods").names())
+    names = sorted(names, key=lambda n: (n != "zeroshot", n))
+    print(f"torch threads: {torch.get_num_threads()}, device: {device}")
+    settings = []
+    if not args.skip_tiny:
+        settings.append(("(a) tiny-clip-digits, batch of 64 at 32 px", tiny_setting))
+    if not args.skip_vit:
+        settings.append(
+            (
+                f"(b) ViT-B-32 (random weights), 1 image at 224 px, {args.classes} classes",
+                lambda d: vit_setting(d, args.classes),
+            )
+        )
+    for title, build in settings:
+        print(f"\n{title}: building")
+        model, images = build(device)
+        rows = {}
+        for name in names:
+            repeats = 1 if name == "tpt" and "ViT" in title else args.repeats  # tpt: ~1 min
+            rows[name] = measure(name, model, images, repeats)
+            print(f"  {name}: {rows[name]['s_per_sample'] * 1000:.1f} ms/sample", flush=True)
+        report(title, rows)
+
+
+if __name__ == "__main__":
+    main()
