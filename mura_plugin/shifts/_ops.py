@@ -9,6 +9,7 @@ stay cheap. Non-separable kernels (disks, motion lines) use FFT convolution afte
 from __future__ import annotations
 
 import math
+from collections import OrderedDict
 
 import torch
 import torch.nn.functional as F
@@ -19,10 +20,18 @@ __all__ = [
     "apply_separable",
     "gaussian_filter",
     "fft_correlate",
+    "fft_size",
     "zoom_axis",
     "clipped_zoom",
     "rgb_to_gray",
+    "chunk_rows",
 ]
+
+#: Elements (values) per chunk in ``chunk_rows``: big enough to amortise per-op overhead,
+#: small enough that a chunk's temporaries stay in the CPU cache and are recycled by the
+#: allocator instead of being page-faulted in afresh for every op (which costs more than
+#: the arithmetic for simple per-pixel kernels on large batches).
+CHUNK_ELEMENTS = 1 << 19
 
 BOUNDARY_MODES = ("nearest", "reflect", "reflect101")
 
@@ -103,32 +112,80 @@ def gaussian_filter(
     return apply_separable(images, mh, mw)
 
 
-def fft_correlate(images: torch.Tensor, kernels: torch.Tensor, mode: str) -> torch.Tensor:
+def fft_size(n: int) -> int:
+    """The smallest 5-smooth integer (only factors 2, 3, 5) >= ``n``: a fast FFT length."""
+    m = n
+    while True:
+        k = m
+        for p in (2, 3, 5):
+            while k % p == 0:
+                k //= p
+        if k == 1:
+            return m
+        m += 1
+
+
+#: Spectra of fixed kernels by (cache key, FFT size, device, dtype); a few entries suffice
+#: (one per corruption, severity and image size in use).
+_SPECTRA: OrderedDict[tuple, torch.Tensor] = OrderedDict()
+_SPECTRA_MAX = 16
+
+
+def _kernel_spectrum(kernels: torch.Tensor, fh: int, fw: int, dtype: torch.dtype) -> torch.Tensor:
+    kh, kw = kernels.shape[-2:]
+    # Correlation = convolution with the flipped kernel; put the kernel centre at (0, 0).
+    flipped = torch.flip(kernels, dims=(-2, -1)).to(dtype)
+    kpad = torch.zeros(kernels.shape[0], fh, fw, device=kernels.device, dtype=dtype)
+    kpad[:, :kh, :kw] = flipped
+    kpad = torch.roll(kpad, shifts=(-(kh // 2), -(kw // 2)), dims=(-2, -1))
+    return torch.fft.rfft2(kpad)
+
+
+def fft_correlate(
+    images: torch.Tensor, kernels: torch.Tensor, mode: str, *, cache_key: object = None
+) -> torch.Tensor:
     """Correlate ``images [B, C, H, W]`` with centred ``kernels [B or 1, kh, kw]`` (odd sides).
 
     Pads by the kernel radius with ``mode`` (``replicate`` or ``reflect`` = OpenCV's
     reflect-101) so the circular FFT product equals the bounded correlation inside the
-    image; one FFT per image, one per distinct kernel.
+    image (the FFT length is then rounded up to a 5-smooth size; the extra zeros never wrap
+    into the kept region). A hashable ``cache_key`` naming a fixed kernel caches its
+    spectrum. Big CPU batches are transformed a few images at a time.
     """
     b, c, h, w = images.shape
     kh, kw = kernels.shape[-2:]
     ry, rx = kh // 2, kw // 2
-    if mode == "reflect" and (ry >= h or rx >= w):
-        # torch's reflect padding needs pad < size; fold indices ourselves instead.
-        iy = fold_index(torch.arange(-ry, h + ry, device=images.device), h, "reflect101")
-        ix = fold_index(torch.arange(-rx, w + rx, device=images.device), w, "reflect101")
-        padded = images[:, :, iy][:, :, :, ix]
+    fh, fw = fft_size(h + 2 * ry), fft_size(w + 2 * rx)
+    key = None
+    if cache_key is not None:
+        key = (cache_key, fh, fw, str(images.device), images.dtype)
+    if key is not None and key in _SPECTRA:
+        _SPECTRA.move_to_end(key)
+        spec_k = _SPECTRA[key]
     else:
-        padded = F.pad(images, (rx, rx, ry, ry), mode=mode)
-    ph, pw = padded.shape[-2:]
-    # Correlation = convolution with the flipped kernel; put the kernel centre at (0, 0).
-    flipped = torch.flip(kernels, dims=(-2, -1)).to(images.dtype)
-    kpad = torch.zeros(kernels.shape[0], ph, pw, device=images.device, dtype=images.dtype)
-    kpad[:, :kh, :kw] = flipped
-    kpad = torch.roll(kpad, shifts=(-ry, -rx), dims=(-2, -1))
-    spec = torch.fft.rfft2(padded) * torch.fft.rfft2(kpad)[:, None]
-    out = torch.fft.irfft2(spec, s=(ph, pw))
-    return out[:, :, ry : ry + h, rx : rx + w]
+        spec_k = _kernel_spectrum(kernels.to(images.device), fh, fw, images.dtype)
+        if key is not None:
+            _SPECTRA[key] = spec_k
+            while len(_SPECTRA) > _SPECTRA_MAX:
+                _SPECTRA.popitem(last=False)
+    shared = spec_k.shape[0] == 1
+    out = torch.empty_like(images)
+    step = max(1, (1 << 20) // (c * fh * fw)) if images.device.type == "cpu" and shared else b
+    for s in range(0, b, step):
+        x = images[s : s + step]
+        if mode == "reflect" and (ry >= h or rx >= w):
+            # torch's reflect padding needs pad < size; fold indices ourselves instead.
+            iy = fold_index(torch.arange(-ry, h + ry, device=images.device), h, "reflect101")
+            ix = fold_index(torch.arange(-rx, w + rx, device=images.device), w, "reflect101")
+            padded = x[:, :, iy][:, :, :, ix]
+        else:
+            padded = F.pad(x, (rx, rx, ry, ry), mode=mode)
+        k = spec_k if shared else spec_k[s : s + step]
+        spec = torch.fft.rfft2(padded, s=(fh, fw))
+        spec.mul_(k[:, None])
+        res = torch.fft.irfft2(spec, s=(fh, fw))
+        out[s : s + step] = res[:, :, ry : ry + h, rx : rx + w]
+    return out
 
 
 def zoom_axis(n: int, factor: float, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -177,3 +234,12 @@ def rgb_to_gray(images: torch.Tensor) -> torch.Tensor:
         return images
     r, g, b = images[:, 0:1], images[:, 1:2], images[:, 2:3]
     return 0.299 * r + 0.587 * g + 0.114 * b
+
+
+def chunk_rows(images: torch.Tensor) -> int:
+    """Samples per chunk for per-pixel kernels on ``images [B, ...]`` (at least 1); CUDA
+    takes the whole batch (its allocator caches memory and kernels launch asynchronously)."""
+    if images.device.type != "cpu":
+        return max(1, images.shape[0])
+    per = max(1, images[0].numel())
+    return max(1, CHUNK_ELEMENTS // per)

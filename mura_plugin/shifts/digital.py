@@ -3,11 +3,13 @@
 
 from __future__ import annotations
 
+import math
 from functools import lru_cache
 
 import torch
+import torch.nn.functional as F
 
-from mura_plugin.shifts._ops import rgb_to_gray
+from mura_plugin.shifts._ops import chunk_rows, rgb_to_gray
 from mura_plugin.shifts._params import check_images, severity_param
 from tta_bench.rng import SampleGenerator
 
@@ -21,6 +23,8 @@ __all__ = [
     "grayscale",
     "rgb_to_hsv",
     "hsv_to_rgb",
+    "shift_value",
+    "scale_saturation",
 ]
 
 CONTRAST = {
@@ -94,6 +98,47 @@ def hsv_to_rgb(hsv: torch.Tensor) -> torch.Tensor:
     return v.unsqueeze(1) - v.unsqueeze(1) * s.unsqueeze(1) * f
 
 
+def shift_value(rgb: torch.Tensor, c: float, *, out: torch.Tensor | None = None) -> torch.Tensor:
+    """RGB ``[B, C, H, W]`` in [0, 1] with HSV value ``V' = clip(V + c, 0, 1)``, hue and
+    saturation kept: equal to ``hsv_to_rgb`` of the modified ``rgb_to_hsv`` without building
+    H and S (RGB scales with V at fixed H and S: ``x * V' / V``; black, S = 0, becomes grey
+    ``V'``). Written into ``out`` when given."""
+    v = rgb.amax(1, keepdim=True)
+    scale = (v + c).clamp_(0.0, 1.0)
+    # A reduction is far cheaper than materialising a mask when (as usual) nothing is black.
+    has_black = bool(v.amin() <= 0)
+    black = (v <= 0) if has_black else None
+    scale.div_(v.clamp_(min=1e-12))
+    out = torch.mul(rgb, scale, out=out)
+    if black is not None:
+        out.masked_fill_(black.expand_as(out), min(max(c, 0.0), 1.0))
+    return out.clamp_(0.0, 1.0)
+
+
+def scale_saturation(
+    rgb: torch.Tensor, a: float, b: float, *, out: torch.Tensor | None = None
+) -> torch.Tensor:
+    """RGB ``[B, 3, H, W]`` in [0, 1] with HSV saturation ``S' = clip(S * a + b, 0, 1)``, hue
+    and value kept: equal to the ``rgb_to_hsv`` / ``hsv_to_rgb`` round trip without building
+    H (each channel is ``V - V * S * f(H)``, so ``V - (V - x) * S' / S``; grey pixels have
+    hue 0, red, and get ``(V, V (1 - S'), V (1 - S'))``). Written into ``out`` when given."""
+    v = rgb.amax(1, keepdim=True)
+    delta = v - rgb.amin(1, keepdim=True)
+    grey = (delta <= 0) if b != 0 and bool(delta.amin() <= 0) else None
+    safe_v = v.clamp(min=1e-12)
+    delta.clamp_(min=1e-12)
+    # S' / S = clip(delta / v * a + b) * v / delta
+    scale = torch.div(delta, safe_v).mul_(a).add_(b).clamp_(0.0, 1.0)
+    scale.mul_(safe_v).div_(delta)
+    out = torch.sub(v, rgb, out=out)
+    out = torch.addcmul(v, out, scale, value=-1.0, out=out)
+    if grey is not None:
+        grey_gb = (v * (1.0 - min(max(b, 0.0), 1.0))).expand_as(out[:, 1:])
+        mask = grey.expand_as(out[:, 1:])
+        out[:, 1:] = torch.where(mask, grey_gb, out[:, 1:])
+    return out.clamp_(0.0, 1.0)
+
+
 def _to_rgb(images: torch.Tensor) -> torch.Tensor:
     return images.expand(-1, 3, -1, -1) if images.shape[1] == 1 else images
 
@@ -120,15 +165,12 @@ def brightness(
     """Add ``c`` to the HSV value (clipped at 1), keeping hue and saturation.
 
     With hue and saturation fixed, RGB scales with V, so ``x * V' / V`` is the exact HSV
-    round trip (black pixels, with S = 0, become grey ``V'``).
+    round trip (black pixels, with S = 0, become grey ``V'``); see ``shift_value``.
     """
     del generator  # deterministic
     check_images("brightness", images)
     c = severity_param("brightness", BRIGHTNESS, table, severity)
-    v, _ = images.max(1, keepdim=True)
-    v_new = (v + c).clamp(0.0, 1.0)
-    out = torch.where(v > 0, images * (v_new / v.clamp_min(1e-12)), v_new.expand_as(images))
-    return out.clamp(0.0, 1.0)
+    return _per_chunk(images, lambda x, out: shift_value(x, c, out=out))
 
 
 def saturate(
@@ -138,10 +180,18 @@ def saturate(
     del generator  # deterministic
     check_images("saturate", images)
     a, b = severity_param("saturate", SATURATE, table, severity)
-    rgb = _to_rgb(images)
-    hsv = rgb_to_hsv(rgb)
-    hsv = torch.stack((hsv[:, 0], (hsv[:, 1] * a + b).clamp(0.0, 1.0), hsv[:, 2]), 1)
-    return _from_rgb(hsv_to_rgb(hsv), images.shape[1]).clamp(0.0, 1.0)
+    if images.shape[1] == 1:
+        return rgb_to_gray(scale_saturation(_to_rgb(images), a, b))
+    return _per_chunk(images, lambda x, out: scale_saturation(x, a, b, out=out))
+
+
+def _per_chunk(images: torch.Tensor, fn) -> torch.Tensor:
+    """Apply ``fn(chunk, out=chunk_of_result)`` to cache-sized chunks of the batch."""
+    out = torch.empty_like(images)
+    step = chunk_rows(images)
+    for s in range(0, images.shape[0], step):
+        fn(images[s : s + step], out[s : s + step])
+    return out
 
 
 def jpeg_compression(
@@ -161,54 +211,67 @@ def jpeg_compression(
 
 
 @lru_cache(maxsize=64)
-def _pil_box_coeffs(n_in: int, n_out: int) -> torch.Tensor:
-    """Pillow's 8-bit BOX resampling coefficients ``[n_out, n_in]`` as fixed-point integers
-    (``PRECISION_BITS = 22``), exactly as ``precompute_coeffs`` + ``normalize_coeffs_8bpc``."""
+def _pil_box_plan(n_in: int, n_out: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """Pillow's 8-bit BOX down-sampling along one axis as ``(members [n_in, n_out],
+    weight [n_out])``: output ``o`` is ``round_fixed(sum of its member pixels * weight[o])``.
+
+    Mirrors ``precompute_coeffs`` + ``normalize_coeffs_8bpc``: every member of a window has
+    the same normalised weight ``1 / count``, stored as the fixed-point integer
+    ``floor(2^22 / count + 0.5)`` (``PRECISION_BITS = 22``); ``weight`` is that integer
+    divided by ``2^22`` (exact in float64). ``members`` is 0/1 (float32 sums of 8-bit values
+    over a window are exact integers)."""
     scale = n_in / n_out
     filterscale = max(scale, 1.0)
     support = 0.5 * filterscale
-    mat = torch.zeros(n_out, n_in, dtype=torch.float64)
+    members = torch.zeros(n_in, n_out, dtype=torch.float32)
+    weight = torch.zeros(n_out, dtype=torch.float64)
     for xx in range(n_out):
         center = (xx + 0.5) * scale
         xmin = max(int(center - support + 0.5), 0)
         xmax = min(int(center + support + 0.5), n_in)
         xs = torch.arange(xmin, xmax, dtype=torch.float64)
         t = (xs - center + 0.5) / filterscale
-        w = ((t > -0.5) & (t <= 0.5)).double()
-        if w.sum() > 0:
-            w = w / w.sum()
-        mat[xx, xmin:xmax] = torch.floor(w * (1 << 22) + 0.5)
-    return mat
+        inside = (t > -0.5) & (t <= 0.5)
+        count = int(inside.sum())
+        if count:
+            members[xmin:xmax, xx] = inside.float()
+            weight[xx] = math.floor((1 << 22) / count + 0.5) / float(1 << 22)
+    return members.to(device), weight.to(device)
 
 
-def _pil_resize(u8: torch.Tensor, out_h: int, out_w: int) -> torch.Tensor:
-    """Pillow ``resize(..., BOX)`` of 8-bit values held in float64 ``[B, C, H, W]``:
-    horizontal pass, rounding to 8 bits, vertical pass, rounding (Pillow's order)."""
-    h, w = u8.shape[-2:]
-    half = float(1 << 21)
-
-    def rnd(v: torch.Tensor) -> torch.Tensor:
-        return torch.floor((v + half) / float(1 << 22)).clamp(0, 255)
-
-    if out_w != w:
-        u8 = rnd(torch.matmul(u8, _pil_box_coeffs(w, out_w).to(u8.device).t()))
-    if out_h != h:
-        u8 = rnd(torch.matmul(_pil_box_coeffs(h, out_h).to(u8.device), u8))
-    return u8
+def _pil_box_down(u8: torch.Tensor, n_out: int, dim: int) -> torch.Tensor:
+    """Pillow BOX down-sampling of 8-bit values (float32 ``[..., H, W]``) along ``dim``
+    (-1 or -2) to ``n_out``, rounded to 8 bits as Pillow does after each pass."""
+    members, weight = _pil_box_plan(u8.shape[dim], n_out, u8.device)
+    if dim == -1:
+        sums = torch.matmul(u8, members)
+    else:
+        sums = torch.matmul(members.t(), u8)
+        weight = weight[:, None]
+    # (sum * k + 2^21) >> 22 with k = weight * 2^22: exact in float64 (< 2^53).
+    return (sums.double() * weight + 0.5).floor_().clamp_(0, 255).float()
 
 
 def pixelate(
     images: torch.Tensor, severity: int, *, generator: SampleGenerator, table: str = "cifar"
 ) -> torch.Tensor:
-    """Box-filter the 8-bit image down to ``int(side * c)`` and back up (Pillow BOX both ways;
-    upward BOX is nearest-neighbour)."""
+    """Box-filter the 8-bit image down to ``int(side * c)`` and back up (Pillow BOX both ways:
+    windows of whole pixels averaged with fixed-point weights, horizontal pass first; upward
+    BOX is nearest-neighbour at pixel centres, torch's ``nearest-exact``)."""
     del generator  # deterministic
     check_images("pixelate", images)
     c = severity_param("pixelate", PIXELATE, table, severity)
     h, w = images.shape[-2:]
-    u8 = (images.detach() * 255.0).round().clamp(0, 255).double()
-    small = _pil_resize(u8, max(1, int(h * c)), max(1, int(w * c)))
-    return (_pil_resize(small, h, w) / 255.0).to(images.dtype)
+    oh, ow = max(1, int(h * c)), max(1, int(w * c))
+    out = torch.empty_like(images)
+    step = chunk_rows(images)
+    for s in range(0, images.shape[0], step):
+        u8 = images[s : s + step].detach().float().mul(255.0).round_().clamp_(0, 255)
+        small = u8 if ow == w else _pil_box_down(u8, ow, -1)
+        small = small if oh == h else _pil_box_down(small, oh, -2)
+        big = F.interpolate(small, size=(h, w), mode="nearest-exact")
+        out[s : s + step] = big.div_(255.0)
+    return out
 
 
 # -- the seed article's simple colour shifts -------------------------------------------------

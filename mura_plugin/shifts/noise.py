@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import torch
 
+from mura_plugin.shifts._ops import chunk_rows
 from mura_plugin.shifts._params import check_images, severity_param
 from tta_bench.rng import SampleGenerator
 
@@ -60,12 +61,24 @@ def shot_noise(
 def impulse_noise(
     images: torch.Tensor, severity: int, *, generator: SampleGenerator, table: str = "cifar"
 ) -> torch.Tensor:
-    """Salt-and-pepper: each value becomes 0 or 1 (equally likely) with probability ``c``."""
+    """Salt-and-pepper: each value becomes 0 or 1 (equally likely) with probability ``c``.
+
+    One uniform draw ``u`` per value decides both: salt if ``u < c / 2``, pepper if
+    ``c / 2 <= u < c`` (the same joint law as separate hit and salt draws)."""
     check_images("impulse_noise", images)
     c = severity_param("impulse_noise", IMPULSE_NOISE, table, severity)
-    draws = generator.uniform(2, *images.shape[1:]).to(images.device, images.dtype)
-    hit, salt = draws[:, 0] < c, draws[:, 1] < 0.5
-    return torch.where(hit, salt.to(images.dtype), images)
+    out = torch.empty_like(images)
+    step = chunk_rows(images)
+    draws = torch.empty(min(step, images.shape[0]), *images.shape[1:])
+    for s in range(0, images.shape[0], step):
+        n = min(step, images.shape[0] - s)
+        for j, g in enumerate(generator.generators[s : s + n]):
+            torch.rand(images.shape[1:], generator=g, out=draws[j])
+        u = draws[:n].to(images.device)
+        chunk = out[s : s + n]
+        chunk.copy_(images[s : s + n])
+        chunk.masked_fill_(u < c, 0.0).masked_fill_(u < c / 2, 1.0)
+    return out
 
 
 def speckle_noise(

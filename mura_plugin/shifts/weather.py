@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from mura_plugin.shifts._ops import (
     _filter_matrix,
     apply_separable,
+    chunk_rows,
     clipped_zoom,
     gaussian_filter,
     rgb_to_gray,
@@ -93,18 +94,26 @@ SPATTER = {
 
 # -- fog -------------------------------------------------------------------------------------
 def plasma_fractal(generator: SampleGenerator, mapsize: int, decay: float) -> torch.Tensor:
-    """Diamond-square plasma fractals ``[B, mapsize, mapsize]`` in [0, 1] (float64, CPU),
+    """Diamond-square plasma fractals ``[B, mapsize, mapsize]`` in [0, 1] (float32, CPU),
     ImageNet-C's ``plasma_fractal``: midpoints get the mean of their neighbours plus
     ``wibble * U(-wibble, wibble)``, with ``wibble`` starting at 100 and divided by ``decay``
-    per level."""
+    per level. Each sample's uniforms (``mapsize^2 - 1`` of them) come from one draw of its
+    own generator, consumed level by level."""
     if mapsize & (mapsize - 1):
         raise ValueError(f"plasma_fractal: mapsize must be a power of two, got {mapsize}")
     b = len(generator)
-    m = torch.zeros(b, mapsize, mapsize, dtype=torch.float64)
+    draws = torch.empty(b, mapsize * mapsize - 1)
+    for j, g in enumerate(generator.generators):
+        torch.rand(draws.shape[1:], generator=g, out=draws[j])
+    m = torch.zeros(b, mapsize, mapsize)
     step, wibble = mapsize, 100.0
+    used = 0
 
     def wibbled(total: torch.Tensor) -> torch.Tensor:
-        u = generator.uniform(*total.shape[1:], dtype=torch.float64).cpu()
+        nonlocal used
+        n = total.shape[1] * total.shape[2]
+        u = draws[:, used : used + n].view_as(total)
+        used += n
         return total / 4 + wibble * (u * 2 * wibble - wibble)
 
     while step >= 2:
@@ -258,41 +267,57 @@ def frost(
 
 
 # -- spatter ---------------------------------------------------------------------------------
+def _sum3(x: torch.Tensor, dim: int, weights: tuple[float, float, float]) -> torch.Tensor:
+    """``w0 * x[i] + w1 * x[i + 1] + w2 * x[i + 2]`` along ``dim`` (output 2 shorter)."""
+    n = x.shape[dim]
+    out = x.narrow(dim, 0, n - 2) * weights[0]
+    if weights[1]:
+        out.add_(x.narrow(dim, 1, n - 2), alpha=weights[1])
+    return out.add_(x.narrow(dim, 2, n - 2), alpha=weights[2])
+
+
 def _box3(x: torch.Tensor) -> torch.Tensor:
-    """OpenCV ``blur(x, (3, 3))`` (reflect-101 border) of ``[B, 1, H, W]``."""
-    return F.avg_pool2d(F.pad(x, (1, 1, 1, 1), mode="reflect"), 3, stride=1)
+    """OpenCV ``blur(x, (3, 3))`` (reflect-101 border) of ``[B, 1, H, W]``, separably."""
+    p = F.pad(x, (1, 1, 1, 1), mode="reflect")
+    return _sum3(_sum3(p, -1, (1.0, 1.0, 1.0)), -2, (1.0, 1.0, 1.0)).div_(9.0)
+
+
+def _dilate3(x: torch.Tensor) -> torch.Tensor:
+    """3x3 binary dilation of a bool ``[B, 1, H, W]`` (zero border), separably."""
+    p = F.pad(x, (1, 1, 1, 1))
+    row = p[..., :-2] | p[..., 1:-1] | p[..., 2:]
+    return row[..., :-2, :] | row[..., 1:-1, :] | row[..., 2:, :]
 
 
 def _canny(u8: torch.Tensor, low: float, high: float) -> torch.Tensor:
     """OpenCV-style Canny edges of 8-bit values ``[B, 1, H, W]``: 3x3 Sobel (replicated
     border), L1 magnitude, non-maximum suppression along the quantised gradient direction,
-    hysteresis by 8-connected growth from strong into weak pixels."""
-    sx = torch.tensor([[-1.0, 0, 1], [-2, 0, 2], [-1, 0, 1]], device=u8.device, dtype=u8.dtype)
+    hysteresis by 8-connected growth from strong into weak pixels (until nothing changes)."""
     p = F.pad(u8, (1, 1, 1, 1), mode="replicate")
-    gx = F.conv2d(p, sx.view(1, 1, 3, 3))
-    gy = F.conv2d(p, sx.t().contiguous().view(1, 1, 3, 3))
-    mag = gx.abs() + gy.abs()
+    # Separable Sobel: derivative [-1, 0, 1] along one axis, smoothing [1, 2, 1] along the other.
+    gx = _sum3(_sum3(p, -1, (-1.0, 0.0, 1.0)), -2, (1.0, 2.0, 1.0))
+    gy = _sum3(_sum3(p, -2, (-1.0, 0.0, 1.0)), -1, (1.0, 2.0, 1.0))
+    ax, ay = gx.abs(), gy.abs()
+    mag = ax + ay
     mp = F.pad(mag, (1, 1, 1, 1))
 
     def nb(dy: int, dx: int) -> torch.Tensor:
         h, w = mag.shape[-2:]
         return mp[..., 1 + dy : 1 + dy + h, 1 + dx : 1 + dx + w]
 
-    ax, ay = gx.abs(), gy.abs()
     tan22, tan67 = 0.4142135623730951, 2.414213562373095
     horiz = ay < ax * tan22
     vert = ay > ax * tan67
-    s = torch.where(gx * gy < 0, -1, 1)
     keep_h = (mag > nb(0, -1)) & (mag >= nb(0, 1))
     keep_v = (mag > nb(-1, 0)) & (mag >= nb(1, 0))
     d_pos = (mag > nb(-1, -1)) & (mag > nb(1, 1))
     d_neg = (mag > nb(-1, 1)) & (mag > nb(1, -1))
-    keep_d = torch.where(s > 0, d_pos, d_neg)
+    keep_d = torch.where((gx * gy) < 0, d_neg, d_pos)
     is_max = torch.where(horiz, keep_h, torch.where(vert, keep_v, keep_d))
     weak = is_max & (mag > low)
     edges = weak & (mag > high)
     for _ in range(max(u8.shape[-2:])):
-        grown = weak & (F.max_pool2d(edges.float(), 3, stride=1, padding=1) > 0)
+        grown = weak & _dilate3(edges)
         if torch.equal(grown, edges):
             break
         edges = grown
@@ -301,21 +326,46 @@ def _canny(u8: torch.Tensor, low: float, high: float) -> torch.Tensor:
 
 def _edge_distance(edges: torch.Tensor, cap: int) -> torch.Tensor:
     """Euclidean distance to the nearest edge pixel, truncated at ``cap`` (``[B, 1, H, W]``):
-    exact within the cap (1-D column distances, then a minimum over column offsets)."""
+    exact within the cap. Column distances by min-plus doubling (offsets 1, 2, 4, ...:
+    their sums reach every distance up to the cap at its exact cost), then the minimum of
+    ``col(x + dx)^2 + dx^2`` over column offsets, in int16."""
     b, _, h, w = edges.shape
-    ys = torch.arange(h, device=edges.device).view(1, 1, h, 1).expand_as(edges)
-    big = 10 * (h + w + cap)
-    above = torch.where(edges, ys, torch.full_like(ys, -big)).cummax(dim=2).values
-    below = torch.where(edges, ys, torch.full_like(ys, 2 * big))
-    below = below.flip(2).cummin(dim=2).values.flip(2)
-    col = torch.minimum(ys - above, below - ys).clamp(max=cap + 1).to(torch.float32)
-    sq = col**2
+    far = cap + 1
+    col = torch.where(edges, 0, far).to(torch.int16)
+    s = 1
+    while s <= cap:
+        pad = F.pad(col, (0, 0, s, s), value=far)
+        col = torch.minimum(col, torch.minimum(pad[..., :h, :], pad[..., 2 * s :, :]) + s)
+        s *= 2
+    col.clamp_(max=far)
+    sq = col * col
     best = sq.clone()
-    pad = F.pad(sq, (cap, cap), value=float((cap + 1) ** 2))
-    for dx in range(-cap, cap + 1):
-        if dx:
-            best = torch.minimum(best, pad[..., cap + dx : cap + dx + w] + dx * dx)
-    return best.sqrt().clamp(max=cap)
+    pad = F.pad(sq, (cap, cap), value=far * far)
+    tmp = torch.empty_like(best)
+    for dx in range(1, cap + 1):
+        if dx * dx >= int(best.max()):
+            break  # no pixel can improve any more
+        for off in (dx, -dx):
+            torch.add(pad[..., cap + off : cap + off + w], dx * dx, out=tmp)
+            torch.minimum(best, tmp, out=best)
+    return best.float().sqrt_().clamp_(max=cap)
+
+
+#: ImageNet-C's emboss kernel (correlation taps), applied as shifted adds: a 3x3
+#: ``conv2d`` on one channel is much slower on CPU than seven slice additions.
+EMBOSS = ((-2.0, -1.0, 0.0), (-1.0, 1.0, 1.0), (0.0, 1.0, 2.0))
+
+
+def _emboss(padded: torch.Tensor) -> torch.Tensor:
+    """Correlate a 1-pixel-padded ``[B, 1, H + 2, W + 2]`` with ``EMBOSS`` -> ``[B, 1, H, W]``."""
+    h, w = padded.shape[-2] - 2, padded.shape[-1] - 2
+    out = None
+    for dy, row in enumerate(EMBOSS):
+        for dx, wt in enumerate(row):
+            if wt:
+                view = padded[..., dy : dy + h, dx : dx + w]
+                out = view * wt if out is None else out.add_(view, alpha=wt)
+    return out
 
 
 def _equalize_hist(u8: torch.Tensor) -> torch.Tensor:
@@ -356,13 +406,16 @@ def spatter(
     liquid = torch.where(liquid < thresh, torch.zeros_like(liquid), liquid)
     if mode == 0:
         u8 = torch.floor(liquid * 255.0).remainder(256.0)
-        dist = _edge_distance(_canny(u8, 50.0, 150.0), 20)
+        step = chunk_rows(u8)
+        dist = torch.cat(
+            [
+                _edge_distance(_canny(u8[i : i + step], 50.0, 150.0), 20)
+                for i in range(0, u8.shape[0], step)
+            ]
+        )
         dist = torch.floor(_box3(dist))
         dist = _equalize_hist(dist)
-        emboss = torch.tensor(
-            [[-2.0, -1, 0], [-1, 1, 1], [0, 1, 2]], device=images.device, dtype=images.dtype
-        )
-        dist = F.conv2d(F.pad(dist, (1, 1, 1, 1), mode="reflect"), emboss.view(1, 1, 3, 3))
+        dist = _emboss(F.pad(dist, (1, 1, 1, 1), mode="reflect"))
         dist = _box3(dist.round().clamp(0, 255))
         m = u8 * dist
         m = m / m.amax(dim=(2, 3), keepdim=True).clamp_min(1e-12) * strength

@@ -1,0 +1,61 @@
+"""The fast helpers behind the shift kernels equal their straightforward definitions."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mura_plugin.shifts import blur, weather
+from mura_plugin.shifts._ops import fft_correlate, fft_size
+from mura_plugin.shifts.digital import hsv_to_rgb, rgb_to_hsv, scale_saturation, shift_value
+
+
+@pytest.fixture(scope="module")
+def rgb() -> torch.Tensor:
+    x = torch.rand(3, 3, 17, 19, generator=torch.Generator().manual_seed(0))
+    x[0, :, :2] = 0.0  # black
+    x[1, :, 3:5] = 0.5  # grey
+    return x
+
+
+def test_hsv_round_trip(rgb):
+    torch.testing.assert_close(hsv_to_rgb(rgb_to_hsv(rgb)), rgb, atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("c", [0.0, 0.3, 1.5])
+def test_shift_value_equals_hsv_round_trip(rgb, c):
+    hsv = rgb_to_hsv(rgb)
+    ref = hsv_to_rgb(torch.stack((hsv[:, 0], hsv[:, 1], (hsv[:, 2] + c).clamp(0, 1)), 1))
+    torch.testing.assert_close(shift_value(rgb, c), ref, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("a,b", [(0.1, 0.0), (2.0, 0.0), (20.0, 0.2)])
+def test_scale_saturation_equals_hsv_round_trip(rgb, a, b):
+    hsv = rgb_to_hsv(rgb)
+    ref = hsv_to_rgb(torch.stack((hsv[:, 0], (hsv[:, 1] * a + b).clamp(0, 1), hsv[:, 2]), 1))
+    torch.testing.assert_close(scale_saturation(rgb, a, b), ref, atol=1e-5, rtol=0)
+
+
+def test_fft_size_is_smooth_and_minimal():
+    assert [fft_size(n) for n in (1, 7, 17, 240, 241, 284)] == [1, 8, 18, 240, 243, 288]
+
+
+def test_motion_taps_equal_the_kernel_correlation(rgb):
+    angles = torch.tensor([-40.0, 5.0, 33.0])
+    kernels = blur.motion_kernels(3, 1.5, angles, rgb.device)
+    ref = fft_correlate(rgb.double(), kernels, "replicate").float()
+    torch.testing.assert_close(blur.motion_filter(rgb, 3, 1.5, angles), ref, atol=1e-5, rtol=0)
+
+
+def test_fast_spatter_parts_equal_convolutions():
+    x = torch.rand(2, 1, 12, 13, generator=torch.Generator().manual_seed(1))
+    emboss = torch.tensor(weather.EMBOSS).view(1, 1, 3, 3)
+    torch.testing.assert_close(weather._emboss(x), torch.nn.functional.conv2d(x, emboss))
+    box = torch.nn.functional.avg_pool2d(torch.nn.functional.pad(x, (1,) * 4, "reflect"), 3, 1)
+    torch.testing.assert_close(weather._box3(x), box)
+    edges = x > 0.9
+    idx = torch.stack(torch.meshgrid(torch.arange(12), torch.arange(13), indexing="ij"), -1)
+    for i in range(2):
+        pts = idx[edges[i, 0]].float()
+        d = torch.cdist(idx.view(-1, 2).float(), pts).amin(1).view(12, 13).clamp(max=4)
+        torch.testing.assert_close(weather._edge_distance(edges, 4)[i, 0], d)
