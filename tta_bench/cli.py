@@ -113,11 +113,19 @@ def cmd_run(args: argparse.Namespace) -> int:
         reference=bool(cfg.reference),
         progress=bool(cfg.progress) and not args.quiet,
         config=cfg_dict,
+        loader=cfg_dict.get("loader"),
+        resume=bool(cfg.resume),
+        on_bad_image=args.on_bad_image,
+        batch_log=cfg.batch_log,
+        per_class_accuracy=bool(cfg.per_class_accuracy),
+        flops=bool(cfg.flops),
     )
     try:
         record = runner.run(spec, output)
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
+    if record.get("skipped_cells"):
+        print(f"resume: skipped {record['skipped_cells']} finished cell(s) already in {output}")
     print(
         f"\n{method} on {protocol.name} ({protocol.id}), model {model}, "
         f"seeds {spec.seeds}: accuracy (%)"
@@ -141,6 +149,49 @@ def _check_components(protocol: Any, mcfg: Any) -> None:
     loss = getattr(mcfg, "loss", None)
     if isinstance(loss, str):
         registry("losses").origin(loss)
+
+
+# -- sweep / profile ---------------------------------------------------------------------
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from tta_bench import sweep
+
+    overrides = list(args.overrides)
+    if not args.seeds_per_job_all:
+        overrides = sweep.split_seed_overrides(overrides)
+    return sweep.main(overrides, args.dir, cfg=args.cfg)
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    from tta_bench import profile, runner
+
+    cfg, (method, mcfg, model, protocol, cfg_dict) = _resolve_run(args)
+    _check_components(protocol, mcfg)
+    spec = runner.RunSpec(
+        method=method,
+        method_config=mcfg,
+        model=model,
+        model_args={k: v for k, v in cfg_dict["model"].items() if k != "name"},
+        protocol=protocol,
+        seeds=[int(s) for s in cfg.seeds][:1],
+        device=cfg.device,
+        data_dir=cfg.data_dir,
+        reference=bool(cfg.reference),
+        config=cfg_dict,
+        loader=cfg_dict.get("loader"),
+    )
+    try:
+        prof = profile.profile(spec, batches=args.batches)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    print(
+        f"{method} on {protocol.id}, model {model}, device {prof.device}: {prof.batches} "
+        f"batches, {prof.images} images, loader {prof.loader}"
+    )
+    print(prof.table())
+    print(f"\nsetup (model, data, decoded cache) {prof.setup_s:.2f}s")
+    print(f"data-wait share {100 * prof.data_wait_share:.1f}%")
+    print(f"recommendation: {prof.recommendation()}")
+    return 0
 
 
 # -- ls / env ----------------------------------------------------------------------------
@@ -220,6 +271,40 @@ def cmd_env(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- table / leaderboard (implemented in tta_bench.report) -------------------------------
+def cmd_table(args: argparse.Namespace) -> int:
+    from tta_bench import report
+
+    try:
+        text = report.render_tables(args.results, args.format, args.baseline or None, args.test)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    print(text, end="")
+    return 0
+
+
+def cmd_leaderboard(args: argparse.Namespace) -> int:
+    from tta_bench import report
+
+    try:
+        board, written = report.write_leaderboard(
+            args.results_dir,
+            args.suite,
+            args.protocol,
+            args.baseline or None,
+            args.test,
+            with_plots=not args.no_plots,
+        )
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    for name, reason in board.left_out:
+        print(f"left out {name}: {reason}", file=sys.stderr)
+    print(f"ranked {len(board.entries)} runs under {board.protocol_id}")
+    for path in written:
+        print(f"wrote {path}")
+    return 0
+
+
 # -- entry point -------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -239,6 +324,13 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("--model", help="model name (tta-bench ls models); default: the suite's")
     r.add_argument("--output", help="results JSON path; default: a timestamped file")
     r.add_argument("--data-dir", help="root of local data for hub-backed datasets")
+    r.add_argument(
+        "--on-bad-image",
+        choices=("fail", "skip"),
+        default="fail",
+        help="a corrupt or truncated image file: fail naming it (default), or skip it "
+        "(its index and path are recorded in the results)",
+    )
     r.add_argument("--cfg", action="store_true", help="print the resolved config and exit")
     r.add_argument("--quiet", action="store_true", help="no progress bars")
     r.add_argument("overrides", nargs="*", help="Hydra overrides (key=value)")
@@ -248,8 +340,60 @@ def build_parser() -> argparse.ArgumentParser:
     ls.add_argument("kind", nargs="?", choices=LIST_KINDS)
     ls.set_defaults(func=cmd_ls)
 
+    sw = sub.add_parser(
+        "sweep",
+        help="run a grid of runs as Hydra multirun jobs (resumable)",
+        description="Hydra multirun over run overrides, e.g. method=tent,mura seeds=[0,1,2] "
+        "hydra/launcher=joblib hydra.launcher.n_jobs=2. One job per method x model x seed; "
+        "each writes a results JSON into --dir; rerunning skips finished cells. Launchers: "
+        "basic (default), joblib, submitit_slurm (pip install 'tta-bench[sweep]').",
+    )
+    sw.add_argument("--dir", default="tta-results/sweep", help="sweep directory (results)")
+    sw.add_argument(
+        "--seeds-per-job-all",
+        action="store_true",
+        help="keep all seeds of seeds=[...] in one job instead of one job per seed",
+    )
+    sw.add_argument(
+        "--cfg",
+        choices=("job", "hydra", "all"),
+        help="print the composed config (Hydra --cfg) and run nothing",
+    )
+    sw.add_argument("overrides", nargs="*", help="Hydra overrides, sweeps as a,b")
+    sw.set_defaults(func=cmd_sweep)
+
+    pr = sub.add_parser(
+        "profile",
+        help="run a few batches and report where the time goes",
+        description="Run the first batches of a run (first seed) and report the time split "
+        "(data wait / shift / model), the data-wait share and a recommendation.",
+    )
+    pr.add_argument("--batches", type=int, default=20, help="batches to run (default 20)")
+    pr.add_argument("--method", help="method name; default zeroshot")
+    pr.add_argument("--suite", help="suite name; default digits-c")
+    pr.add_argument("--model", help="model name; default: the suite's")
+    pr.add_argument("--data-dir", help="root of local data for hub-backed datasets")
+    pr.add_argument("overrides", nargs="*", help="Hydra overrides (key=value)")
+    pr.set_defaults(func=cmd_profile, output=None, cfg=False, quiet=True)
+
     e = sub.add_parser("env", help="versions, device, cache dir, plugin distributions")
     e.set_defaults(func=cmd_env)
+
+    t = sub.add_parser("table", help="render tables from results files")
+    t.add_argument("results", nargs="+", help="results JSON files (one protocol)")
+    t.add_argument("--format", default="github", help="github | latex | csv | html | plain")
+    t.add_argument("--baseline", default="zeroshot", help="method to pair against ('' for none)")
+    t.add_argument("--test", default="t", choices=("t", "bootstrap"), help="paired test")
+    t.set_defaults(func=cmd_table)
+
+    lb = sub.add_parser("leaderboard", help="write a ranked leaderboard of a results directory")
+    lb.add_argument("results_dir", help="directory of results JSON files")
+    lb.add_argument("--suite", required=True, help="suite to rank (tta-bench ls suites)")
+    lb.add_argument("--protocol", help="protocol id to rank; default: the suite's current one")
+    lb.add_argument("--baseline", default="zeroshot", help="method to pair against ('' for none)")
+    lb.add_argument("--test", default="t", choices=("t", "bootstrap"), help="paired test")
+    lb.add_argument("--no-plots", action="store_true", help="tables only")
+    lb.set_defaults(func=cmd_leaderboard)
     return p
 
 

@@ -29,6 +29,23 @@ class ProtocolOverrides:
     reset: Optional[str] = None
     max_images: Optional[int] = None
     severity_table: Optional[str] = None
+    #: ``non_iid`` only: Dirichlet concentration of the label order (part of the id).
+    dirichlet_delta: Optional[float] = None
+
+
+@dataclass
+class LoaderConfig:
+    """DataLoader settings (``tta_bench.loader``); ``null`` = chosen for the device.
+
+    Defaults: no worker processes on the CPU, up to 4 on an accelerator; pinned memory on
+    CUDA only; prefetch factor 2 with workers; no persistent workers (one pass per run).
+    These never change results, only speed.
+    """
+
+    num_workers: Optional[int] = None
+    pin_memory: Optional[bool] = None
+    prefetch_factor: Optional[int] = None
+    persistent_workers: Optional[bool] = None
 
 
 @dataclass
@@ -49,7 +66,17 @@ class RunConfig:
     #: Also score the frozen source model on the identical stream (the table's delta column).
     reference: bool = True
     progress: bool = True
+    #: JSONL path for a per-batch log (loss, accuracy before/after adaptation, time, memory).
+    batch_log: Optional[str] = None
+    #: Also record each cell's accuracy per class.
+    per_class_accuracy: bool = False
+    #: Count FLOPs per sample (torch.utils.flop_counter) on each cell's first batch.
+    flops: bool = False
     protocol: ProtocolOverrides = field(default_factory=ProtocolOverrides)
+    loader: LoaderConfig = field(default_factory=LoaderConfig)
+    #: Skip the cells already in ``output`` when it exists and holds the same run
+    #: (model, method + config hash, protocol id); false starts the file afresh.
+    resume: bool = True
 
 
 def _simple_type(default: Any) -> Any:

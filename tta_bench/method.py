@@ -10,6 +10,8 @@ from __future__ import annotations
 import abc
 import contextlib
 import dataclasses
+import time
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -72,6 +74,44 @@ class Method(abc.ABC):
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return []
+
+    # -- cost accounting (read by the runner, never needed by a method's logic) ------------
+    #: The last adaptation loss (a detached scalar tensor) for the runner's per-batch log.
+    last_loss: torch.Tensor | float | None = None
+
+    @property
+    def timings(self) -> dict[str, float]:
+        """Seconds spent per phase of ``step`` (``adapt``: forward + backward + optimiser
+        step and resets; ``predict``), accumulated over the method's life. The runner reads
+        the growth over a cell and counts the rest of ``step`` as prediction, so a method
+        that times nothing counts entirely as prediction."""
+        if "_timings" not in self.__dict__:
+            self.__dict__["_timings"] = {}
+            self.__dict__["_timing_active"] = set()
+        return self.__dict__["_timings"]
+
+    @contextlib.contextmanager
+    def timed(self, phase: str) -> Iterator[None]:
+        """Add the wall time of the block to ``timings[phase]`` (device synchronised before
+        and after, like the runner's ``PhaseTimer``); nested blocks of the same phase count
+        once."""
+        timings = self.timings
+        active: set[str] = self.__dict__["_timing_active"]
+        if phase in active:
+            yield
+            return
+        cuda = self.device.type == "cuda"
+        if cuda:
+            torch.cuda.synchronize(self.device)
+        active.add(phase)
+        start = time.perf_counter()
+        try:
+            yield
+        finally:
+            if cuda:
+                torch.cuda.synchronize(self.device)
+            timings[phase] = timings.get(phase, 0.0) + time.perf_counter() - start
+            active.discard(phase)
 
 
 def build_optimizer(params: list[torch.Tensor], config: GradientConfig) -> torch.optim.Optimizer:
@@ -147,6 +187,10 @@ class GradientMethod(Method):
         }
 
     def reset(self) -> None:
+        with self.timed("adapt"):
+            self._restore()
+
+    def _restore(self) -> None:
         snap = self._snapshot
         with torch.no_grad():
             for p, saved in zip(self.params, snap["params"]):
@@ -173,6 +217,7 @@ class GradientMethod(Method):
             self.optimizer.zero_grad(set_to_none=True)
             loss.backward()
             self.optimizer.step()
+            self.last_loss = loss.detach()
         return logits
 
     @torch.no_grad()
@@ -182,10 +227,12 @@ class GradientMethod(Method):
         return logits.float()
 
     def step(self, images: torch.Tensor) -> torch.Tensor:
-        logits = self.adapt(images)
+        with self.timed("adapt"):
+            logits = self.adapt(images)
         if self.predict_from_last_forward and logits is not None:
             return logits.detach().float()
-        return self.predict(images)
+        with self.timed("predict"):
+            return self.predict(images)
 
 
 def _load_loss(name: str):

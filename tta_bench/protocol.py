@@ -3,6 +3,12 @@
 A named suite in the catalogue (``registry.yaml``: ``suites:``) is resolved, together with
 the run's overrides, into a frozen ``Protocol``. Its ``id`` hashes every field, so results
 from different protocols are never compared by accident.
+
+The ``reset`` field names the stream policy: when the method is reset *and* in which order
+the samples arrive. ``tta_bench.stream.build_stream(protocol, seed, ...)`` turns a protocol
+into the ordered batches every method sees. Independent policies (each cell can run alone,
+so sweeps and resume work per cell) and stateful ones (a seed's cells depend on each other,
+so they run, and resume, per seed) are listed in ``STATEFUL``.
 """
 
 from __future__ import annotations
@@ -21,7 +27,14 @@ RESET_POLICIES = {
     "episodic_sample": "batch size 1, reset after every sample",
     "reset_each_shift": "reset at the start of every (shift, severity) cell; online inside it",
     "continual": "all cells in the pinned order, never reset",
+    "gradual": "per shift, severity rises 1..5 then falls back to 1; all shifts in the pinned "
+    "order, never reset",
+    "mixed_domains": "all (shift, severity) domains shuffled into one stream, never reset",
+    "non_iid": "reset at the start of every cell; inside it the label order is temporally "
+    "correlated, drawn with a Dirichlet(dirichlet_delta) per class over time slots",
 }
+#: Policies whose cells within a seed depend on each other: run and resumed per seed.
+STATEFUL = frozenset({"continual", "gradual", "mixed_domains"})
 SHIFT_SOURCES = ("synthetic", "dataset")
 
 
@@ -41,6 +54,9 @@ class Protocol:
     #: Severity parameter table for synthetic shifts: ``cifar`` (32 px) or ``imagenet``.
     severity_table: str = "cifar"
     max_images: int | None = None
+    #: Concentration of the per-class Dirichlet over time slots (``non_iid`` only): small
+    #: values put each class into few consecutive batches (strongly non-i.i.d.).
+    dirichlet_delta: float | None = None
     default_model: str | None = None
     description: str = field(default="", compare=False)
 
@@ -61,23 +77,59 @@ class Protocol:
         bad = [s for s in self.severities if not 1 <= int(s) <= 5]
         if bad:
             raise ValueError(f"severities must be in 1..5, got {bad}")
+        if not self.shifts:
+            raise ValueError(f"suite {self.name!r} names no shifts")
+        if self.max_images is not None and self.max_images < 1:
+            raise ValueError(f"max_images must be >= 1 or null, got {self.max_images}")
+        if self.reset == "non_iid":
+            if self.dirichlet_delta is None or not self.dirichlet_delta > 0:
+                raise ValueError(
+                    "reset policy 'non_iid' needs dirichlet_delta > 0 "
+                    f"(e.g. protocol.dirichlet_delta=0.1), got {self.dirichlet_delta!r}"
+                )
+        elif self.dirichlet_delta is not None:
+            raise ValueError(
+                f"dirichlet_delta={self.dirichlet_delta} only applies to reset policy "
+                f"'non_iid', not {self.reset!r}"
+            )
+
+    @property
+    def stateful(self) -> bool:
+        """True when a seed's cells depend on each other (no reset between them)."""
+        return self.reset in STATEFUL
 
     def identity(self) -> dict[str, Any]:
+        """Every field a number depends on (what the id hashes)."""
         data = asdict(self)
         data.pop("description")
         data.pop("default_model")
+        if data["dirichlet_delta"] is None:
+            # Absent unless used, so the ids of protocols from before the field existed hold.
+            data.pop("dirichlet_delta")
         return data
 
     @property
     def id(self) -> str:
+        """``<suite>@v<version>-<policy>[-d<delta>]-bs<batch>-<digest of identity()>``."""
         blob = json.dumps(self.identity(), sort_keys=True, default=list)
         digest = hashlib.sha256(blob.encode()).hexdigest()[:10]
-        return f"{self.name}@v{self.version}-{self.reset}-bs{self.batch_size}-{digest}"
+        policy = self.reset
+        if self.reset == "non_iid":
+            policy += f"-d{self.dirichlet_delta:g}"
+        return f"{self.name}@v{self.version}-{policy}-bs{self.batch_size}-{digest}"
 
 
 PROTOCOL_FIELDS = {f.name for f in fields(Protocol)}
 #: Fields a run may override (the override changes the protocol id).
-OVERRIDABLE = ("shifts", "severities", "batch_size", "reset", "max_images", "severity_table")
+OVERRIDABLE = (
+    "shifts",
+    "severities",
+    "batch_size",
+    "reset",
+    "max_images",
+    "severity_table",
+    "dirichlet_delta",
+)
 
 
 def load_protocol(suite: str, **overrides: Any) -> Protocol:
@@ -103,6 +155,8 @@ def load_protocol(suite: str, **overrides: Any) -> Protocol:
     spec["dataset_args"] = dict(spec["dataset_args"] or {})
     spec["shifts"] = tuple(spec.get("shifts") or ())
     spec["severities"] = tuple(int(s) for s in spec.get("severities") or (5,))
+    if spec.get("dirichlet_delta") is not None:
+        spec["dirichlet_delta"] = float(spec["dirichlet_delta"])
     if spec.get("reset") == "episodic_sample":
         spec["batch_size"] = 1
     return Protocol(**spec)

@@ -105,6 +105,7 @@ def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
             fh.write("\n")
             fh.flush()
             os.fsync(fh.fileno())
+        os.chmod(tmp, 0o644)  # mkstemp creates 0600; results are meant to be shared
         os.replace(tmp, path)
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
@@ -124,7 +125,9 @@ def load_results(path: str | Path) -> dict[str, Any]:
 
 
 def summarize(cells: list[dict[str, Any]]) -> dict[str, Any]:
-    """Suite-level figures: mean accuracy over cells (per seed, then over seeds)."""
+    """Suite-level figures: mean accuracy over cells (per seed, then over seeds) with its
+    sample std and 95% Student t interval over seeds (``tta_bench.stats``), mean ECE and
+    NLL, mean time per sample and the largest peak memory."""
     if not cells:
         return {"mean_accuracy": None, "n_cells": 0}
     by_seed: dict[int, list[float]] = {}
@@ -139,7 +142,18 @@ def summarize(cells: list[dict[str, Any]]) -> dict[str, Any]:
     refs = [c["reference_accuracy"] for c in cells if c.get("reference_accuracy") is not None]
     if len(refs) == len(cells):
         out["mean_reference_accuracy"] = sum(refs) / len(refs)
-    times = [c["time_per_sample_s"] for c in cells]
-    out["mean_time_per_sample_s"] = sum(times) / len(times)
+    # None: a cell whose only batch was FLOP-counted has no timing
+    times = [c["time_per_sample_s"] for c in cells if c.get("time_per_sample_s") is not None]
+    out["mean_time_per_sample_s"] = sum(times) / len(times) if times else None
     out["max_peak_memory_bytes"] = max(int(c["peak_memory_bytes"]) for c in cells)
+    from tta_bench import stats  # scipy: only once there are cells to summarise
+
+    acc = stats.suite_estimate({"cells": cells}, "accuracy")
+    if acc is not None:
+        out["accuracy_std"] = acc.std
+        out["accuracy_ci95"] = [acc.ci_low, acc.ci_high] if acc.ci_low is not None else None
+    for key in ("ece", "nll"):
+        est = stats.suite_estimate({"cells": cells}, key)
+        if est is not None:
+            out[f"mean_{key}"] = est.mean
     return out

@@ -1,0 +1,106 @@
+"""The data pipeline: DataLoader settings, worker-count independence, and ``profile``."""
+
+from __future__ import annotations
+
+import pickle
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+import torch
+
+from tta_bench import profile, runner
+from tta_bench.loader import StreamBatches, make_loader, resolve_settings
+from tta_bench.protocol import load_protocol
+from tta_bench.registry import registry
+from tta_bench.stream import build_stream
+
+
+def _spec(loader=None, method: str = "tent", reset: str = "reset_each_shift") -> runner.RunSpec:
+    return runner.RunSpec(
+        method=method,
+        method_config=registry("methods").get(method).Config(),
+        model="tiny-clip-digits",
+        model_args={},
+        protocol=load_protocol(
+            "digits-c",
+            reset=reset,
+            shifts=["gaussian_noise", "contrast"],
+            max_images=64,
+            batch_size=16,
+        ),
+        seeds=[0, 1],
+        progress=False,
+        reference=False,
+        resume=False,
+        loader=loader,
+    )
+
+
+def test_defaults_follow_the_device_and_bad_settings_fail():
+    cpu = resolve_settings(None, torch.device("cpu"))
+    assert (cpu.num_workers, cpu.pin_memory, cpu.prefetch_factor) == (0, False, None)
+    cuda = resolve_settings({}, torch.device("cuda"))
+    assert cuda.num_workers >= 1 and cuda.pin_memory and cuda.prefetch_factor == 2
+    assert not resolve_settings({"pin_memory": True}, torch.device("cpu")).pin_memory
+    with pytest.raises(ValueError, match="num_workers must be >= 0, got -1"):
+        resolve_settings({"num_workers": -1}, torch.device("cpu"))
+    with pytest.raises(ValueError, match="prefetch_factor=4 needs loader.num_workers > 0"):
+        resolve_settings({"prefetch_factor": 4}, torch.device("cpu"))
+
+
+@pytest.mark.parametrize("reset", ["reset_each_shift", "mixed_domains"])
+def test_same_results_with_0_and_2_workers(tmp_path, default_bundle, reset):
+    a = runner.run(_spec({"num_workers": 0}, reset=reset), tmp_path / "w0.json")
+    b = runner.run(
+        _spec({"num_workers": 2, "prefetch_factor": 2}, reset=reset), tmp_path / "w2.json"
+    )
+    assert a["loop"]["loader"]["num_workers"] == 0 and b["loop"]["loader"]["num_workers"] == 2
+    keys = ("shift", "severity", "seed", "n", "accuracy", "nll", "ece")
+    rows_a = [tuple(c.get(k) for k in keys) for c in a["cells"]]
+    rows_b = [tuple(c.get(k) for k in keys) for c in b["cells"]]
+    assert rows_a == rows_b and len(rows_a) == 4
+
+
+def test_loader_yields_the_stream_in_order_and_memmaps_travel_as_paths(tmp_path, digits_stream):
+    images = np.lib.format.open_memmap(
+        tmp_path / "x.npy", mode="w+", dtype=np.uint8, shape=(len(digits_stream), 4, 4, 3)
+    )
+    images[:] = np.arange(len(digits_stream), dtype=np.uint8)[:, None, None, None]
+    images.flush()
+    mm = np.load(tmp_path / "x.npy", mmap_mode="r")
+    p = load_protocol("digits-c", reset="mixed_domains", shifts=["contrast"], max_images=40)
+    labels = {d: digits_stream.labels for d in [("contrast", 5)]}
+    stream = build_stream(p, 0, labels)
+    ds = StreamBatches(stream.batches, [mm], [0], [digits_stream.labels])
+    clone = pickle.loads(pickle.dumps(ds))
+    assert isinstance(clone.arrays[0], np.memmap)  # re-mapped, not copied
+    assert len(pickle.dumps(ds)) < mm.nbytes
+    loader = make_loader(ds, resolve_settings({"num_workers": 2}, torch.device("cpu")))
+    got = list(loader)
+    assert [g["number"] for g in got] == [b.number for b in stream.batches]
+    for g, b in zip(got, stream.batches):
+        assert g["images"][:, 0, 0, 0].tolist() == (b.indices % 256).tolist()
+        assert g["labels"].tolist() == digits_stream.labels[b.indices].tolist()
+
+
+def test_profile_reports_the_split_and_a_recommendation(default_bundle):
+    prof = profile.profile(_spec(method="zeroshot"), batches=3)
+    assert prof.batches == 3 and prof.images == 48
+    assert prof.model_s > 0 and prof.shift_s > 0 and prof.data_wait_s > 0
+    assert 0.0 < prof.data_wait_share < 1.0
+    assert "data wait" in prof.table() and prof.recommendation()
+    starved = profile.Profile(3, 48, 0.0, 3.0, 0.1, 1.0, 0.0, "cuda", {"num_workers": 0})
+    assert "raise loader.num_workers" in starved.recommendation()
+    fed = profile.Profile(3, 48, 0.0, 0.01, 0.1, 1.0, 0.0, "cuda", {"num_workers": 4})
+    assert "nothing to change" in fed.recommendation()
+
+
+def test_profile_command(default_bundle):
+    cmd = [sys.executable, "-m", "tta_bench.cli", "profile", "--batches", "2"]
+    cmd += ["protocol.shifts=[contrast]", "protocol.max_images=32", "protocol.batch_size=16"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    for text in ("data wait", "shift", "model", "data-wait share", "recommendation:"):
+        assert text in done.stdout
