@@ -214,7 +214,14 @@ def test_a_plugin_metric_is_computed_for_every_cell(clean_registries):
 
 
 def test_a_plugin_metric_may_not_shadow_a_builtin(clean_registries):
-    registry("metrics").add("ece", _top2, distribution="test-plugin")
+    # Built-in metrics are entry points of tta-bench: a plugin reusing a name is a duplicate.
+    with pytest.raises(RegistryError, match="duplicate metric name 'ece'"):
+        registry("metrics").add("ece", _top2, distribution="test-plugin")
+
+
+def test_an_in_process_metric_may_not_shadow_a_builtin(clean_registries, monkeypatch):
+    monkeypatch.setattr(metrics, "METRICS", {})
+    metrics.register_metric("accuracy", _top2)
     with pytest.raises(RegistryError, match="clashes"):
         metrics.compute_all(torch.zeros(2, 2), torch.tensor([0, 1]))
 

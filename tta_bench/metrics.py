@@ -2,9 +2,9 @@
 reach the method). A metric is ``fn(logits [N, C] float, labels [N] int64) -> float``.
 
 Built in: ``accuracy`` (fraction), ``nll`` (nats), ``ece`` (15 equal-width confidence
-bins, a fraction). Plugins add metrics through the ``tta_bench.metrics`` entry-point group
-(each one is computed for every cell and stored under its name), or in-process through
-``register_metric``.
+bins, a fraction), registered through the ``tta_bench.metrics`` entry-point group like any
+plugin's metric (each one is computed for every cell and stored under its name); in-process
+metrics go through ``register_metric``.
 """
 
 from __future__ import annotations
@@ -65,11 +65,9 @@ def per_class_accuracy(
     return out
 
 
-METRICS: dict[str, Metric] = {
-    "accuracy": accuracy,
-    "nll": nll,
-    "ece": expected_calibration_error,
-}
+#: In-process metrics (tests, notebooks). The built-in ones above are registered like any
+#: plugin's, through this distribution's ``tta_bench.metrics`` entry points.
+METRICS: dict[str, Metric] = {}
 
 
 def register_metric(name: str, fn: Metric) -> None:
@@ -81,19 +79,19 @@ def register_metric(name: str, fn: Metric) -> None:
 
 
 def all_metrics() -> dict[str, Metric]:
-    """Built-in and registered metrics, then plugin metrics from entry points (sorted)."""
+    """Metrics from entry points (built-in and plugins, by name), then in-process ones."""
     from tta_bench.registry import RegistryError, registry
 
-    out = dict(METRICS)
     plugins = registry("metrics")
-    for name in plugins.names():
+    out = {name: plugins.get(name) for name in plugins.names()}
+    for name, fn in METRICS.items():
         if name in out:
             origin = plugins.origin(name)
             raise RegistryError(
-                f"metric {name!r} from {origin.distribution} ({origin.value}) clashes with "
-                f"the built-in or registered metric of that name; rename it"
+                f"metric {name!r} registered in-process clashes with {origin.value} from "
+                f"{origin.distribution}; rename it"
             )
-        out[name] = plugins.get(name)
+        out[name] = fn
     return out
 
 
