@@ -150,3 +150,14 @@ def test_python_dash_m_entry(tmp_path):
         check=True,
     )
     assert "digits-c-full" in done.stdout
+
+
+def test_pass_counts_exclude_the_reference_forward(tmp_path):
+    """A parameter-free method shares the frozen tower with the reference scoring; the
+    reference forward must not be counted as the method's pass."""
+    code, record = _run(tmp_path, "--method", "tda", *SMALL)
+    assert code == 0
+    for cell in record["cells"]:
+        assert cell["reference_accuracy"] is not None
+        assert cell["forward_passes_per_sample"] == 1.0
+        assert cell["backward_passes_per_sample"] == 0.0

@@ -84,10 +84,12 @@ def render_tables(
     fmt: str = "github",
     baseline: str | None = "zeroshot",
     test: str = "t",
+    labels: Sequence[str] | None = None,
 ) -> str:
     """The three tables of ``tta-bench table``: the shift-wise table (shift x severity for
     one file, method x shift for several), the suite summary and the cost table. Files of
-    different protocols are refused (``stats.ProtocolMismatchError``)."""
+    different protocols are refused (``stats.ProtocolMismatchError``). ``labels`` name the
+    rows (default: the method, with a config hash where a method appears twice)."""
     if fmt not in tables.FORMATS:
         raise ValueError(f"unknown table format {fmt!r}; available: {', '.join(tables.FORMATS)}")
     records = load_many(paths)
@@ -95,7 +97,7 @@ def render_tables(
         raise ValueError("no results files given")
     for other in records[1:]:
         stats.check_same_protocol(records[0], other)
-    labels = _labels(records)
+    labels = list(labels) if labels is not None else _labels(records)
     if len(records) == 1:
         shift = tables.shift_table(records[0], fmt)
     else:

@@ -415,6 +415,10 @@ class Evaluation:
                     else:
                         method.reseed(stable_seed("batch", seed, "mixed", batch.number) % 2**63)
                     logits = method.step(x).detach().float()
+                # Passes are the method's own: read them before the reference forward, which
+                # may run through the same (shared, frozen) tower for parameter-free methods.
+                fwd = counter.forward - passes_before[0]
+                bwd = counter.backward - passes_before[1]
                 ref_pred = None
                 if score_reference:
                     with timer.phase("reference"), torch.no_grad():
@@ -429,8 +433,6 @@ class Evaluation:
                 if log is not None:
                     loss = method.last_loss if method.adapts else None
                     _log_batch(log, seed, batch, stream, loss, hit, ref_hit, spent, device)
-                fwd = counter.forward - passes_before[0]
-                bwd = counter.backward - passes_before[1]
                 rows = (
                     [(dom, slice(None))]
                     if dom is not None
