@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import math
+import warnings
 from functools import lru_cache
 
 import torch
@@ -205,8 +206,12 @@ def jpeg_compression(
     check_images("jpeg_compression", images)
     quality = severity_param("jpeg_compression", JPEG_COMPRESSION, table, severity)
     u8 = (images.detach() * 255.0).round().clamp(0, 255).to(torch.uint8).cpu()
-    encoded = encode_jpeg(list(u8), quality=int(quality))
-    decoded = decode_jpeg(encoded)
+    # torchvision 0.29 deprecates its codecs in favour of torchcodec; they are still the
+    # libjpeg the fidelity tests pin, so the notice is silenced here rather than per run.
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", DeprecationWarning)
+        encoded = encode_jpeg(list(u8), quality=int(quality))
+        decoded = decode_jpeg(encoded)
     return torch.stack(decoded).to(images.device, images.dtype) / 255.0
 
 
