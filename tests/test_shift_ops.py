@@ -59,3 +59,16 @@ def test_fast_spatter_parts_equal_convolutions():
         pts = idx[edges[i, 0]].float()
         d = torch.cdist(idx.view(-1, 2).float(), pts).amin(1).view(12, 13).clamp(max=4)
         torch.testing.assert_close(weather._edge_distance(edges, 4)[i, 0], d)
+
+
+@pytest.mark.parametrize("table,severity", [("imagenet", 3), ("digits", 5)])
+def test_batched_zoom_blur_equals_the_clipped_zoom_average(table, severity):
+    from mura_plugin.shifts._ops import clipped_zoom
+    from tta_bench.rng import SampleGenerator
+
+    x = torch.rand(2, 3, 23, 29, generator=torch.Generator().manual_seed(2))
+    factors = blur.zoom_factors(table, severity)
+    ref = (x + sum(clipped_zoom(x, float(z)) for z in factors)) / (len(factors) + 1)
+    gen = SampleGenerator.for_samples(range(2), 0, "zoom_blur", severity)
+    out = blur.zoom_blur(x, severity, generator=gen, table=table)
+    torch.testing.assert_close(out, ref.clamp(0, 1), atol=1e-5, rtol=0)

@@ -7,12 +7,13 @@ size, see ``mura_plugin.shifts``).
 from __future__ import annotations
 
 import math
+from functools import lru_cache
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from mura_plugin.shifts._ops import _filter_matrix, clipped_zoom, fft_correlate
+from mura_plugin.shifts._ops import _filter_matrix, fft_correlate, zoom_axis
 from mura_plugin.shifts._ops import gaussian_filter as _gaussian_filter
 from mura_plugin.shifts._params import check_images, severity_param, spatial_scale
 from tta_bench.rng import SampleGenerator
@@ -130,14 +131,22 @@ def glass_blur(
     sigma, delta = sigma * scale, max(1, int(round(delta * scale)))
     b, c, h, w = images.shape
     x = torch.floor(gaussian_filter(images, sigma) * 255.0) / 255.0
-    shifts = generator.randint(-delta, delta, iterations, 2, h, w).to(images.device)
+    # Displacements drawn per sample into one small-integer buffer (no per-sample int64
+    # tensors to stack); the same values as ``generator.randint``.
+    shifts = torch.empty(b, iterations, 2, h, w, dtype=torch.int16)
+    for j, g in enumerate(generator.generators):
+        torch.randint(-delta, delta, (iterations, 2, h, w), generator=g, out=shifts[j])
+    shifts = shifts.to(images.device)
     yy = torch.arange(h, device=images.device).view(h, 1)
     xx = torch.arange(w, device=images.device).view(1, w)
     interior = (yy >= delta) & (yy < h - delta) & (xx >= delta) & (xx < w - delta)
+    base = (yy * w + xx).view(1, h * w)
     for it in range(iterations):
-        sy = torch.where(interior, yy + shifts[:, it, 0], yy)
-        sx = torch.where(interior, xx + shifts[:, it, 1], xx)
-        src = (sy.clamp(0, h - 1) * w + sx.clamp(0, w - 1)).view(b, 1, h * w).expand(b, c, -1)
+        # Interior pixels stay inside the image after a shift of at most ``delta``, so the
+        # flat source index is the pixel's own plus ``dy * w + dx`` (no clamping needed).
+        off = shifts[:, it, 0].view(b, h * w).to(torch.int64).mul_(w)
+        off.add_(shifts[:, it, 1].view(b, h * w)).mul_(interior.view(1, h * w))
+        src = off.add_(base).view(b, 1, h * w).expand(b, c, -1)
         x = x.reshape(b, c, h * w).gather(2, src).view(b, c, h, w)
     return gaussian_filter(x, sigma).clamp(0.0, 1.0)
 
@@ -188,6 +197,10 @@ def motion_taps(radius: int, sigma: float, angles: torch.Tensor) -> list[dict[tu
     return taps
 
 
+#: Up to this many pixels per image, ``motion_filter`` correlates by FFT (see there).
+SMALL_MOTION_PIXELS = 64 * 64
+
+
 def motion_filter(
     images: torch.Tensor, radius: int, sigma: float, angles: torch.Tensor
 ) -> torch.Tensor:
@@ -195,6 +208,11 @@ def motion_filter(
     replicated. The line has only ``2 * radius + 1`` taps, so it is applied directly as
     weighted shifted copies (far cheaper than a per-sample FFT of the whole image)."""
     b, c, h, w = images.shape
+    if h * w <= SMALL_MOTION_PIXELS:
+        # Small images: one batched FFT correlation with the per-sample line kernels beats
+        # a Python loop of shifted adds per sample and tap (measured ~2x at 32 px).
+        kernels = motion_kernels(radius, sigma, angles, images.device)
+        return fft_correlate(images, kernels.to(images.dtype), "replicate")
     taps = motion_taps(radius, sigma, angles)
     pad = max(max(abs(dy), abs(dx)) for t in taps for dy, dx in t)
     padded = F.pad(images, (pad, pad, pad, pad), mode="replicate") if pad else images
@@ -227,14 +245,48 @@ def zoom_factors(table: str, severity: int) -> np.ndarray:
     return np.arange(start, stop, step)
 
 
+@lru_cache(maxsize=16)
+def _zoom_grid(
+    h: int, w: int, factors: tuple[float, ...], device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:
+    """``grid_sample`` grid ``[1, F * H, W, 2]`` (corner-aligned) stacking, for each zoom
+    factor, the source positions of ``clipped_zoom`` (``zoom_axis``: bilinear, separable)."""
+    grids = []
+    for z in factors:
+        y0, _, wy = zoom_axis(h, z, torch.device("cpu"))
+        x0, _, wx = zoom_axis(w, z, torch.device("cpu"))
+        # zoom_axis's taps are (floor, floor + 1) with weight = the fraction, so the source
+        # position is i0 + w1; align_corners=True maps -1..1 onto pixel 0..n-1.
+        gy = 2 * (y0.double() + wy) / max(h - 1, 1) - 1
+        gx = 2 * (x0.double() + wx) / max(w - 1, 1) - 1
+        grids.append(torch.stack(torch.broadcast_tensors(gx[None, :], gy[:, None]), -1))
+    return torch.cat(grids, 0)[None].to(device, dtype)
+
+
 def zoom_blur(
     images: torch.Tensor, severity: int, *, generator: SampleGenerator, table: str = "cifar"
 ) -> torch.Tensor:
-    """Average of the image and its centre zooms by each factor (radial blur)."""
+    """Average of the image and its centre zooms by each factor (radial blur).
+
+    All zooms of a group of channels come from one ``grid_sample`` call: the batch's
+    channels are its channels (``[1, B * C, H, W]``), so the bilinear weights of every
+    output position are computed once and reused across channels, and the factors are
+    stacked along the grid's height.
+    """
     del generator  # deterministic
     check_images("zoom_blur", images)
-    factors = zoom_factors(table, severity)
-    out = images.clone()
-    for z in factors:
-        out += clipped_zoom(images, float(z))
-    return (out / (len(factors) + 1)).clamp(0.0, 1.0)
+    factors = tuple(float(z) for z in zoom_factors(table, severity))
+    b, c, h, w = images.shape
+    grid = _zoom_grid(h, w, factors, images.device, images.dtype)
+    out = images.clone(memory_format=torch.contiguous_format)
+    flat = out.view(1, b * c, h, w)
+    acc = out.view(b * c, h, w)
+    n = len(factors)
+    # CPU: a few channels at a time keep the stacked zooms cache-sized.
+    step = b * c if images.device.type != "cpu" else max(1, (1 << 22) // (n * h * w))
+    for s in range(0, b * c, step):
+        zoomed = F.grid_sample(
+            flat[:, s : s + step], grid, "bilinear", "border", align_corners=True
+        )
+        acc[s : s + step] += zoomed[0].view(-1, n, h, w).sum(1)
+    return (out / (n + 1)).clamp_(0.0, 1.0)

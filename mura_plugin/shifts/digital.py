@@ -205,14 +205,27 @@ def jpeg_compression(
 
     check_images("jpeg_compression", images)
     quality = severity_param("jpeg_compression", JPEG_COMPRESSION, table, severity)
-    u8 = (images.detach() * 255.0).round().clamp(0, 255).to(torch.uint8).cpu()
+    # Channels-last (HWC) buffers are the codec's own layout: encode and decode then copy
+    # nothing and the result is written with plain contiguous copies. ``out`` is returned
+    # in that memory format (same shape and values; ``.contiguous()`` gives NCHW strides).
+    out = torch.empty(images.shape, dtype=images.dtype, memory_format=torch.channels_last)
+    step = chunk_rows(images)
     # torchvision 0.29 deprecates its codecs in favour of torchcodec; they are still the
     # libjpeg the fidelity tests pin, so the notice is silenced here rather than per run.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        encoded = encode_jpeg(list(u8), quality=int(quality))
-        decoded = decode_jpeg(encoded)
-    return torch.stack(decoded).to(images.device, images.dtype) / 255.0
+        # Cache-sized chunks: the 8-bit conversion and the copy back stay in cache instead of
+        # making whole-batch passes over freshly allocated memory.
+        for s in range(0, images.shape[0], step):
+            chunk = images[s : s + step].detach().cpu()
+            u8 = chunk.mul(255.0).round_().clamp_(0, 255)
+            u8 = u8.to(torch.uint8, memory_format=torch.channels_last)
+            decoded = decode_jpeg(encode_jpeg(list(u8), quality=int(quality)))
+            dst = out[s : s + step]
+            for j, img in enumerate(decoded):
+                dst[j].copy_(img)
+            dst.div_(255.0)
+    return out.to(images.device)
 
 
 @lru_cache(maxsize=64)
