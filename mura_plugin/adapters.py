@@ -8,6 +8,9 @@
   different ranks, mixed by global (softmax) weights or per-token weights from its own
   router. With one component and weight 1 it is plain LoRA. It can adapt a subset of the
   output rows only (the q and v slices of a fused timm ``qkv``).
+* ``split_vision_forward(visual, k)`` cuts an open_clip ViT's forward before block ``k``,
+  so multi-view methods run the frozen prefix once per batch and only the adapted suffix
+  per step.
 * ``attach_adapters`` places them by name patterns, matched against each linear's name
   inside its block *and* a role alias shared by open_clip and timm (``attn.q``, ``attn.k``,
   ``attn.v``, ``attn.out``, ``mlp.in``, ``mlp.out``), so one target list fits both.
@@ -17,7 +20,7 @@ from __future__ import annotations
 
 import fnmatch
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 import torch.nn.functional as F
@@ -31,6 +34,7 @@ __all__ = [
     "vision_blocks",
     "split_attention",
     "attach_adapters",
+    "split_vision_forward",
 ]
 
 INITS = ("zero", "svd")
@@ -117,6 +121,55 @@ def vision_blocks(visual: nn.Module) -> list[nn.Module]:
     return list(max(lists, key=len))
 
 
+def split_vision_forward(
+    visual: nn.Module, k: int
+) -> tuple[Callable[[torch.Tensor], torch.Tensor], Callable[[torch.Tensor], torch.Tensor]] | None:
+    """``(prefix, suffix)`` with ``suffix(prefix(x)) == visual(x)`` for an open_clip
+    ``VisionTransformer``: ``prefix`` maps normalised images ``[N, 3, H, W]`` to the tokens
+    entering block ``k`` (``[N, T, D]``, batch first whatever the tower's layout: patch
+    embedding, class/positional embedding, ``ln_pre``, blocks ``0..k-1``); ``suffix`` runs
+    blocks ``k..`` then pooling, ``ln_post`` and the projection, returning ``[N, D_out]``.
+    Blocks are looked up at call time, so adapters attached later are used; the tower's
+    forward hooks run after ``suffix`` (pass counters count images once). None for
+    towers this does not know (timm trunks, towers returning tokens, attention pooling):
+    callers then run the plain forward."""
+    transformer = getattr(visual, "transformer", None)
+    blocks = getattr(transformer, "resblocks", None)
+    known = all(hasattr(visual, a) for a in ("_embeds", "_pool", "proj"))
+    if not known or not isinstance(blocks, (nn.ModuleList, nn.Sequential)):
+        return None
+    if getattr(visual, "output_tokens", False) or getattr(visual, "attn_pool", None) is not None:
+        return None
+    if not 0 <= k <= len(blocks):
+        raise ValueError(f"k must be in 0..{len(blocks)}, got {k}")
+    batch_first = getattr(transformer, "batch_first", True)
+
+    def run(x: torch.Tensor, start: int, stop: int) -> torch.Tensor:
+        if not batch_first:
+            x = x.transpose(0, 1)
+        for block in list(transformer.resblocks)[start:stop]:
+            x = block(x)
+        return x if batch_first else x.transpose(0, 1)
+
+    def prefix(images: torch.Tensor) -> torch.Tensor:
+        return run(visual._embeds(images), 0, k)
+
+    def suffix(tokens: torch.Tensor) -> torch.Tensor:
+        pooled, _ = visual._pool(run(tokens, k, len(transformer.resblocks)))
+        out = pooled @ visual.proj if visual.proj is not None else pooled
+        # Forward hooks on the tower (the runner's pass counter) see each image once, when
+        # its features come out, as they would for ``visual(images)``.
+        for hook_id, hook in list(visual._forward_hooks.items()):
+            with_kwargs = visual._forward_hooks_with_kwargs.get(hook_id, False)
+            result = (
+                hook(visual, (tokens,), {}, out) if with_kwargs else hook(visual, (tokens,), out)
+            )
+            out = out if result is None else result
+        return out
+
+    return prefix, suffix
+
+
 def split_attention(block: nn.Module) -> None:
     """Replace every ``nn.MultiheadAttention`` child of ``block`` by ``SplitAttention``."""
     for name, child in list(block.named_children()):
@@ -138,6 +191,15 @@ class MultiRankLinear(nn.Module):
     Mixing weights ``w``: with ``router=True`` a zero-initialised ``nn.Linear(in, K)`` on each
     token's input gives per-token softmax weights (uniform at initialisation); otherwise
     the owner sets global weights ``[K]`` with ``set_weights`` (None means 1 for each).
+
+    Batched episodes (``begin_episodes(n)``): the layer then uses ``n`` independent copies of
+    its adapter (``A [n, R, in]``, ``B [n, out', R]``, and the router's weights when it is
+    included), initialised from the current values, and reads its input as sample-major:
+    the leading ``N`` rows of ``x [N, ..., in]`` are ``n`` consecutive groups, group ``i``
+    (all its views and tokens) going through copy ``i``. Global weights may then be
+    per-copy, ``[n, K]``. ``select_episodes(rows)`` restricts the layer to a chunk of the
+    copies (the input then holds those samples only); ``end_episodes()`` drops the copies.
+    The shared parameters are never touched by an episode.
     """
 
     def __init__(
@@ -180,7 +242,9 @@ class MultiRankLinear(nn.Module):
             with torch.no_grad():  # uniform weights at initialisation
                 self.router.weight.zero_()
                 self.router.bias.zero_()
-        self.weights: torch.Tensor | None = None  # global weights [K], set by the owner
+        self.weights: torch.Tensor | None = None  # global weights [K] or [n, K], by the owner
+        self.episode: dict[str, torch.Tensor] | None = None  # copies in use, if active
+        self._episodes: dict[str, torch.Tensor] | None = None  # all per-sample copies
         self.init_zero()
 
     @property
@@ -254,20 +318,68 @@ class MultiRankLinear(nn.Module):
     def set_weights(self, weights: torch.Tensor | None) -> None:
         self.weights = weights
 
+    def begin_episodes(self, n: int, *, router: bool = False) -> list[torch.Tensor]:
+        """Start ``n`` independent episodes: per-sample leaf copies of ``lora_A`` and
+        ``lora_B`` (and of the router's weight and bias when ``router``), returned in that
+        order, each ``[n, *shape]`` with ``requires_grad``. See the class docstring."""
+        if n < 1:
+            raise ValueError(f"need at least one episode, got n={n}")
+
+        def copies(p: torch.Tensor) -> torch.Tensor:
+            return p.detach().unsqueeze(0).repeat(n, *([1] * p.dim())).requires_grad_(True)
+
+        episode = {"A": copies(self.lora_A), "B": copies(self.lora_B)}
+        if router:
+            if self.router is None:
+                raise ValueError("router=True but this layer has no router")
+            episode["router_w"] = copies(self.router.weight)
+            episode["router_b"] = copies(self.router.bias)
+        self._episodes = episode
+        self.episode = episode
+        return list(episode.values())
+
+    def select_episodes(self, rows: slice) -> None:
+        """Use copies ``rows`` only (a chunk of samples); call under the autograd mode of
+        the forward, since the slices are views of the leaf copies."""
+        if self._episodes is None:
+            raise RuntimeError("select_episodes() before begin_episodes()")
+        self.episode = {k: v[rows] for k, v in self._episodes.items()}
+
+    def end_episodes(self) -> None:
+        self.episode = self._episodes = None
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.frozen_weight is None:
             y = self.base(x)
         else:
             y = F.linear(x, self.frozen_weight, self.base.bias)
-        h = F.linear(x, self.lora_A)
+        ep = self.episode
+        if ep is None:
+            h = F.linear(x, self.lora_A)  # [..., R]
+        else:
+            n = ep["A"].shape[0]
+            if x.shape[0] % n:
+                raise ValueError(f"{x.shape[0]} input rows do not split into {n} episodes")
+            x = x.reshape(n, -1, x.shape[-1])  # [n, M, in]: sample-major groups
+            h = torch.bmm(x, ep["A"].transpose(1, 2))  # [n, M, R]
         if self.router is not None:
-            w = self.router(x).float().softmax(dim=-1)  # [..., K] per token
+            if ep is not None and "router_w" in ep:
+                r = torch.baddbmm(ep["router_b"].unsqueeze(1), x, ep["router_w"].transpose(1, 2))
+            else:
+                r = self.router(x)
+            w = r.float().softmax(dim=-1)  # [..., K] per token
             scale = w.index_select(-1, self.component_index) * self.rank_scale
         elif self.weights is not None:
-            scale = self.weights.index_select(0, self.component_index) * self.rank_scale
+            scale = self.weights.index_select(-1, self.component_index) * self.rank_scale
+            if scale.dim() == 2:  # per-episode global weights [n, R]
+                scale = scale.unsqueeze(1)
         else:
             scale = self.rank_scale
-        delta = F.linear(h * scale.to(h.dtype), self.lora_B)
+        h = h * scale.to(h.dtype)
+        if ep is None:
+            delta = F.linear(h, self.lora_B)
+        else:
+            delta = torch.bmm(h, ep["B"].transpose(1, 2)).reshape(*y.shape[:-1], -1)
         if self.out_index is None:
             return y + delta.to(y.dtype)
         return y.index_add(-1, self.out_index, delta.to(y.dtype))

@@ -13,6 +13,7 @@ from mura_plugin.adapters import (
     MultiRankLinear,
     SplitAttention,
     attach_adapters,
+    split_vision_forward,
     vision_blocks,
 )
 
@@ -119,3 +120,73 @@ def test_fused_qkv_restricted_to_q_and_v_slices_on_timm():
         delta = qkv(tokens) - qkv.base(tokens)
     assert delta[..., d : 2 * d].abs().max() < 1e-5  # k slice untouched
     assert delta[..., :d].abs().max() > 1e-2 and delta[..., 2 * d :].abs().max() > 1e-2
+
+
+@pytest.mark.parametrize("router", [False, True])
+def test_batched_episodes_use_one_adapter_copy_per_sample(router):
+    """With n episodes, rows of sample i go through copy i: the same as the plain layer
+    holding copy i's values; per-copy global weights [n, K] work too."""
+    torch.manual_seed(0)
+    base = nn.Linear(12, 10)
+    layer = MultiRankLinear(base, [2, 3], alpha=4.0, router=router)
+    n, views, tokens = 3, 4, 5
+    copies = layer.begin_episodes(n, router=router)
+    assert [c.shape[0] for c in copies] == [n] * len(copies)
+    assert all(c.requires_grad and c.is_leaf for c in copies)
+    with torch.no_grad():
+        for c in copies:
+            c.normal_()
+    weights = None if router else torch.rand(n, 2)
+    layer.set_weights(weights)
+    x = torch.randn(n * views, tokens, 12)  # sample-major rows
+    out = layer(x)
+    layer.select_episodes(slice(1, 3))
+    layer.set_weights(None if router else weights[1:3])  # the owner slices its weights
+    part = layer(x[views:])
+    layer.set_weights(weights)
+    layer.end_episodes()
+    for i in range(n):
+        ref = MultiRankLinear(base, [2, 3], alpha=4.0, router=router)
+        with torch.no_grad():
+            ref.lora_A.copy_(copies[0][i])
+            ref.lora_B.copy_(copies[1][i])
+            if router:
+                ref.router.weight.copy_(copies[2][i])
+                ref.router.bias.copy_(copies[3][i])
+        ref.set_weights(None if router else weights[i])
+        rows = slice(i * views, (i + 1) * views)
+        torch.testing.assert_close(out[rows], ref(x[rows]), rtol=0, atol=1e-5)
+    torch.testing.assert_close(part, out[views:], rtol=0, atol=1e-6)
+    assert layer.episode is None
+    layer.set_weights(None)
+    torch.testing.assert_close(layer(x), base(x))  # shared adapter untouched (B = 0)
+    with pytest.raises(ValueError, match="do not split into 3 episodes"):
+        layer.begin_episodes(3)
+        layer(torch.randn(4, 12))
+
+
+def test_split_vision_forward_reproduces_the_tower(classifier):
+    visual = copy.deepcopy(classifier.visual)
+    x = torch.rand(3, 3, 32, 32)
+    with torch.no_grad():
+        ref = visual(x)
+        depth = len(vision_blocks(visual))
+        for k in (0, depth - 1, depth):
+            prefix, suffix = split_vision_forward(visual, k)
+            tokens = prefix(x)
+            assert tokens.shape[0] == 3 and tokens.dim() == 3
+            torch.testing.assert_close(suffix(tokens), ref, rtol=0, atol=1e-6)
+        # adapters attached after the split are used by the suffix
+        prefix, suffix = split_vision_forward(visual, depth - 1)
+        adapters = attach_adapters(vision_blocks(visual)[-1:], ["attn.q"], [4], 4.0)
+        next(iter(adapters.values())).lora_B.normal_()
+        assert not torch.allclose(suffix(prefix(x)), ref, atol=1e-3)
+    seen = []
+    handle = visual.register_forward_hook(lambda _m, args, out: seen.append(len(args[0])))
+    with torch.no_grad():
+        suffix(prefix(x))
+    handle.remove()
+    assert seen == [3]  # a pass counter on the tower counts each image once
+    with pytest.raises(ValueError, match="k must be in"):
+        split_vision_forward(visual, depth + 1)
+    assert split_vision_forward(nn.Sequential(nn.Linear(2, 2)), 0) is None

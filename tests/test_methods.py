@@ -137,16 +137,71 @@ def test_reset_then_step_equals_a_fresh_instance(cls, classifier, batch):
     assert torch.equal(fresh.step(batch), used.step(batch))
 
 
-def test_autograd_stops_at_the_deepest_block(classifier, batch):
+@pytest.mark.parametrize("split", [True, False])
+def test_autograd_stops_at_the_deepest_block(classifier, batch, split):
     mura = _build(MuRA, classifier, **FAST)
+    if not split:  # the fallback for towers that cannot be split: a detach hook
+        mura._split = None
     images = batch[:1].clone().requires_grad_(True)
     with torch.enable_grad():
-        loss, _ = mura.view_loss(images.unsqueeze(0))
+        inputs = mura.encode_views(images.unsqueeze(0))
+        assert ("tokens" in inputs) == split
+        loss, _ = mura.view_loss(inputs)
         loss.sum().backward()
     assert images.grad is None  # nothing below the adapted block joined the graph
     assert all(
         p.grad is not None for p in mura.adapters[next(iter(mura.adapters))].adapter_parameters()
     )
+
+
+@pytest.mark.parametrize(
+    ("cls", "overrides"),
+    [
+        (LoRA, {}),
+        (LoRA, {"optimizer": "sgd", "lr": 0.5}),  # not scale-free like Adam: sum, not mean
+        (TPT, {}),
+        (MuRA, {"router_persist": False, "fusion": "softmax", "steps": 2}),
+        (MuRA, {"router_persist": False, "include_original": False, "chunk_views": 10}),
+    ],
+)
+def test_batched_episodes_equal_the_sequential_loop(classifier, batch, cls, overrides):
+    """Parallel per-sample episodes (one forward/backward, summed loss, one optimiser step,
+    chunked) compute exactly the per-sample adapt/predict/restore loop."""
+    config = {**FAST, "chunk_views": 20, **overrides}  # 20 // 8 views: chunks of 2 samples
+    parallel = _build(cls, classifier, **config)
+    sequential = _build(cls, classifier, episode_batching=False, **config)
+    assert parallel.batched_episodes() and not sequential.batched_episodes()
+    outs = []
+    for method in (parallel, sequential):
+        method.reseed(4)
+        outs.append(method.step(batch))
+        assert method.timings["adapt"] > 0 and method.timings["predict"] > 0
+        assert torch.isfinite(torch.as_tensor(method.last_loss))
+    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=1e-5)
+    torch.testing.assert_close(parallel.last_loss, sequential.last_loss, rtol=0, atol=1e-6)
+    with torch.no_grad():
+        assert not torch.allclose(outs[0], parallel.predict(batch), atol=1e-3)  # it adapted
+    for p, saved in zip(parallel.params, parallel._snapshot["params"]):
+        assert torch.equal(p, saved)  # shared state untouched by the episodes
+
+
+def test_batched_mura_persistent_router_steps_once_per_batch(classifier, batch):
+    """CRU in batched mode: adapters are per-sample episodes, the shared router takes one
+    step per batch on the summed per-sample losses; the sequential loop steps per sample."""
+    parallel = _build(MuRA, classifier, **FAST)
+    sequential = _build(MuRA, classifier, episode_batching=False, **FAST)
+    for method in (parallel, sequential):
+        method.reseed(2)
+        method.step(batch)
+    adapter = next(iter(parallel.adapters.values()))
+    state = parallel.optimizer.state[adapter.router.weight]
+    assert int(state["step"]) == 1  # one router step for the whole batch
+    seq_adapter = next(iter(sequential.adapters.values()))
+    assert int(sequential.optimizer.state[seq_adapter.router.weight]["step"]) == len(batch)
+    assert not torch.equal(adapter.router.weight, seq_adapter.router.weight)
+    # a loss that couples the samples of a batch runs the exact sequential loop
+    coupled = _build(MuRA, classifier, loss="info_max", **FAST)
+    assert not coupled.batched_episodes()
 
 
 def test_seed_sketch_config_and_episodic_modes(classifier, batch):

@@ -12,7 +12,10 @@ What differs: TTL's augmentations are torchvision transforms on PIL images; here
 are drawn in one batched ``grid_sample`` (bilinear) on the device. The LoRA scale is
 ``alpha / r = 1``. Implementation: MuRA's adapter machinery with one component and fixed
 weight 1 (``fusion=none``, ``init=zero``), so MuRA with ``ranks=[16]`` and the same placement
-computes exactly this (tests/test_methods.py checks it).
+computes exactly this (tests/test_methods.py checks it). The 64 per-sample episodes of a batch
+run in parallel, each with its own adapter copy, and the blocks below the adapted ones run
+once per batch without gradients (see mura.py and _views.py): the same computation as the
+per-sample loop, to ~1e-6 (``method.episode_batching=false`` runs the loop).
 """
 
 from __future__ import annotations

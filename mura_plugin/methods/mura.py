@@ -26,8 +26,20 @@ What is assumed where the description is silent (and why):
   AdamW 5e-3, weight decay 0.01 = torch's AdamW default used by their code);
 * scaling ``alpha / r_k`` with ``alpha = 16`` (scale 1 for the rank-16 component);
 * the singular-vector slices are taken from the top, in the order of ``ranks``.
-Cost: autograd never goes below the first adapted block (its input is detached), so the
-backward pass covers only the adapted block(s); the frozen earlier blocks build no graph.
+Cost: the frozen blocks before the first adapted one run once per batch for all V x B
+views without gradients (``encode_views``, open_clip ViTs; other towers detach the input
+of the first adapted block instead), the adaptation forward/backward covers only the
+adapted block(s), and the prediction on the original image restarts from its cached
+tokens (view 0). With ``episodic=sample`` the B per-sample episodes of a batch run in one
+batched forward/backward, each sample with its own adapter copy (``episode_batching``,
+default; exactly the per-sample loop, see _views.py).
+Router persistence in batched mode (CRU, ``router_persist=true``): the shared router is
+updated once per batch, by one optimiser step on the gradient of the *sum* of the batch's
+per-sample losses (its optimiser state persists across batches), instead of once per
+sample: every sample of a batch adapts with the router as it was at the start of the
+batch and is predicted with the router after the batch's step.
+``method.episode_batching=false`` restores the sequential per-sample router updates (the
+exact CRU order, slower) for exactness studies.
 """
 
 from __future__ import annotations
@@ -36,9 +48,16 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
-from mura_plugin.adapters import INITS, MultiRankLinear, attach_adapters, vision_blocks
+from mura_plugin.adapters import (
+    INITS,
+    MultiRankLinear,
+    attach_adapters,
+    split_vision_forward,
+    vision_blocks,
+)
 from mura_plugin.methods._views import MultiViewConfig, MultiViewMethod
 from tta_bench.model import ZeroShotClassifier
 
@@ -82,6 +101,7 @@ class MuRA(MultiViewMethod):
         if not 1 <= cfg.blocks <= len(blocks):
             raise ValueError(f"blocks must be in 1..{len(blocks)}, got {cfg.blocks}")
         adapted = blocks[-cfg.blocks :]
+        first = len(blocks) - cfg.blocks
         k = len(cfg.ranks)
         init_weights = torch.full((k,), 1.0 / k if cfg.fusion != "none" else 1.0)
         self.adapters: dict[str, MultiRankLinear] = attach_adapters(
@@ -100,6 +120,13 @@ class MuRA(MultiViewMethod):
         )
         # Autograd stops at the first adapted block: backward covers only adapted blocks.
         self._hook = adapted[0].register_forward_pre_hook(_detach_inputs)
+        # Frozen prefix run once per batch (None: unknown tower, plain forward per step).
+        self._split = split_vision_forward(model.visual, first)
+        # Batched episodes read tokens as sample-major rows: needs batch-first blocks.
+        transformer = getattr(model.visual, "transformer", None)
+        self._batch_first = bool(getattr(transformer, "batch_first", True))
+        self._episode_merge: torch.Tensor | None = None  # copies in use ([n, K])
+        self._episode_merge_all: torch.Tensor | None = None
 
     def collect_params(self, model: ZeroShotClassifier) -> list[nn.Parameter]:
         params: list[nn.Parameter] = [] if self.merge_logits is None else [self.merge_logits]
@@ -116,17 +143,84 @@ class MuRA(MultiViewMethod):
         return list(self.params)
 
     def _set_fusion(self) -> None:
-        weights = None if self.merge_logits is None else self.merge_logits.softmax(dim=0)
+        logits = self.merge_logits if self._episode_merge is None else self._episode_merge
+        weights = None if logits is None else logits.softmax(dim=-1)  # [K] or [n, K]
         for adapter in self.adapters.values():
             adapter.set_weights(weights)
 
-    def view_loss(self, views: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        self._set_fusion()
+    # -- batched episodes ----------------------------------------------------------------
+    def supports_episode_batching(self) -> bool:
+        return self._batch_first
+
+    def begin_episodes(self, n: int) -> list[torch.Tensor]:
+        episode = {id(p) for p in self.episode_parameters()}
+        copies: list[torch.Tensor] = []
+        if self.merge_logits is not None and id(self.merge_logits) in episode:
+            merge = self.merge_logits.detach().unsqueeze(0).repeat(n, 1)
+            self._episode_merge = self._episode_merge_all = merge.requires_grad_(True)
+            copies.append(merge)
+        for adapter in self.adapters.values():
+            router = any(id(p) in episode for p in adapter.router_parameters())
+            copies += adapter.begin_episodes(n, router=router)
+        return copies
+
+    def select_episodes(self, rows: slice) -> None:
+        if self._episode_merge_all is not None:
+            self._episode_merge = self._episode_merge_all[rows]
+        for adapter in self.adapters.values():
+            adapter.select_episodes(rows)
+
+    def end_episodes(self) -> None:
+        self._episode_merge = self._episode_merge_all = None
+        for adapter in self.adapters.values():
+            adapter.end_episodes()
+
+    # -- views -----------------------------------------------------------------------------
+    @torch.no_grad()
+    def encode_views(self, views: torch.Tensor) -> dict[str, torch.Tensor]:
+        """``{"tokens": [V, B, T, D]}``, the tokens entering the first adapted block (frozen
+        prefix, run once, computed sample-major so that ``view_loss`` reads them without a
+        copy), or ``{"images": views}`` when the tower cannot be split."""
+        if self._split is None:
+            return {"images": views}
         v, b = views.shape[:2]
-        feats = self.model.encode_image(views.flatten(0, 1))
+        flat = views.transpose(0, 1).flatten(0, 1)  # sample-major [B * V, C, H, W]
+        chunk = self.config.chunk_views
+        with self.autocast():
+            tokens = torch.cat(
+                [
+                    self._split[0](self.model.normalize(flat[i : i + chunk]))
+                    for i in range(0, len(flat), chunk)
+                ]
+            )
+        return {"tokens": tokens.view(b, v, *tokens.shape[1:]).transpose(0, 1)}
+
+    def _features(self, inputs: dict[str, torch.Tensor], flat: torch.Tensor) -> torch.Tensor:
+        """L2-normalised image features of sample-major ``flat`` tokens or images."""
+        if "tokens" in inputs:
+            return F.normalize(self._split[1](flat), dim=-1)
+        return self.model.encode_image(flat)
+
+    def view_loss(self, inputs: dict[str, torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+        self._set_fusion()
+        x = inputs["tokens"] if "tokens" in inputs else inputs["images"]
+        v, b = x.shape[:2]
+        feats = self._features(inputs, x.transpose(0, 1).flatten(0, 1))  # [B * V, D]
         logits = self.model.logits_from_features(feats)
-        feats, logits = feats.view(v, b, -1), logits.view(v, b, -1)
+        feats = feats.view(b, v, -1).transpose(0, 1)
+        logits = logits.view(b, v, -1).transpose(0, 1)
         return self.loss_fn(logits, features=feats), logits
+
+    @torch.no_grad()
+    def predict_episode(
+        self, images: torch.Tensor, inputs: dict[str, torch.Tensor]
+    ) -> torch.Tensor:
+        if "tokens" not in inputs or not self.config.include_original:
+            return self.predict(images)
+        self._set_fusion()
+        with self.autocast():  # view 0 is the original image: restart from its tokens
+            feats = self._features(inputs, inputs["tokens"][0])
+            return self.model.logits_from_features(feats).float()
 
     def predict(self, images: torch.Tensor) -> torch.Tensor:
         with torch.no_grad():

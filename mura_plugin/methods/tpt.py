@@ -16,6 +16,9 @@ What differs and why:
   later (padding) positions: sequences are cut after the longest prompt's end token. Exact,
   and several times cheaper with 77-token contexts.
 * Views are drawn by one batched ``grid_sample`` instead of PIL transforms; no AugMix.
+* The per-sample episodes of a batch run in parallel (``episode_batching``, see _views.py):
+  each sample gets its own context copy and all B x C prompts go through one text forward;
+  exactly the per-sample loop, since the context is the only adapted parameter.
 * TPT's head is its single learned prompt, not the zero-shot prompt ensemble, so its
   starting point differs from ``zeroshot`` (as in the paper).
 """
@@ -43,7 +46,6 @@ class TPTConfig(MultiViewConfig):
     lr: float = 5e-3
     weight_decay: float = 0.01
     steps: int = 1
-    image_chunk: int = 1024  # views per gradient-free image forward
 
 
 class PromptTextEncoder(nn.Module):
@@ -89,18 +91,39 @@ class PromptTextEncoder(nn.Module):
             return (tokens == self.clip.text_eos_id).int().argmax(dim=-1)
         return tokens.argmax(dim=-1)
 
-    def forward(self) -> torch.Tensor:
-        """L2-normalised class text features ``[C, D]``."""
+    def forward(self, ctx: torch.Tensor | None = None) -> torch.Tensor:
+        """L2-normalised class text features: ``[C, D]`` from ``ctx [n_ctx, width]`` (default:
+        the parameter), or ``[S, C, D]`` from per-sample contexts ``ctx [S, n_ctx, width]``
+        (all S x C prompts in one text forward)."""
+        ctx = self.ctx if ctx is None else ctx
+        c = self.prefix.shape[0]
+        if ctx.dim() == 3:
+            s = ctx.shape[0]
+            x = torch.cat(
+                [
+                    self.prefix.expand(s, -1, -1, -1),
+                    ctx.unsqueeze(1).expand(-1, c, -1, -1),
+                    self.suffix.expand(s, -1, -1, -1),
+                ],
+                dim=2,
+            ).flatten(0, 1)
+            return self._encode(x, s * c).view(s, c, -1)
+        x = torch.cat([self.prefix, ctx.unsqueeze(0).expand(c, -1, -1), self.suffix], 1)
+        return self._encode(x, c)
+
+    def _encode(self, x: torch.Tensor, rows: int) -> torch.Tensor:
+        """Text transformer on embedded prompts ``x [rows, L, width]`` (class-major within
+        each group of C): normalised features at the end tokens ``[rows, D]``."""
         clip = self.clip
         c = self.prefix.shape[0]
         cast = clip.transformer.get_cast_dtype()
-        x = torch.cat([self.prefix, self.ctx.unsqueeze(0).expand(c, -1, -1), self.suffix], 1)
         n = x.shape[1]
         x = x.to(cast) + clip.positional_embedding[:n].to(cast)
         mask = clip.attn_mask[:n, :n] if clip.attn_mask is not None else None
         x = clip.transformer(x, attn_mask=mask)
         x = clip.ln_final(x)
-        x = x[torch.arange(c, device=x.device), self.end]
+        end = self.end.repeat(rows // c)
+        x = x[torch.arange(rows, device=x.device), end]
         proj = clip.text_projection
         if proj is not None:
             x = proj(x) if isinstance(proj, nn.Linear) else x @ proj
@@ -114,16 +137,32 @@ class TPT(MultiViewMethod):
         if not 0.0 < self.config.selection <= 1.0:
             raise ValueError(f"selection must be in (0, 1], got {self.config.selection}")
         self.prompt = PromptTextEncoder(model, self.config.ctx_init)
+        self._episode_ctx: torch.Tensor | None = None  # copies in use ([n, n_ctx, width])
+        self._episode_ctx_all: torch.Tensor | None = None
 
     def collect_params(self, model: ZeroShotClassifier) -> list[nn.Parameter]:
         return [self.prompt.ctx]
+
+    def supports_episode_batching(self) -> bool:
+        return True
+
+    def begin_episodes(self, n: int) -> list[torch.Tensor]:
+        ctx = self.prompt.ctx.detach().unsqueeze(0).repeat(n, 1, 1)
+        self._episode_ctx = self._episode_ctx_all = ctx.requires_grad_(True)
+        return [ctx]
+
+    def select_episodes(self, rows: slice) -> None:
+        self._episode_ctx = self._episode_ctx_all[rows]
+
+    def end_episodes(self) -> None:
+        self._episode_ctx = self._episode_ctx_all = None
 
     @torch.no_grad()
     def encode_views(self, views: torch.Tensor) -> torch.Tensor:
         """Image features ``[V, B, D]`` of all views (frozen tower, chunked)."""
         v, b = views.shape[:2]
         flat = views.flatten(0, 1)
-        chunk = max(1, self.config.image_chunk)
+        chunk = self.config.chunk_views
         with self.autocast():
             feats = torch.cat(
                 [self.model.encode_image(flat[i : i + chunk]) for i in range(0, len(flat), chunk)]
@@ -131,7 +170,12 @@ class TPT(MultiViewMethod):
         return feats.float().view(v, b, -1)
 
     def _logits(self, feats: torch.Tensor) -> torch.Tensor:
-        return self.model.logits_from_features(feats, self.prompt().to(feats.dtype))
+        """Logits ``[..., B, C]`` of image features ``[..., B, D]`` under the prompt (or, in
+        batched episodes, sample b's features under sample b's prompt)."""
+        if self._episode_ctx is None:
+            return self.model.logits_from_features(feats, self.prompt().to(feats.dtype))
+        text = self.prompt(self._episode_ctx).to(feats.dtype)  # [B, C, D]
+        return self.model.logit_scale * torch.einsum("...bd,bcd->...bc", feats, text)
 
     def view_loss(self, feats: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = self._logits(feats)

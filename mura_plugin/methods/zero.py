@@ -33,7 +33,7 @@ class ZeroConfig:
     flip: bool = True
     selection: float = 0.3  # fraction of most confident views that vote
     tie_eps: float = 1e-3
-    image_chunk: int = 1024  # views per forward
+    chunk_views: int = 256  # views per forward: cache-sized chunks run ~2x faster on CPU
     autocast: bool = True  # bf16 on CUDA
 
 
@@ -44,6 +44,8 @@ class Zero(Method):
         cfg = self.config
         if not 0.0 < cfg.selection <= 1.0:
             raise ValueError(f"selection must be in (0, 1], got {cfg.selection}")
+        if cfg.chunk_views < 1:
+            raise ValueError(f"chunk_views must be >= 1, got {cfg.chunk_views}")
         if not 0.0 < cfg.tie_eps < 1.0:
             raise ValueError(f"tie_eps must be in (0, 1), got {cfg.tie_eps}")
 
@@ -60,7 +62,7 @@ class Zero(Method):
         )
         v, b = views.shape[:2]
         flat = views.flatten(0, 1)
-        chunk = max(1, cfg.image_chunk)
+        chunk = cfg.chunk_views
         use_bf16 = cfg.autocast and self.device.type == "cuda"
         with torch.autocast("cuda", dtype=torch.bfloat16, enabled=use_bf16):
             logits = torch.cat([self.model(flat[i : i + chunk]) for i in range(0, v * b, chunk)])
