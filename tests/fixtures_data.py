@@ -7,23 +7,7 @@ from pathlib import Path
 
 import numpy as np
 
-CORRUPTIONS = (
-    "gaussian_noise",
-    "shot_noise",
-    "impulse_noise",
-    "defocus_blur",
-    "glass_blur",
-    "motion_blur",
-    "zoom_blur",
-    "snow",
-    "frost",
-    "fog",
-    "brightness",
-    "contrast",
-    "elastic_transform",
-    "pixelate",
-    "jpeg_compression",
-)
+from mura_plugin.datasets.cifar import CORRUPTIONS  # the pinned order, one source
 
 
 def cifar_c(

@@ -35,10 +35,10 @@ def _split_choice(overrides: list[str], key: str) -> tuple[str | None, list[str]
 
 
 def _resolve_run(args: argparse.Namespace) -> tuple[Any, Any]:
+    """``(composed config, RunSpec)`` of ``run``/``profile``; bad input raises UsageError."""
     from omegaconf import OmegaConf
 
-    from tta_bench.config import compose, method_config, to_container
-    from tta_bench.protocol import load_protocol
+    from tta_bench.config import compose
 
     overrides = list(args.overrides)
     method, overrides = _split_choice(overrides, "method")
@@ -66,32 +66,31 @@ def _resolve_run(args: argparse.Namespace) -> tuple[Any, Any]:
             raise UsageError(f"bad configuration override: {exc}") from exc
         raise
     OmegaConf.set_struct(cfg, True)
+    from tta_bench.runner import spec_from_config
+
     try:
-        mcfg = method_config(cfg)
-    except Exception as exc:
-        raise UsageError(f"bad method configuration: {exc}") from exc
-    overrides_p = {k: v for k, v in to_container(cfg.protocol).items() if v is not None}
-    try:
-        protocol = load_protocol(suite, **overrides_p)
-    except ValueError as exc:
+        spec = spec_from_config(cfg, method, model)
+    except ValueError as exc:  # protocol values (reset policy, severities, ...)
         raise UsageError(str(exc)) from exc
-    cfg_dict = to_container(cfg)
-    cfg_dict.pop("defaults", None)
-    cfg_dict["method"] = {"name": method, **cfg_dict["method"]}
-    cfg_dict["model"] = {"name": model, **cfg_dict["model"]}
-    return cfg, (method, mcfg, model, protocol, cfg_dict)
+    except Exception as exc:  # the method config failed OmegaConf's validation
+        if type(exc).__module__.startswith("omegaconf"):
+            raise UsageError(f"bad method configuration: {exc}") from exc
+        raise
+    return cfg, spec
 
 
 def cmd_run(args: argparse.Namespace) -> int:
     from omegaconf import OmegaConf
 
-    cfg, (method, mcfg, model, protocol, cfg_dict) = _resolve_run(args)
+    cfg, spec = _resolve_run(args)
+    protocol, method, model = spec.protocol, spec.method, spec.model
     if args.cfg:
-        print(OmegaConf.to_yaml(OmegaConf.create(cfg_dict)), end="")
+        print(OmegaConf.to_yaml(OmegaConf.create(spec.config)), end="")
         print(f"# protocol: {protocol.id}")
         return 0
-    _check_components(protocol, mcfg)
+    _check_components(protocol, spec.method_config)
 
+    import dataclasses
     from pathlib import Path
 
     from tta_bench import results, runner, tables
@@ -101,24 +100,8 @@ def cmd_run(args: argparse.Namespace) -> int:
         if cfg.output
         else results.default_output(cfg.results_dir, method, protocol.name)
     )
-    spec = runner.RunSpec(
-        method=method,
-        method_config=mcfg,
-        model=model,
-        model_args={k: v for k, v in cfg_dict["model"].items() if k != "name"},
-        protocol=protocol,
-        seeds=[int(s) for s in cfg.seeds],
-        device=cfg.device,
-        data_dir=cfg.data_dir,
-        reference=bool(cfg.reference),
-        progress=bool(cfg.progress) and not args.quiet,
-        config=cfg_dict,
-        loader=cfg_dict.get("loader"),
-        resume=bool(cfg.resume),
-        on_bad_image=args.on_bad_image,
-        batch_log=cfg.batch_log,
-        per_class_accuracy=bool(cfg.per_class_accuracy),
-        flops=bool(cfg.flops),
+    spec = dataclasses.replace(
+        spec, progress=spec.progress and not args.quiet, on_bad_image=args.on_bad_image
     )
     try:
         record = runner.run(spec, output)
@@ -162,23 +145,15 @@ def cmd_sweep(args: argparse.Namespace) -> int:
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
-    from tta_bench import profile, runner
+    import dataclasses
 
-    cfg, (method, mcfg, model, protocol, cfg_dict) = _resolve_run(args)
-    _check_components(protocol, mcfg)
-    spec = runner.RunSpec(
-        method=method,
-        method_config=mcfg,
-        model=model,
-        model_args={k: v for k, v in cfg_dict["model"].items() if k != "name"},
-        protocol=protocol,
-        seeds=[int(s) for s in cfg.seeds][:1],
-        device=cfg.device,
-        data_dir=cfg.data_dir,
-        reference=bool(cfg.reference),
-        config=cfg_dict,
-        loader=cfg_dict.get("loader"),
-    )
+    from tta_bench import profile
+
+    _, spec = _resolve_run(args)
+    protocol, method, model = spec.protocol, spec.method, spec.model
+    _check_components(protocol, spec.method_config)
+    # A slice of the first seed, measured, never written as results or logs.
+    spec = dataclasses.replace(spec, seeds=spec.seeds[:1], batch_log=None, flops=False)
     try:
         prof = profile.profile(spec, batches=args.batches)
     except ValueError as exc:

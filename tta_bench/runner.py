@@ -64,6 +64,39 @@ class RunSpec:
     flops: bool = False
 
 
+def spec_from_config(cfg: Any, method: str, model: str) -> RunSpec:
+    """The ``RunSpec`` of a composed run config (``tta_bench.config``); ``method`` and
+    ``model`` are the config-group choices. Callers adjust CLI-only fields with
+    ``dataclasses.replace``."""
+    from tta_bench.config import method_config, to_container
+    from tta_bench.protocol import load_protocol
+
+    overrides = {k: v for k, v in to_container(cfg.protocol).items() if v is not None}
+    protocol = load_protocol(cfg.suite, **overrides)
+    cfg_dict = to_container(cfg)
+    cfg_dict.pop("defaults", None)
+    cfg_dict["method"] = {"name": method, **cfg_dict["method"]}
+    cfg_dict["model"] = {"name": model, **cfg_dict["model"]}
+    return RunSpec(
+        method=method,
+        method_config=method_config(cfg),
+        model=model,
+        model_args={k: v for k, v in cfg_dict["model"].items() if k != "name"},
+        protocol=protocol,
+        seeds=[int(s) for s in cfg.seeds],
+        device=cfg.device,
+        data_dir=cfg.data_dir,
+        reference=bool(cfg.reference),
+        progress=bool(cfg.progress),
+        config=cfg_dict,
+        loader=cfg_dict.get("loader"),
+        resume=bool(cfg.resume),
+        batch_log=cfg.get("batch_log"),
+        per_class_accuracy=bool(cfg.get("per_class_accuracy", False)),
+        flops=bool(cfg.get("flops", False)),
+    )
+
+
 class ResumeMismatchError(ValueError):
     """The output file exists but holds a different run."""
 

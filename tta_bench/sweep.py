@@ -76,35 +76,13 @@ def register_configs() -> None:
 
 
 def build_spec(cfg: DictConfig, method: str, model: str) -> Any:
-    """The ``RunSpec`` of one composed job config (``method``/``model``: the group choices)."""
-    from tta_bench.config import method_config, to_container
-    from tta_bench.protocol import load_protocol
-    from tta_bench.runner import RunSpec
+    """The ``RunSpec`` of one composed job config (``method``/``model``: the group choices).
+    ``batch_log`` is a single path that parallel jobs would share, so sweeps leave it off."""
+    import dataclasses
 
-    overrides = {k: v for k, v in to_container(cfg.protocol).items() if v is not None}
-    protocol = load_protocol(cfg.suite, **overrides)
-    cfg_dict = to_container(cfg)
-    cfg_dict.pop("defaults", None)
-    cfg_dict["method"] = {"name": method, **cfg_dict["method"]}
-    cfg_dict["model"] = {"name": model, **cfg_dict["model"]}
-    return RunSpec(
-        method=method,
-        method_config=method_config(cfg),
-        model=model,
-        model_args={k: v for k, v in cfg_dict["model"].items() if k != "name"},
-        protocol=protocol,
-        seeds=[int(s) for s in cfg.seeds],
-        device=cfg.device,
-        data_dir=cfg.data_dir,
-        reference=bool(cfg.reference),
-        progress=bool(cfg.progress),
-        config=cfg_dict,
-        loader=cfg_dict.get("loader"),
-        resume=bool(cfg.resume),
-        # batch_log is a single path: parallel jobs would share it, so sweeps leave it off.
-        per_class_accuracy=bool(cfg.get("per_class_accuracy", False)),
-        flops=bool(cfg.get("flops", False)),
-    )
+    from tta_bench.runner import spec_from_config
+
+    return dataclasses.replace(spec_from_config(cfg, method, model), batch_log=None)
 
 
 def job_filename(spec: Any) -> str:
