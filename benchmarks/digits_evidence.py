@@ -32,14 +32,6 @@ ABLATION_RUNS = [
     ("mura-ranks-16", "mura", ["method.ranks=[16]"]),
     ("mura-fusion-softmax", "mura", ["method.fusion=softmax"]),
     ("mura-init-zero", "mura", ["method.init=zero"]),
-    ("mura-steps-3", "mura", ["method.steps=3"]),
-    ("lora-matched-steps-3", "lora", ["method.blocks=1", "method.steps=3"]),
-    ("mura-loss-entropy", "mura", ["method.loss=entropy"]),
-    (
-        "mura-seed-sketch",
-        "mura",
-        ["method.fusion=softmax", "method.init=zero", "method.loss=consistency"],
-    ),
     # Views suited to 32 px digits (milder crops, no mirror images), the best setting of
     # the crop x flip grid on digits-c-extra for both mura and lora.
     ("mura-views-digits", "mura", ["method.crop_scale_min=0.5", "method.flip=false"]),
@@ -48,6 +40,14 @@ ABLATION_RUNS = [
         "lora",
         ["method.blocks=1", "method.crop_scale_min=0.5", "method.flip=false"],
     ),
+    ("mura-loss-entropy", "mura", ["method.loss=entropy"]),
+    (
+        "mura-seed-sketch",
+        "mura",
+        ["method.fusion=softmax", "method.init=zero", "method.loss=consistency"],
+    ),
+    ("mura-steps-3", "mura", ["method.steps=3"]),
+    ("lora-matched-steps-3", "lora", ["method.blocks=1", "method.steps=3"]),
 ]
 
 
