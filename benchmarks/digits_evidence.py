@@ -173,7 +173,7 @@ def report(wall: dict[str, float]) -> str:
     if full:
         lines += ["## All severities (`digits-c-full`, seed 0)", "", tables(full, "zeroshot")]
     if wall:
-        lines += ["## Wall time of the runs in this regeneration", ""]
+        lines += ["## Wall time of the runs in this regeneration (a few s: already complete)", ""]
         lines += [f"- `{k}`: {v:.0f} s" for k, v in wall.items()]
     return "\n".join(lines).rstrip() + "\n"
 
