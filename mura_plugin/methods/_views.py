@@ -62,6 +62,19 @@ class MultiViewConfig(GradientConfig):
     chunk_views: int = 256
 
 
+def configured_views(images: torch.Tensor, cfg: Any, generator: torch.Generator) -> torch.Tensor:
+    """``[V, B, C, H, W]`` views of ``images`` as a config with ``views``,
+    ``include_original``, ``crop_scale_min`` and ``flip`` asks (shared with ZERO)."""
+    return make_views(
+        images,
+        cfg.views,
+        generator,
+        include_original=cfg.include_original,
+        scale=(cfg.crop_scale_min, 1.0),
+        flip=cfg.flip,
+    )
+
+
 class MultiViewMethod(GradientMethod):
     """Adapt on views, predict on the original; see the module docstring."""
 
@@ -134,15 +147,7 @@ class MultiViewMethod(GradientMethod):
 
     # -- the loop ------------------------------------------------------------------------
     def make_views(self, images: torch.Tensor) -> torch.Tensor:
-        cfg = self.config
-        return make_views(
-            images,
-            cfg.views,
-            self.generator,
-            include_original=cfg.include_original,
-            scale=(cfg.crop_scale_min, 1.0),
-            flip=cfg.flip,
-        )
+        return configured_views(images, self.config, self.generator)
 
     def adapt_on(self, inputs: Any) -> None:
         """``config.steps`` optimiser steps on the mean of ``view_loss(inputs)``."""

@@ -18,8 +18,8 @@ from dataclasses import dataclass
 
 import torch
 
-from mura_plugin.augment import make_views
 from mura_plugin.losses import select_confident
+from mura_plugin.methods._views import configured_views
 from tta_bench.method import Method
 
 __all__ = ["Zero", "ZeroConfig"]
@@ -52,14 +52,7 @@ class Zero(Method):
     @torch.no_grad()
     def step(self, images: torch.Tensor) -> torch.Tensor:
         cfg = self.config
-        views = make_views(
-            images,
-            cfg.views,
-            self.generator,
-            include_original=cfg.include_original,
-            scale=(cfg.crop_scale_min, 1.0),
-            flip=cfg.flip,
-        )
+        views = configured_views(images, cfg, self.generator)
         v, b = views.shape[:2]
         flat = views.flatten(0, 1)
         chunk = cfg.chunk_views
