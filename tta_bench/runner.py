@@ -430,7 +430,9 @@ class Evaluation:
                     item = next(it)
                     assert item["number"] == batch.number, "loader out of stream order"
                     x = item["images"].to(device, non_blocking=non_blocking)
-                    x = x.permute(0, 3, 1, 2).float().div_(255.0)
+                    # NHWC uint8 -> contiguous NCHW float: kernels and the model take
+                    # their fast paths on contiguous input.
+                    x = x.permute(0, 3, 1, 2).float().div_(255.0).contiguous()
                     y = item["labels"].to(device, non_blocking=non_blocking)
                 with timer.phase("shift"):
                     if kernels:
