@@ -22,7 +22,6 @@ import json
 import os
 import tempfile
 import threading
-from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -282,13 +281,6 @@ def _decode_into_cache(
     return Decoded(result, [b["index"] for b in bad], bad)
 
 
-def decoded_images(
-    stream: DomainStream, size: int, *, progress: bool = False, use_cache: bool = True
-) -> np.ndarray:
-    """All images of ``stream`` as uint8 ``[N, size, size, 3]``; fails on a bad image."""
-    return decode(stream, size, progress=progress, use_cache=use_cache).images
-
-
 def _atomic_write_text(path: Path, text: str) -> None:
     path.parent.mkdir(parents=True, exist_ok=True)
     fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
@@ -299,20 +291,3 @@ def _atomic_write_text(path: Path, text: str) -> None:
     except BaseException:
         Path(tmp).unlink(missing_ok=True)
         raise
-
-
-def atomic_save_npy(path: Path, array: np.ndarray) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".npy.tmp")
-    try:
-        with os.fdopen(fd, "wb") as fh:
-            np.save(fh, array)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
-def batches(indices: Sequence[int], batch_size: int) -> list[np.ndarray]:
-    idx = np.asarray(indices)
-    return [idx[i : i + batch_size] for i in range(0, len(idx), batch_size)]
