@@ -84,6 +84,19 @@ def _write_dist(root: Path, dist: str, entry_points: str, files: dict[str, str])
         (root / rel).write_text(text)
 
 
+def _registry_error(path, call: str) -> str:
+    """The RegistryError message of ``call`` in a fresh interpreter with ``path`` on
+    sys.path (entry points are read once per process)."""
+    code = (
+        "import sys; sys.path.insert(0, sys.argv[1])\n"
+        "from tta_bench.registry import registry, RegistryError\n"
+        f"try:\n    {call}\nexcept RegistryError as e:\n    print(e)\n"
+    )
+    return subprocess.run(
+        [sys.executable, "-c", code, str(path)], capture_output=True, text=True, check=True
+    ).stdout
+
+
 def test_duplicate_names_are_an_error_naming_both_origins(tmp_path):
     _write_dist(
         tmp_path,
@@ -91,14 +104,7 @@ def test_duplicate_names_are_an_error_naming_both_origins(tmp_path):
         "[tta_bench.methods]\ntent = clash_plugin:Tent\n",
         {"clash_plugin/__init__.py": "Tent = None\n"},
     )
-    code = (
-        "import sys; sys.path.insert(0, sys.argv[1])\n"
-        "from tta_bench.registry import registry, RegistryError\n"
-        "try:\n    registry('methods').names()\nexcept RegistryError as e:\n    print(e)\n"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True
-    ).stdout
+    out = _registry_error(tmp_path, "registry('methods').names()")
     assert "duplicate method name 'tent'" in out
     assert "clash_plugin:Tent (from clash-plugin 0.1)" in out
     assert "mura_plugin.methods.tent:Tent (from tta-bench" in out
@@ -111,14 +117,7 @@ def test_invalid_plugin_fails_at_load_with_its_origin(tmp_path):
         "[tta_bench.shifts]\nbroken = bad_plugin:broken\n",
         {"bad_plugin/__init__.py": "def broken(images):\n    return images\n"},
     )
-    code = (
-        "import sys; sys.path.insert(0, sys.argv[1])\n"
-        "from tta_bench.registry import registry, RegistryError\n"
-        "try:\n    registry('shifts').get('broken')\nexcept RegistryError as e:\n    print(e)\n"
-    )
-    out = subprocess.run(
-        [sys.executable, "-c", code, str(tmp_path)], capture_output=True, text=True, check=True
-    ).stdout
+    out = _registry_error(tmp_path, "registry('shifts').get('broken')")
     assert "shift 'broken' (bad_plugin:broken from bad-plugin) is invalid" in out
 
 
