@@ -13,12 +13,20 @@ Thread setting (printed): both sides run with ``--threads`` CPU threads (default
 ``torch.set_num_threads`` for ours, ``cv2.setNumThreads`` and threadpoolctl's BLAS/OpenMP
 limit for the reference (numpy, scipy, scikit-image, OpenCV, Pillow), so the comparison is
 per core. The reference is timed on the first ``--ref-images`` images of the batch.
+
+Memory parity: numpy (the reference) backs large arrays with transparent huge pages by
+default (``madvise(MADV_HUGEPAGE)``, numpy >= 1.20 on Linux); torch does so only when
+``THP_MEM_ALLOC_ENABLE=1`` is set before its first allocation, so this script sets it
+(unless already set; printed) to give both sides the same page size for batch-sized buffers.
 """
 
 from __future__ import annotations
 
 import argparse
+import os
 import time
+
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # before torch allocates (see above)
 
 import numpy as np
 import torch
@@ -93,7 +101,11 @@ def set_threads(n: int) -> str:
     torch.set_num_threads(n)
     cv2.setNumThreads(n)
     threadpool_limits(n)
-    return f"{n} CPU thread(s) for both sides (torch, OpenCV, BLAS/OpenMP)"
+    thp = os.environ.get("THP_MEM_ALLOC_ENABLE")
+    return (
+        f"{n} CPU thread(s) for both sides (torch, OpenCV, BLAS/OpenMP); "
+        f"THP_MEM_ALLOC_ENABLE={thp} (huge pages for big buffers, as numpy's default)"
+    )
 
 
 def main() -> None:

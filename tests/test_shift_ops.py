@@ -72,3 +72,29 @@ def test_batched_zoom_blur_equals_the_clipped_zoom_average(table, severity):
     gen = SampleGenerator.for_samples(range(2), 0, "zoom_blur", severity)
     out = blur.zoom_blur(x, severity, generator=gen, table=table)
     torch.testing.assert_close(out, ref.clamp(0, 1), atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize(
+    "lam,rate_max",
+    [(0.05, 12.0), (3.7, 12.0), (12.0, 12.0), (47.3, 60.0), (7.7, 500.0), (499.0, 500.0)],
+)
+def test_poisson_sampler_matches_the_poisson_law(lam, rate_max):
+    """The table-driven sampler behind shot_noise draws exactly Poisson(lam) counts: a
+    chi-square test of the frequencies against the Poisson pmf (and a fixed seed), at small,
+    fractional, level-boundary and large rates, including the rare exact-search path."""
+    from scipy import stats
+
+    from mura_plugin.shifts.noise import poisson_counts
+
+    n = 400_000
+    g = torch.Generator().manual_seed(int(lam * 100))
+    a = torch.empty(2, n, dtype=torch.int32).random_(generator=g)
+    counts = poisson_counts(torch.full((n,), lam), a[0], a[1], rate_max).long()
+    assert counts.min() >= 0
+    k = torch.arange(int(counts.max()) + 1)
+    observed = torch.bincount(counts, minlength=len(k)).double().numpy()
+    expected = stats.poisson.pmf(k.numpy(), lam) * n
+    keep = expected > 10
+    chi2 = (((observed - expected) ** 2 / expected)[keep]).sum()
+    assert stats.chi2.sf(chi2, max(1, keep.sum() - 1)) > 1e-3, (lam, chi2)
+    assert abs(counts.double().mean().item() - lam) < 5 * (lam / n) ** 0.5 + 1e-9

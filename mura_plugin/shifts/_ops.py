@@ -31,7 +31,7 @@ __all__ = [
 #: small enough that a chunk's temporaries stay in the CPU cache and are recycled by the
 #: allocator instead of being page-faulted in afresh for every op (which costs more than
 #: the arithmetic for simple per-pixel kernels on large batches).
-CHUNK_ELEMENTS = 1 << 19
+CHUNK_ELEMENTS = 1 << 17
 
 BOUNDARY_MODES = ("nearest", "reflect", "reflect101")
 
