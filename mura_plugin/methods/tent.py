@@ -9,11 +9,24 @@ What differs:
 * The default loss is ``info_max`` (entropy minus batch-marginal entropy): plain entropy
   collapses on the default suite (all predictions on one class). ``method.loss=entropy``
   is the original objective.
-* The default learning rate is 1e-2 (Adam), not the original 1e-3: a digits-c domain has
-  360 images (6 batches of 64), against 10,000 in CIFAR-10-C. It was selected on the
-  hyperparameter-selection suite ``digits-c-extra`` (lr in {1e-3, 5e-3, 1e-2, 2e-2, 5e-2},
-  mean accuracy 49.6 / 51.5 / 54.2 / 54.4 / 53.4 vs zero-shot 49.2), never on the evaluation
-  corruptions. ``method.lr=1e-3`` is the original setting.
+* The defaults are Adam, lr 2e-2 and 5 steps per batch, not the original 1e-3 and 1 step:
+  a digits-c domain has 360 images (6 batches of 64), against 10,000 in CIFAR-10-C, so one
+  small step per batch barely moves the model before the domain ends (the official code
+  exposes the same ``steps`` knob, OPTIM.STEPS). They were selected on the
+  hyperparameter-selection suite ``digits-c-extra`` (mean over seeds 0-2; zero-shot 49.8),
+  never on the evaluation corruptions:
+
+  ========  ======  ======  ======  ======
+  steps     5e-3    1e-2    2e-2    5e-2
+  ========  ======  ======  ======  ======
+  1         52.6    54.8    56.0
+  2         56.1    58.3    59.5
+  3         57.3    59.6    59.9    58.9
+  5         59.5    60.4    61.2    59.0
+  ========  ======  ======  ======  ======
+
+  10 steps at 1e-2 gave 61.4 for twice the cost of 5, so steps stop at 5.
+  ``method.lr=1e-3 method.steps=1`` is the original setting.
 * Like the original, the prediction for a batch comes from the same forward pass that
   computes the loss (one forward + one backward per step); the update helps later batches.
 """
@@ -35,8 +48,8 @@ __all__ = ["Tent", "TentConfig", "norm_parameters"]
 class TentConfig(GradientConfig):
     loss: str = "info_max"
     optimizer: str = "adam"
-    lr: float = 1e-2
-    steps: int = 1
+    lr: float = 2e-2
+    steps: int = 5
 
 
 def norm_parameters(module: nn.Module) -> list[nn.Parameter]:
