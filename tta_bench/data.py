@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from tta_bench.paths import cache_dir
+from tta_bench.paths import atomic_write_text, cache_dir
 
 RESIZE_RECIPE = "shorter-side-bicubic+center-crop/v1"
 ON_BAD_IMAGE = ("fail", "skip")
@@ -266,7 +266,7 @@ def _decode_into_cache(
         if tmp is not None:
             out.flush()
             del out
-            _atomic_write_text(
+            atomic_write_text(
                 meta_path,
                 json.dumps({"name": stream.name, "fingerprint": stream.fingerprint, "bad": bad}),
             )
@@ -279,15 +279,3 @@ def _decode_into_cache(
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)
     return Decoded(result, [b["index"] for b in bad], bad)
-
-
-def _atomic_write_text(path: Path, text: str) -> None:
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            fh.write(text)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise

@@ -1,8 +1,12 @@
-"""Where tta-bench keeps caches (pretrained default models, decoded images)."""
+"""Where tta-bench keeps caches (pretrained default models, decoded images), and how every
+file it writes gets there whole (``atomic_path``)."""
 
 from __future__ import annotations
 
+import contextlib
 import os
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 
@@ -17,3 +21,34 @@ def cache_dir() -> Path:
         path = Path(base) / "tta-bench"
     path.mkdir(parents=True, exist_ok=True)
     return path
+
+
+@contextlib.contextmanager
+def atomic_path(path: str | Path, *, fsync: bool = False) -> Iterator[Path]:
+    """A temporary file beside ``path`` to write; when the block exits normally it replaces
+    ``path`` in one ``os.replace``, so a reader (or a killed run) sees the old file or the
+    new one, never a truncated one. On an exception the temporary file is removed.
+
+    ``fsync=True`` flushes the file to disk before the rename (results files: a power loss
+    must not leave an empty file behind the new name). The file gets mode 0644 (``mkstemp``
+    creates 0600; results and caches are meant to be shared)."""
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fd, name = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
+    os.close(fd)
+    tmp = Path(name)
+    try:
+        yield tmp
+        if fsync:
+            with open(tmp, "rb") as fh:
+                os.fsync(fh.fileno())
+        os.chmod(tmp, 0o644)
+        os.replace(tmp, path)
+    finally:
+        tmp.unlink(missing_ok=True)
+
+
+def atomic_write_text(path: str | Path, text: str, *, fsync: bool = False) -> None:
+    """Write ``text`` (UTF-8) to ``path`` through ``atomic_path``."""
+    with atomic_path(path, fsync=fsync) as tmp:
+        tmp.write_text(text, encoding="utf-8")

@@ -15,14 +15,13 @@ from __future__ import annotations
 import datetime as dt
 import importlib.metadata as md
 import json
-import os
 import platform
 import subprocess
-import tempfile
 from pathlib import Path
 from typing import Any
 
 from tta_bench import SCHEMA_VERSION
+from tta_bench.paths import atomic_write_text
 
 PACKAGES = (
     "tta-bench",
@@ -94,22 +93,9 @@ def default_output(results_dir: str, method: str, suite: str) -> Path:
 
 
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
-    """Write via a temporary file in the same directory and ``os.replace``: a reader (or a
-    killed run) sees the old file or the new one, never a truncated one."""
-    path = Path(path)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=f".{path.name}.", suffix=".tmp")
-    try:
-        with os.fdopen(fd, "w", encoding="utf-8") as fh:
-            json.dump(data, fh, indent=1, sort_keys=False)
-            fh.write("\n")
-            fh.flush()
-            os.fsync(fh.fileno())
-        os.chmod(tmp, 0o644)  # mkstemp creates 0600; results are meant to be shared
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
+    """Write ``data`` as JSON through ``atomic_path`` (fsynced): a reader (or a killed run)
+    sees the old file or the new one, never a truncated one."""
+    atomic_write_text(path, json.dumps(data, indent=1, sort_keys=False) + "\n", fsync=True)
 
 
 def load_results(path: str | Path) -> dict[str, Any]:

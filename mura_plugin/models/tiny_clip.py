@@ -12,8 +12,6 @@ from __future__ import annotations
 
 import hashlib
 import json
-import os
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -22,7 +20,7 @@ import torch.nn.functional as F
 
 from tta_bench.catalog import entry
 from tta_bench.model import ModelBundle, Preprocess, format_prompts
-from tta_bench.paths import cache_dir
+from tta_bench.paths import atomic_path, cache_dir
 
 __all__ = ["TinyClipRecipe", "tiny_clip_digits", "build_tiny_clip", "pretrain"]
 
@@ -160,14 +158,8 @@ def load_or_pretrain(recipe: TinyClipRecipe, progress: bool = True) -> torch.nn.
         except Exception:  # truncated, corrupt or stale (torch raises many types): retrain
             path.unlink(missing_ok=True)
     model = pretrain(recipe, progress=progress)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".pt.tmp")
-    os.close(fd)
-    try:
+    with atomic_path(path) as tmp:
         torch.save(model.state_dict(), tmp)
-        os.replace(tmp, path)
-    finally:
-        Path(tmp).unlink(missing_ok=True)
     return model
 
 
