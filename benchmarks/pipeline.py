@@ -18,12 +18,17 @@ overhead alone), and an open_clip ViT-B-32 with random weights at 224 px (batch 
 from __future__ import annotations
 
 import argparse
+import os
 import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
-import torch
+# As ``tta-bench`` does (tta_bench/cli.py): huge pages for torch's big CPU buffers, set
+# before torch's first allocation. Both sides of the ratio run in this process.
+os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
+
+import torch  # noqa: E402
 
 from tta_bench import runner
 from tta_bench.method import NoConfig

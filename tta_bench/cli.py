@@ -373,6 +373,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    import os
+
+    # Transparent huge pages for torch's large CPU buffers (batches, activations), as numpy
+    # does by default: without them every fresh batch-sized tensor pays for 4 KiB page
+    # faults (a 224 px batch of 64: ~0.2 ms per image). Read once, before torch's first
+    # allocation, hence here; set THP_MEM_ALLOC_ENABLE=0 to opt out.
+    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     # Hydra overrides may come before, between or after options: collect them all.
@@ -382,8 +389,6 @@ def main(argv: Sequence[str] | None = None) -> int:
     if unknown:
         args.overrides = [*args.overrides, *unknown]
     if getattr(args, "quiet", False):
-        import os
-
         os.environ["TQDM_DISABLE"] = "1"  # also silences plugins' own bars (pretraining)
     try:
         return int(args.func(args) or 0)
