@@ -8,7 +8,7 @@ model-only figure is the classifier's forward over exactly those tensors (alread
 device). Setup (model build, decoding into the cache) is excluded from both. The ratio is
 printed, not asserted. Usage::
 
-    python benchmarks/pipeline.py [--vit-images 256] [--repeats 2]
+    python benchmarks/pipeline.py [--vit-images 384] [--repeats 3]
 
 Models: the default tiny model on the default suite (every corruption: the shift kernels
 are part of the workload), the tiny model on one cheap shift (``contrast``: the harness
@@ -107,8 +107,8 @@ def measure(
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("--vit-images", type=int, default=256, help="images for ViT-B-32 (bs 64)")
-    ap.add_argument("--repeats", type=int, default=2, help="best of N runs per figure")
+    ap.add_argument("--vit-images", type=int, default=384, help="images for ViT-B-32 (bs 64)")
+    ap.add_argument("--repeats", type=int, default=3, help="best of N runs per figure")
     ap.add_argument("--skip-vit", action="store_true")
     args = ap.parse_args()
     print(
