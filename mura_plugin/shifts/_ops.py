@@ -3,7 +3,9 @@
 Everything here is device-agnostic torch on ``[B, C, H, W]`` float batches. Separable
 filters are applied as two dense matrix products (``M_h @ X @ M_w^T``): the boundary rule is
 folded into the matrices, so the cost does not grow with the filter's width and big blurs
-stay cheap. Non-separable kernels (disks, motion lines) use FFT convolution after padding.
+stay cheap; narrow Gaussians on CPU use shifted multiply-adds on padded, cache-sized chunks
+instead (``separable_taps``, cheaper below ``SHIFTED_MAX_RADIUS``). Non-separable kernels
+(disks, motion lines) use FFT convolution after padding.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ __all__ = [
     "fold_index",
     "gaussian_matrix",
     "apply_separable",
+    "separable_taps",
     "gaussian_filter",
     "fft_correlate",
     "fft_size",
@@ -101,11 +104,58 @@ def apply_separable(images: torch.Tensor, mh: torch.Tensor, mw: torch.Tensor) ->
     return torch.matmul(mh, out)
 
 
+#: Up to this radius (taps on each side) ``gaussian_filter`` on CPU applies the taps as
+#: shifted multiply-adds on cache-sized chunks; wider filters use the two matrix products
+#: (their cost does not grow with the width). Measured at 224 px on one thread: radius 4,
+#: ~1.6x faster; radius 8, on par.
+SHIFTED_MAX_RADIUS = 7
+
+
+def _pad_edges(x: torch.Tensor, r: int, mode: str) -> torch.Tensor:
+    """Pad the last two dims of ``x [N, H, W]`` by ``r`` with ``mode`` (``r`` < H, W)."""
+    if mode == "nearest":
+        return F.pad(x, (r, r, r, r), mode="replicate")
+    if mode == "reflect101":
+        return F.pad(x, (r, r, r, r), mode="reflect")
+    if mode == "reflect":  # scipy's half-sample mirror (torch has no such padding mode)
+        x = torch.cat((x[:, :r].flip(1), x, x[:, -r:].flip(1)), 1)
+        return torch.cat((x[..., :r].flip(2), x, x[..., -r:].flip(2)), 2)
+    raise ValueError(f"unknown boundary mode {mode!r}; expected one of {BOUNDARY_MODES}")
+
+
+def separable_taps(images: torch.Tensor, weights: torch.Tensor, mode: str) -> torch.Tensor:
+    """Correlate ``images [..., H, W]`` with the centred odd 1-D ``weights`` along both
+    axes (same result as ``apply_separable`` with ``_filter_matrix`` matrices, up to float
+    summation order) by shifted multiply-adds on a padded copy, a few images at a time so
+    every pass stays in cache. Needs a radius below H and W."""
+    *lead, h, w = images.shape
+    r = (weights.numel() - 1) // 2
+    taps = weights.tolist()
+    flat = images.reshape(-1, h, w)
+    out = torch.empty(flat.shape, dtype=images.dtype, device=images.device)
+    step = max(1, CHUNK_ELEMENTS // (h * w)) if images.device.type == "cpu" else len(flat)
+    for s in range(0, flat.shape[0], step):
+        p = _pad_edges(flat[s : s + step], r, mode)
+        # Rows first: each tap is a shift by whole rows of the padded image.
+        v = p[:, :h] * taps[0]
+        for k in range(1, len(taps)):
+            v.add_(p[:, k : k + h], alpha=taps[k])
+        dst = out[s : s + step]
+        torch.mul(v[..., :w], taps[0], out=dst)
+        for k in range(1, len(taps)):
+            dst.add_(v[..., k : k + w], alpha=taps[k])
+    return out.view(images.shape)
+
+
 def gaussian_filter(
     images: torch.Tensor, sigma: float, *, truncate: float = 4.0, mode: str = "nearest"
 ) -> torch.Tensor:
     """Isotropic Gaussian blur of ``images [..., H, W]`` (skimage ``gaussian`` per channel)."""
     h, w = images.shape[-2:]
+    radius = int(truncate * sigma + 0.5) if sigma > 0 else 0
+    if 0 < radius <= SHIFTED_MAX_RADIUS and radius < min(h, w) and images.device.type == "cpu":
+        taps = gaussian_weights(sigma, truncate, images.device, torch.float64)
+        return separable_taps(images, taps, mode)
     kw = {"truncate": truncate, "mode": mode, "device": images.device, "dtype": images.dtype}
     mh = gaussian_matrix(h, sigma, **kw)
     mw = mh if w == h else gaussian_matrix(w, sigma, **kw)

@@ -130,25 +130,36 @@ def glass_blur(
     scale = spatial_scale(table, images)
     sigma, delta = sigma * scale, max(1, int(round(delta * scale)))
     b, c, h, w = images.shape
-    x = torch.floor(gaussian_filter(images, sigma) * 255.0) / 255.0
-    # Displacements drawn per sample into one small-integer buffer (no per-sample int64
-    # tensors to stack); the same values as ``generator.randint``.
-    shifts = torch.empty(b, iterations, 2, h, w, dtype=torch.int16)
+    x = gaussian_filter(images, sigma).mul_(255.0).floor_().div_(255.0)
+    # One 31-bit draw per pixel and iteration from the sample's generator picks the
+    # displacement: its top 16 bits ``k`` select pair ``floor(k * span^2 / 2^16)`` of the
+    # span^2 (dy, dx) pairs in [-delta, delta)^2 (exactly uniform when span is a power of
+    # two, else biased by under span^2 / 2^16), through a table of flat source offsets
+    # ``dy * w + dx`` (a shift and a table read instead of a slow integer division).
+    # Interior pixels stay inside the image after a shift of at most ``delta``, so the flat
+    # source index is the pixel's own plus that offset (no clamping needed); border pixels
+    # read the table's extra entry, offset 0.
+    span = 2 * delta
+    draws = torch.empty(b, iterations, h * w, dtype=torch.int32)
     for j, g in enumerate(generator.generators):
-        torch.randint(-delta, delta, (iterations, 2, h, w), generator=g, out=shifts[j])
-    shifts = shifts.to(images.device)
+        draws[j].random_(generator=g)
+    draws = draws.to(images.device)
+    pair = torch.arange(1 << 16, device=images.device) * (span * span) >> 16
+    dy, dx = pair.div(span, rounding_mode="floor") - delta, pair.remainder(span) - delta
+    lut = torch.cat(((dy * w + dx), dy.new_zeros(1)))
     yy = torch.arange(h, device=images.device).view(h, 1)
     xx = torch.arange(w, device=images.device).view(1, w)
     interior = (yy >= delta) & (yy < h - delta) & (xx >= delta) & (xx < w - delta)
+    border = ~interior.view(1, h * w)
     base = (yy * w + xx).view(1, h * w)
+    spare = torch.empty_like(x)
     for it in range(iterations):
-        # Interior pixels stay inside the image after a shift of at most ``delta``, so the
-        # flat source index is the pixel's own plus ``dy * w + dx`` (no clamping needed).
-        off = shifts[:, it, 0].view(b, h * w).to(torch.int64).mul_(w)
-        off.add_(shifts[:, it, 1].view(b, h * w)).mul_(interior.view(1, h * w))
-        src = off.add_(base).view(b, 1, h * w).expand(b, c, -1)
-        x = x.reshape(b, c, h * w).gather(2, src).view(b, c, h, w)
-    return gaussian_filter(x, sigma).clamp(0.0, 1.0)
+        pick = torch.bitwise_right_shift(draws[:, it], 15).masked_fill_(border, 1 << 16)
+        src = lut.index_select(0, pick.view(-1)).view(b, 1, h * w).add_(base)
+        flat = x.view(b, c, h * w)
+        torch.gather(flat, 2, src.expand(b, c, -1), out=spare.view(b, c, h * w))
+        x, spare = spare, x
+    return gaussian_filter(x, sigma).clamp_(0.0, 1.0)
 
 
 def motion_kernels(

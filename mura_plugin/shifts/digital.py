@@ -103,16 +103,18 @@ def shift_value(rgb: torch.Tensor, c: float, *, out: torch.Tensor | None = None)
     """RGB ``[B, C, H, W]`` in [0, 1] with HSV value ``V' = clip(V + c, 0, 1)``, hue and
     saturation kept: equal to ``hsv_to_rgb`` of the modified ``rgb_to_hsv`` without building
     H and S (RGB scales with V at fixed H and S: ``x * V' / V``; black, S = 0, becomes grey
-    ``V'``). Written into ``out`` when given."""
+    ``V'``). Inputs below 0 are outside the contract. Written into ``out`` when given."""
     v = rgb.amax(1, keepdim=True)
     scale = (v + c).clamp_(0.0, 1.0)
     # A reduction is far cheaper than materialising a mask when (as usual) nothing is black.
     has_black = bool(v.amin() <= 0)
-    black = (v <= 0) if has_black else None
+    # Black pixels are 0 in every channel, so adding the grey level there (a float 0/1
+    # mask: much cheaper than a bool mask and masked_fill on CPU) sets them to it.
+    black = torch.le(v, 0.0, out=torch.empty_like(v)) if has_black else None
     scale.div_(v.clamp_(min=1e-12))
     out = torch.mul(rgb, scale, out=out)
     if black is not None:
-        out.masked_fill_(black.expand_as(out), min(max(c, 0.0), 1.0))
+        out.add_(black, alpha=min(max(c, 0.0), 1.0))
     return out.clamp_(0.0, 1.0)
 
 
@@ -124,13 +126,18 @@ def scale_saturation(
     H (each channel is ``V - V * S * f(H)``, so ``V - (V - x) * S' / S``; grey pixels have
     hue 0, red, and get ``(V, V (1 - S'), V (1 - S'))``). Written into ``out`` when given."""
     v = rgb.amax(1, keepdim=True)
-    delta = v - rgb.amin(1, keepdim=True)
+    delta = torch.sub(v, rgb.amin(1, keepdim=True))
     grey = (delta <= 0) if b != 0 and bool(delta.amin() <= 0) else None
-    safe_v = v.clamp(min=1e-12)
     delta.clamp_(min=1e-12)
-    # S' / S = clip(delta / v * a + b) * v / delta
-    scale = torch.div(delta, safe_v).mul_(a).add_(b).clamp_(0.0, 1.0)
-    scale.mul_(safe_v).div_(delta)
+    if b == 0 and a >= 0:
+        # S' / S = clip(S a) / S = min(a, 1 / S) = min(a, v / delta): two passes fewer.
+        # Black (v = 0) gives 0 and grey a, both leaving the pixel as it is.
+        scale = torch.div(v, delta, out=delta).clamp_(max=a)
+    else:
+        # S' / S = clip(delta / v * a + b) * v / delta
+        safe_v = v.clamp(min=1e-12)
+        scale = torch.div(delta, safe_v).mul_(a).add_(b).clamp_(0.0, 1.0)
+        scale.mul_(safe_v).div_(delta)
     out = torch.sub(v, rgb, out=out)
     out = torch.addcmul(v, out, scale, value=-1.0, out=out)
     if grey is not None:
@@ -195,6 +202,21 @@ def _per_chunk(images: torch.Tensor, fn) -> torch.Tensor:
     return out
 
 
+#: 2^23: float32 values in [2^23, 2^24) are the integers, so adding it rounds to an integer.
+_ROUND_BIAS = float(1 << 23)
+
+
+@lru_cache(maxsize=2)
+def _scaled_eye(c: int) -> torch.Tensor:
+    """``255 I`` of size ``c`` (float32): ``x @ 255 I`` is exactly ``255 x``."""
+    return torch.eye(c) * 255.0
+
+
+#: Values per chunk of ``jpeg_compression`` (more than ``chunk_rows``: its per-image codec
+#: calls leave few ops per chunk, and larger chunks amortise their fixed costs).
+JPEG_CHUNK = 1 << 21
+
+
 def jpeg_compression(
     images: torch.Tensor, severity: int, *, generator: SampleGenerator, table: str = "cifar"
 ) -> torch.Tensor:
@@ -206,90 +228,190 @@ def jpeg_compression(
     check_images("jpeg_compression", images)
     quality = severity_param("jpeg_compression", JPEG_COMPRESSION, table, severity)
     # Channels-last (HWC) buffers are the codec's own layout: encode and decode then copy
-    # nothing and the result is written with plain contiguous copies. ``out`` is returned
+    # nothing and the result is written with plain contiguous passes. ``out`` is returned
     # in that memory format (same shape and values; ``.contiguous()`` gives NCHW strides).
+    b, c, h, w = images.shape
     out = torch.empty(images.shape, dtype=images.dtype, memory_format=torch.channels_last)
-    step = chunk_rows(images)
+    step = max(1, JPEG_CHUNK // images[0].numel())
+    hwc = torch.empty(min(step, b), h, w, c)
     # torchvision 0.29 deprecates its codecs in favour of torchcodec; they are still the
     # libjpeg the fidelity tests pin, so the notice is silenced here rather than per run.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        # Cache-sized chunks: the 8-bit conversion and the copy back stay in cache instead of
-        # making whole-batch passes over freshly allocated memory.
-        for s in range(0, images.shape[0], step):
-            chunk = images[s : s + step].detach().cpu()
-            u8 = chunk.mul(255.0).round_().clamp_(0, 255)
-            u8 = u8.to(torch.uint8, memory_format=torch.channels_last)
-            decoded = decode_jpeg(encode_jpeg(list(u8), quality=int(quality)))
-            dst = out[s : s + step]
-            for j, img in enumerate(decoded):
-                dst[j].copy_(img)
-            dst.div_(255.0)
+        for s in range(0, b, step):
+            n = min(step, b - s)
+            buf = hwc[:n]
+            # 8-bit quantisation: ``255 x`` in HWC order as a batched product with
+            # ``255 I`` (a GEMM transposes far faster than a strided elementwise copy), then
+            # ``+ 2^23`` rounds it (half to even, as ``round``) to an integer held in the low
+            # mantissa byte; clipping to 2^23 + [0, 255] is clipping to 0..255, and the
+            # int32 -> uint8 narrowing keeps that byte (float -> uint8 is several times
+            # slower).
+            planes = images[s : s + n].detach().cpu().float().reshape(n, c, h * w).transpose(1, 2)
+            torch.bmm(planes, _scaled_eye(c).expand(n, c, c), out=buf.view(n, h * w, c))
+            buf.clamp_(0.0, 255.0).add_(_ROUND_BIAS)
+            u8 = buf.view(torch.int32).to(torch.uint8)
+            encoded = encode_jpeg(list(u8.permute(0, 3, 1, 2)), quality=int(quality))
+            for j, img in enumerate(decode_jpeg(encoded)):
+                out[s + j].copy_(img)
+            out[s : s + n].div_(255.0)
     return out.to(images.device)
 
 
-@lru_cache(maxsize=64)
-def _pil_box_plan(n_in: int, n_out: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """Pillow's 8-bit BOX down-sampling along one axis as ``(members [n_in, n_out],
-    weight [n_out])``: output ``o`` is ``round_fixed(sum of its member pixels * weight[o])``.
+#: Pillow's fixed-point precision for 8-bit resampling weights (``PRECISION_BITS``).
+_PIL_BITS = 22
+#: Input columns per block of the blocked horizontal box pass (see ``_BoxPlan``).
+BOX_BLOCK = 28
 
-    Mirrors ``precompute_coeffs`` + ``normalize_coeffs_8bpc``: every member of a window has
-    the same normalised weight ``1 / count``, stored as the fixed-point integer
-    ``floor(2^22 / count + 0.5)`` (``PRECISION_BITS = 22``); ``weight`` is that integer
-    divided by ``2^22`` (exact in float64). ``members`` is 0/1 (float32 sums of 8-bit values
-    over a window are exact integers)."""
+
+@lru_cache(maxsize=64)
+def _pil_box_windows(n_in: int, n_out: int) -> tuple[tuple[int, int, int], ...]:
+    """Pillow's 8-bit BOX down-sampling along one axis: per output ``(start, count, k)``.
+
+    Mirrors ``precompute_coeffs`` + ``normalize_coeffs_8bpc``: output ``o`` averages the
+    contiguous run of ``count`` input pixels from ``start`` (the pixels whose box offset lies
+    in (-1/2, 1/2]), every member with the normalised weight ``1 / count`` stored as the
+    fixed-point integer ``k = floor(2^22 / count + 0.5)``; the 8-bit result is
+    ``(sum * k + 2^21) >> 22``, clipped to 0..255."""
     scale = n_in / n_out
     filterscale = max(scale, 1.0)
     support = 0.5 * filterscale
-    members = torch.zeros(n_in, n_out, dtype=torch.float32)
-    weight = torch.zeros(n_out, dtype=torch.float64)
+    out = []
     for xx in range(n_out):
         center = (xx + 0.5) * scale
         xmin = max(int(center - support + 0.5), 0)
         xmax = min(int(center + support + 0.5), n_in)
-        xs = torch.arange(xmin, xmax, dtype=torch.float64)
-        t = (xs - center + 0.5) / filterscale
-        inside = (t > -0.5) & (t <= 0.5)
-        count = int(inside.sum())
-        if count:
-            members[xmin:xmax, xx] = inside.float()
-            weight[xx] = math.floor((1 << 22) / count + 0.5) / float(1 << 22)
-    return members.to(device), weight.to(device)
+        inside = [x for x in range(xmin, xmax) if -0.5 < (x - center + 0.5) / filterscale <= 0.5]
+        count = len(inside)
+        k = math.floor((1 << _PIL_BITS) / count + 0.5) if count else 0
+        out.append((inside[0] if count else xmin, count, k))
+    return tuple(out)
 
 
-def _pil_box_down(u8: torch.Tensor, n_out: int, dim: int) -> torch.Tensor:
-    """Pillow BOX down-sampling of 8-bit values (float32 ``[..., H, W]``) along ``dim``
-    (-1 or -2) to ``n_out``, rounded to 8 bits as Pillow does after each pass."""
-    members, weight = _pil_box_plan(u8.shape[dim], n_out, u8.device)
-    if dim == -1:
-        sums = torch.matmul(u8, members)
-    else:
-        sums = torch.matmul(members.t(), u8)
-        weight = weight[:, None]
-    # (sum * k + 2^21) >> 22 with k = weight * 2^22: exact in float64 (< 2^53).
-    return (sums.double() * weight + 0.5).floor_().clamp_(0, 255).float()
+def _rounding_is_exact_in_float32(windows: tuple[tuple[int, int, int], ...]) -> bool:
+    """Whether ``floor(sum * (k / 2^22) + 0.5)`` in float32 (separate multiply and add, as
+    the kernel computes it) equals Pillow's integer ``(sum * k + 2^21) >> 22`` for every
+    possible window sum of 8-bit values, and no result exceeds 255 (so Pillow's clip is a
+    no-op); checked exhaustively per (count, k)."""
+    for count, k in {(c, k) for _, c, k in windows if c}:
+        sums = torch.arange(255 * count + 1, dtype=torch.int64)
+        exact = (sums * k + (1 << (_PIL_BITS - 1))) >> _PIL_BITS
+        approx = sums.float().mul_(k / float(1 << _PIL_BITS)).add_(0.5).floor_()
+        if not torch.equal(approx.long(), exact) or int(exact.max()) > 255:
+            return False
+    return True
+
+
+class _BoxPlan:
+    """Pillow BOX down-sampling of an ``[H, W]`` 8-bit image to ``[H', W']``, arranged for
+    cheap batched evaluation.
+
+    Horizontal pass (Pillow's first): a dense ``[W, W']`` matrix product would spend most of
+    its work on zeros. Instead the outputs are cut into ``blocks`` runs of ``slots``
+    consecutive windows; block ``b`` reads the ``width`` columns from ``b * stride`` (a
+    strided view of overlapping slices, no copy), which hold all of its windows, and one
+    batched product with ``mats [blocks, width, slots]`` gives every window sum, already in
+    output order (``blocks * slots >= W'`` columns; the surplus has weight 0 and is dropped
+    at the end). Vertical pass: output row ``o`` is the sum of its window's rows, gathered
+    (``rows_idx``; past a shorter window's end ``rows_mask`` is 0). Sums of 8-bit values are
+    exact in float32; so is the fixed-point rounding, checked per window size (float64
+    otherwise)."""
+
+    def __init__(self, h: int, w: int, oh: int, ow: int, device: torch.device):
+        cols = _pil_box_windows(w, ow)
+        self.slots = min(ow, max(1, round(BOX_BLOCK * ow / w)))
+        self.blocks = -(-ow // self.slots)
+        firsts = [cols[b * self.slots][0] for b in range(self.blocks)]
+        # The largest stride with every block's slice starting at or before its first window.
+        self.stride = min([f // b for b, f in enumerate(firsts) if b] or [1])
+        ends = [
+            max(s + c for s, c, _ in cols[b * self.slots : (b + 1) * self.slots])
+            for b in range(self.blocks)
+        ]
+        self.width = max(e - b * self.stride for b, e in enumerate(ends))
+        #: Values the strided view may read past the last pixel (multiplied by weight 0).
+        self.overhang = max(0, (self.blocks - 1) * self.stride + self.width - w)
+        mats = torch.zeros(self.blocks, self.width, self.slots)
+        col_k = torch.zeros(self.blocks * self.slots)
+        for o, (start, count, k) in enumerate(cols):
+            b, j = divmod(o, self.slots)
+            mats[b, start - b * self.stride : start - b * self.stride + count, j] = 1.0
+            col_k[o] = k / float(1 << _PIL_BITS)
+        self.mats = mats.to(device)
+        self.col_k = col_k.to(device)
+        rows = _pil_box_windows(h, oh)
+        depth = max(c for _, c, _ in rows)
+        self.rows_idx = [
+            torch.tensor([s + min(j, max(c - 1, 0)) for s, c, _ in rows], device=device)
+            for j in range(depth)
+        ]
+        self.rows_mask = [
+            None
+            if all(j < c for _, c, _ in rows)
+            else torch.tensor([float(j < c) for _, c, _ in rows], device=device).view(-1, 1)
+            for j in range(depth)
+        ]
+        self.row_k = torch.tensor([k / float(1 << _PIL_BITS) for _, _, k in rows], device=device)
+        self.float32_exact = _rounding_is_exact_in_float32(cols + rows)
+
+    def round_8bit(self, sums: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
+        """Pillow's fixed-point normalisation of window ``sums`` by ``k / 2^22``, in place
+        (float64 where float32 would not be exact for these window sizes; never above 255
+        for sums of 8-bit values, see ``_rounding_is_exact_in_float32``)."""
+        if self.float32_exact:
+            return sums.mul_(k).add_(0.5).floor_()
+        return sums.copy_(sums.double().mul_(k.double()).add_(0.5).floor_())
+
+    def buffer(self, size: int, device: torch.device) -> torch.Tensor:
+        """A flat float32 buffer for ``size`` 8-bit values plus the ``overhang`` (zeros) the
+        strided view may read past the last row."""
+        buf = torch.empty(size + self.overhang, device=device)
+        buf[size:] = 0.0
+        return buf
+
+    def down(self, buf: torch.Tensor, n: int, h: int, w: int) -> torch.Tensor:
+        """The first ``n * H * W`` values of ``buf`` (``[n, H, W]`` 8-bit values; see
+        ``buffer``) -> ``[n, H', blocks * slots]`` (columns past ``W'`` are surplus)."""
+        view = buf.as_strided((self.blocks, n * h, self.width), (self.stride, w, 1))
+        wide = torch.empty(n * h, self.blocks, self.slots, device=buf.device)
+        torch.bmm(view, self.mats, out=wide.transpose(0, 1))
+        wide = self.round_8bit(wide.view(n, h, -1), self.col_k)
+        sums = wide.index_select(1, self.rows_idx[0])
+        for idx, mask in zip(self.rows_idx[1:], self.rows_mask[1:]):
+            part = wide.index_select(1, idx)
+            sums = sums.add_(part) if mask is None else sums.addcmul_(part, mask)
+        return self.round_8bit(sums, self.row_k.view(-1, 1))
+
+
+@lru_cache(maxsize=32)
+def _box_plan(h: int, w: int, oh: int, ow: int, device: torch.device) -> _BoxPlan:
+    return _BoxPlan(h, w, oh, ow, device)
 
 
 def pixelate(
     images: torch.Tensor, severity: int, *, generator: SampleGenerator, table: str = "cifar"
 ) -> torch.Tensor:
     """Box-filter the 8-bit image down to ``int(side * c)`` and back up (Pillow BOX both ways:
-    windows of whole pixels averaged with fixed-point weights, horizontal pass first; upward
-    BOX is nearest-neighbour at pixel centres, torch's ``nearest-exact``)."""
+    windows of whole pixels averaged with fixed-point weights, horizontal pass first, each
+    pass rounded to 8 bits; upward BOX is nearest-neighbour at pixel centres, torch's
+    ``nearest-exact``). Bit-exact with Pillow on 8-bit inputs."""
     del generator  # deterministic
     check_images("pixelate", images)
     c = severity_param("pixelate", PIXELATE, table, severity)
-    h, w = images.shape[-2:]
+    b, ch, h, w = images.shape
     oh, ow = max(1, int(h * c)), max(1, int(w * c))
-    out = torch.empty_like(images)
+    plan = _box_plan(h, w, oh, ow, images.device)
+    small = torch.empty(b, ch, oh, plan.blocks * plan.slots, device=images.device)
     step = chunk_rows(images)
-    for s in range(0, images.shape[0], step):
-        u8 = images[s : s + step].detach().float().mul(255.0).round_().clamp_(0, 255)
-        small = u8 if ow == w else _pil_box_down(u8, ow, -1)
-        small = small if oh == h else _pil_box_down(small, oh, -2)
-        big = F.interpolate(small, size=(h, w), mode="nearest-exact")
-        out[s : s + step] = big.div_(255.0)
-    return out
+    buf = plan.buffer(min(step, b) * ch * h * w, images.device)
+    for s in range(0, b, step):
+        n = min(step, b - s) * ch
+        u8 = buf[: n * h * w].view(n, h, w)
+        torch.mul(images[s : s + step].detach().reshape(n, h, w), 255.0, out=u8)
+        u8.round_().clamp_(0, 255)
+        small[s : s + step] = plan.down(buf, n, h, w).view(-1, ch, oh, small.shape[-1])
+    small = small[..., :ow].div_(255.0).to(images.dtype)
+    return F.interpolate(small, size=(h, w), mode="nearest-exact")
 
 
 # -- the seed article's simple colour shifts -------------------------------------------------

@@ -46,13 +46,6 @@ ROTATION = {
 }
 
 
-def _grid(xs: torch.Tensor, ys: torch.Tensor, w: int, h: int, align: bool) -> torch.Tensor:
-    """Pixel coordinates ``[B, H, W]`` -> a ``grid_sample`` grid ``[B, H, W, 2]``."""
-    if align:
-        return torch.stack((2 * xs / (w - 1) - 1, 2 * ys / (h - 1) - 1), -1)
-    return torch.stack(((2 * xs + 1) / w - 1, (2 * ys + 1) / h - 1), -1)
-
-
 def elastic_transform(
     images: torch.Tensor, severity: int, *, generator: SampleGenerator, table: str = "cifar"
 ) -> torch.Tensor:
@@ -79,22 +72,26 @@ def elastic_transform(
     a = torch.cat((pts1, ones), 1)  # [3, 3]; the reference's points are (x, y) pairs
     m = torch.linalg.solve(a.expand(b, 3, 3), pts2).transpose(1, 2)  # [B, 2, 3]
     full = torch.cat((m, torch.tensor([0.0, 0.0, 1.0]).double().expand(b, 1, 3)), 1)
-    inv = torch.linalg.inv(full)[:, :2].to(dev, dt)  # destination -> source
-    ys, xs = torch.meshgrid(
-        torch.arange(h, device=dev, dtype=dt), torch.arange(w, device=dev, dtype=dt), indexing="ij"
+    inv = torch.linalg.inv(full)  # destination -> source, pixel coordinates
+    # The same map in grid_sample's corner-aligned coordinates (2 x / (n - 1) - 1), so one
+    # affine_grid call builds the whole sampling grid.
+    to_norm = torch.tensor(
+        [[2.0 / max(w - 1, 1), 0.0, -1.0], [0.0, 2.0 / max(h - 1, 1), -1.0], [0.0, 0.0, 1.0]],
+        dtype=torch.float64,
     )
-    src_x = inv[:, 0, 0, None, None] * xs + inv[:, 0, 1, None, None] * ys + inv[:, 0, 2, None, None]
-    src_y = inv[:, 1, 0, None, None] * xs + inv[:, 1, 1, None, None] * ys + inv[:, 1, 2, None, None]
-    warped = F.grid_sample(
-        images, _grid(src_x, src_y, w, h, True), "bilinear", "reflection", align_corners=True
-    )
+    theta = (to_norm @ inv @ torch.linalg.inv(to_norm))[:, :2].to(dev, dt)
+    grid = F.affine_grid(theta, [b, c, h, w], align_corners=True)
+    warped = F.grid_sample(images, grid, "bilinear", "reflection", align_corners=True)
     if alpha == 0:
-        return warped.clamp(0.0, 1.0)
-    smooth = gaussian_filter(fields, sigma, truncate=3.0, mode="reflect") * alpha
-    dx, dy = smooth[:, 0], smooth[:, 1]
-    grid = _grid(xs + dx, ys + dy, w, h, False)
+        return warped.clamp_(0.0, 1.0)
+    smooth = gaussian_filter(fields, sigma, truncate=3.0, mode="reflect")
+    # Pixel-centre grid ((2 x + 1) / n - 1) plus the displacement, scaled to grid units.
+    eye = torch.tensor([[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]], device=dev, dtype=dt)
+    base = F.affine_grid(eye[None], [1, 1, h, w], align_corners=False)
+    gain = torch.tensor([2.0 * alpha / w, 2.0 * alpha / h], device=dev, dtype=dt)
+    grid = torch.addcmul(base, smooth.permute(0, 2, 3, 1), gain)
     out = F.grid_sample(warped, grid, "bilinear", "reflection", align_corners=False)
-    return out.clamp(0.0, 1.0)
+    return out.clamp_(0.0, 1.0)
 
 
 def rotation(

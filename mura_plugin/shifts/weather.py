@@ -130,15 +130,16 @@ def plasma_fractal(generator: SampleGenerator, mapsize: int, decay: float) -> to
         m[:, half::step, 0::step] = wibbled(tt)
         step //= 2
         wibble /= decay
-    m = m - m.amin(dim=(1, 2), keepdim=True)
-    return m / m.amax(dim=(1, 2), keepdim=True)
+    m.sub_(m.amin(dim=(1, 2), keepdim=True))
+    return m.div_(m.amax(dim=(1, 2), keepdim=True))
 
 
 def fog_blend(images: torch.Tensor, pattern: torch.Tensor, strength: float) -> torch.Tensor:
     """Add ``strength * pattern [B, H, W]`` and rescale by ``max / (max + strength)``."""
     max_val = images.amax(dim=(1, 2, 3), keepdim=True)
-    x = images + strength * pattern.unsqueeze(1).to(images)
-    return (x * max_val / (max_val + strength)).clamp(0.0, 1.0)
+    x = torch.add(images, pattern.unsqueeze(1).to(images), alpha=strength)
+    # One per-sample factor: no full-size division.
+    return x.mul_(max_val / (max_val + strength)).clamp_(0.0, 1.0)
 
 
 def fog(
@@ -167,9 +168,9 @@ def snow(
     grain = generator.normal(1, h, w).to(images.device, images.dtype) * std + mean
     angles = generator.uniform(1)[:, 0].cpu() * 90.0 - 135.0
     grain = clipped_zoom(grain, max(1.0, zoom * scale))
-    grain = torch.where(grain < thresh, torch.zeros_like(grain), grain)
+    grain = grain * _mask(torch.ge, grain, thresh)  # below the threshold: 0
     # The reference round-trips the layer through 8-bit images around ImageMagick's blur.
-    grain = torch.floor(grain.clamp(0.0, 1.0) * 255.0) / 255.0
+    grain = grain.clamp_(0.0, 1.0).mul_(255.0).floor_().div_(255.0)
     radius = max(1, int(round(radius * scale)))
     layer = motion_filter(grain, radius, sigma * scale, angles)
     layer = (layer * 255.0).round().clamp(0, 255) / 255.0
@@ -282,21 +283,35 @@ def _box3(x: torch.Tensor) -> torch.Tensor:
     return _sum3(_sum3(p, -1, (1.0, 1.0, 1.0)), -2, (1.0, 1.0, 1.0)).div_(9.0)
 
 
+def _mask(op, a: torch.Tensor, b: torch.Tensor | float) -> torch.Tensor:
+    """``op(a, b)`` (a torch comparison) as a float 0/1 tensor: on CPU, comparisons into
+    float outputs and arithmetic on them run several times faster than with bool tensors
+    (and ``torch.where`` is slower still)."""
+    return op(a, b, out=torch.empty(a.shape, dtype=a.dtype, device=a.device))
+
+
 def _dilate3(x: torch.Tensor) -> torch.Tensor:
-    """3x3 binary dilation of a bool ``[B, 1, H, W]`` (zero border), separably."""
+    """3x3 dilation of a float 0/1 ``[B, 1, H, W]`` (zero border), separably (shifted
+    maxima; ``max_pool2d`` is far slower on CPU)."""
     p = F.pad(x, (1, 1, 1, 1))
-    row = p[..., :-2] | p[..., 1:-1] | p[..., 2:]
-    return row[..., :-2, :] | row[..., 1:-1, :] | row[..., 2:, :]
+    row = torch.maximum(p[..., :-2], p[..., 2:])
+    row = torch.maximum(row, p[..., 1:-1], out=row)
+    out = torch.maximum(row[..., :-2, :], row[..., 2:, :])
+    return torch.maximum(out, row[..., 1:-1, :], out=out)
 
 
 def _canny(u8: torch.Tensor, low: float, high: float) -> torch.Tensor:
-    """OpenCV-style Canny edges of 8-bit values ``[B, 1, H, W]``: 3x3 Sobel (replicated
-    border), L1 magnitude, non-maximum suppression along the quantised gradient direction,
-    hysteresis by 8-connected growth from strong into weak pixels (until nothing changes)."""
+    """OpenCV-style Canny edges of 8-bit values ``[B, 1, H, W]`` (float) as a float 0/1
+    map: 3x3 Sobel (replicated border), L1 magnitude, non-maximum suppression along the
+    quantised gradient direction, hysteresis by 8-connected growth from strong into weak
+    pixels (until nothing changes). Masks are float 0/1 and selections arithmetic (see
+    ``_mask``)."""
     p = F.pad(u8, (1, 1, 1, 1), mode="replicate")
     # Separable Sobel: derivative [-1, 0, 1] along one axis, smoothing [1, 2, 1] along the other.
-    gx = _sum3(_sum3(p, -1, (-1.0, 0.0, 1.0)), -2, (1.0, 2.0, 1.0))
-    gy = _sum3(_sum3(p, -2, (-1.0, 0.0, 1.0)), -1, (1.0, 2.0, 1.0))
+    d = p[..., 2:] - p[..., :-2]
+    gx = torch.add(d[..., :-2, :], d[..., 2:, :]).add_(d[..., 1:-1, :], alpha=2.0)
+    sm = torch.add(p[..., :-2], p[..., 2:]).add_(p[..., 1:-1], alpha=2.0)
+    gy = sm[..., 2:, :] - sm[..., :-2, :]
     ax, ay = gx.abs(), gy.abs()
     mag = ax + ay
     mp = F.pad(mag, (1, 1, 1, 1))
@@ -306,21 +321,26 @@ def _canny(u8: torch.Tensor, low: float, high: float) -> torch.Tensor:
         return mp[..., 1 + dy : 1 + dy + h, 1 + dx : 1 + dx + w]
 
     tan22, tan67 = 0.4142135623730951, 2.414213562373095
-    horiz = ay < ax * tan22
-    vert = ay > ax * tan67
-    keep_h = (mag > nb(0, -1)) & (mag >= nb(0, 1))
-    keep_v = (mag > nb(-1, 0)) & (mag >= nb(1, 0))
-    d_pos = (mag > nb(-1, -1)) & (mag > nb(1, 1))
-    d_neg = (mag > nb(-1, 1)) & (mag > nb(1, -1))
-    keep_d = torch.where((gx * gy) < 0, d_neg, d_pos)
-    is_max = torch.where(horiz, keep_h, torch.where(vert, keep_v, keep_d))
-    weak = is_max & (mag > low)
-    edges = weak & (mag > high)
+    horiz = _mask(torch.lt, ay, ax * tan22)
+    vert = _mask(torch.gt, ay, ax * tan67)  # exclusive with horiz
+    keep_h = _mask(torch.gt, mag, nb(0, -1)).mul_(_mask(torch.ge, mag, nb(0, 1)))
+    keep_v = _mask(torch.gt, mag, nb(-1, 0)).mul_(_mask(torch.ge, mag, nb(1, 0)))
+    d_pos = _mask(torch.gt, mag, nb(-1, -1)).mul_(_mask(torch.gt, mag, nb(1, 1)))
+    d_neg = _mask(torch.gt, mag, nb(-1, 1)).mul_(_mask(torch.gt, mag, nb(1, -1)))
+    # keep_d = d_neg where gx * gy < 0 else d_pos; then horiz / vert override it.
+    keep = d_neg.sub_(d_pos).mul_(_mask(torch.lt, gx * gy, 0.0)).add_(d_pos)
+    keep.addcmul_(horiz, keep_h.sub_(keep)).addcmul_(vert, keep_v.sub_(keep))
+    weak = keep.mul_(_mask(torch.gt, mag, low))
+    edges = weak * _mask(torch.gt, mag, high)
+    count = edges.sum()
     for _ in range(max(u8.shape[-2:])):
-        grown = weak & _dilate3(edges)
-        if torch.equal(grown, edges):
-            break
+        # Growth only adds pixels, so an unchanged count means nothing changed.
+        grown = _dilate3(edges).mul_(weak)
+        grown_count = grown.sum()
         edges = grown
+        if bool(grown_count == count):
+            break
+        count = grown_count
     return edges
 
 
@@ -331,23 +351,30 @@ def _edge_distance(edges: torch.Tensor, cap: int) -> torch.Tensor:
     ``col(x + dx)^2 + dx^2`` over column offsets, in int16."""
     b, _, h, w = edges.shape
     far = cap + 1
-    col = torch.where(edges, 0, far).to(torch.int16)
+    # Column pass in a buffer with ``cap`` rows of ``far`` above and below the image, so
+    # every shifted read is a plain slice (no padding per step).
+    colp = torch.full((b, 1, h + 2 * cap, w), far, dtype=torch.int16, device=edges.device)
+    col = colp[..., cap : cap + h, :]
+    col.copy_(edges.to(torch.float32).mul_(-far).add_(far))
     s = 1
     while s <= cap:
-        pad = F.pad(col, (0, 0, s, s), value=far)
-        col = torch.minimum(col, torch.minimum(pad[..., :h, :], pad[..., 2 * s :, :]) + s)
+        step = torch.minimum(
+            colp[..., cap - s : cap - s + h, :], colp[..., cap + s : cap + s + h, :]
+        )
+        torch.minimum(col, step.add_(s), out=col)
         s *= 2
     col.clamp_(max=far)
-    sq = col * col
-    best = sq.clone()
-    pad = F.pad(sq, (cap, cap), value=far * far)
-    tmp = torch.empty_like(best)
+    # Row pass likewise, on squared column distances with ``cap`` columns of ``far^2``.
+    sqp = torch.full((b, 1, h, w + 2 * cap), far * far, dtype=torch.int16, device=edges.device)
+    best = sqp[..., cap : cap + w]
+    torch.mul(col, col, out=best)
+    best = best.clone()
     for dx in range(1, cap + 1):
-        if dx * dx >= int(best.max()):
-            break  # no pixel can improve any more
-        for off in (dx, -dx):
-            torch.add(pad[..., cap + off : cap + off + w], dx * dx, out=tmp)
-            torch.minimum(best, tmp, out=best)
+        # No pixel can improve any more (checked now and then: the check is a full pass).
+        if dx % 4 == 1 and dx * dx >= int(best.max()):
+            break
+        cand = torch.minimum(sqp[..., cap + dx : cap + dx + w], sqp[..., cap - dx : cap - dx + w])
+        torch.minimum(best, cand.add_(dx * dx), out=best)
     return best.float().sqrt_().clamp_(max=cap)
 
 
@@ -371,9 +398,11 @@ def _emboss(padded: torch.Tensor) -> torch.Tensor:
 def _equalize_hist(u8: torch.Tensor) -> torch.Tensor:
     """OpenCV ``equalizeHist`` per image of integer values ``[B, 1, H, W]`` in 0..255."""
     b = u8.shape[0]
-    flat = u8.view(b, -1).long()
-    hist = torch.zeros(b, 256, device=u8.device, dtype=torch.float64)
-    hist.scatter_add_(1, flat, torch.ones_like(flat, dtype=torch.float64))
+    # Values of image i index 256 * i + value: one histogram count and one table read for
+    # the whole batch.
+    offsets = torch.arange(b, device=u8.device).view(b, 1) * 256
+    flat = u8.reshape(b, -1).long().add_(offsets)
+    hist = torch.bincount(flat.view(-1), minlength=256 * b).view(b, 256).double()
     total = flat.shape[1]
     first = (hist > 0).float().argmax(dim=1, keepdim=True)
     cdf = hist.cumsum(1)
@@ -384,7 +413,7 @@ def _equalize_hist(u8: torch.Tensor) -> torch.Tensor:
     # A constant image maps to itself (OpenCV's special case).
     constant = hist.gather(1, first) == total
     lut = torch.where(constant, first.to(lut.dtype), lut)
-    return lut.gather(1, flat).view_as(u8).to(u8.dtype)
+    return lut.view(-1).to(u8.dtype).index_select(0, flat.view(-1)).view_as(u8)
 
 
 def spatter(
@@ -401,30 +430,28 @@ def spatter(
     mean, std, sigma, thresh, strength, mode = severity_param("spatter", SPATTER, table, severity)
     scale = spatial_scale(table, images)
     h, w = images.shape[-2:]
-    liquid = generator.normal(1, h, w).to(images.device, images.dtype) * std + mean
-    liquid = gaussian_filter(liquid, sigma * scale, mode="nearest")
-    liquid = torch.where(liquid < thresh, torch.zeros_like(liquid), liquid)
+    # The blur is linear with unit gain: blur(n * std + mean) = blur(n) * std + mean.
+    liquid = generator.normal(1, h, w).to(images.device, images.dtype)
+    liquid = gaussian_filter(liquid, sigma * scale, mode="nearest").mul_(std).add_(mean)
+    liquid.mul_(_mask(torch.ge, liquid, thresh))  # below the threshold: 0
     if mode == 0:
-        u8 = torch.floor(liquid * 255.0).remainder(256.0)
+        u8 = liquid.mul(255.0).floor_()
+        if bool(u8.amax() >= 256.0):
+            u8.remainder_(256.0)  # the reference's uint8 cast wraps
+        dist = torch.empty_like(u8)
         step = chunk_rows(u8)
-        dist = torch.cat(
-            [
-                _edge_distance(_canny(u8[i : i + step], 50.0, 150.0), 20)
-                for i in range(0, u8.shape[0], step)
-            ]
-        )
-        dist = torch.floor(_box3(dist))
-        dist = _equalize_hist(dist)
+        for i in range(0, u8.shape[0], step):
+            dist[i : i + step] = _edge_distance(_canny(u8[i : i + step], 50.0, 150.0), 20)
+        dist = _equalize_hist(_box3(dist).floor_())
         dist = _emboss(F.pad(dist, (1, 1, 1, 1), mode="reflect"))
-        dist = _box3(dist.round().clamp(0, 255))
-        m = u8 * dist
-        m = m / m.amax(dim=(2, 3), keepdim=True).clamp_min(1e-12) * strength
+        m = _box3(dist.round_().clamp_(0, 255)).mul_(u8)
+        m.mul_(strength / m.amax(dim=(2, 3), keepdim=True).clamp_min(1e-12))
         color = torch.tensor([175.0, 238.0, 238.0], device=images.device, dtype=images.dtype)
         color = color[: images.shape[1]].view(1, -1, 1, 1) / 255.0
-        return (images + m * color).clamp(0.0, 1.0)
-    wet = (liquid > thresh).to(images.dtype)
-    m = gaussian_filter(wet, strength * scale, mode="nearest")
-    m = torch.where(m < 0.8, torch.zeros_like(m), m)
+        return torch.addcmul(images, m, color).clamp_(0.0, 1.0)
+    m = gaussian_filter(_mask(torch.gt, liquid, thresh), strength * scale, mode="nearest")
+    m.mul_(_mask(torch.ge, m, 0.8))  # below 0.8: 0
     mud = torch.tensor([63.0, 42.0, 20.0], device=images.device, dtype=images.dtype)
     mud = mud[: images.shape[1]].view(1, -1, 1, 1) / 255.0
-    return (images * (1 - m) + mud * m).clamp(0.0, 1.0)
+    # images * (1 - m) + mud * m
+    return torch.sub(mud, images).mul_(m).add_(images).clamp_(0.0, 1.0)
