@@ -98,3 +98,115 @@ def test_poisson_sampler_matches_the_poisson_law(lam, rate_max):
     chi2 = (((observed - expected) ** 2 / expected)[keep]).sum()
     assert stats.chi2.sf(chi2, max(1, keep.sum() - 1)) > 1e-3, (lam, chi2)
     assert abs(counts.double().mean().item() - lam) < 5 * (lam / n) ** 0.5 + 1e-9
+
+
+def test_gather_windows_equals_slicing():
+    from mura_plugin.shifts._ops import gather_windows
+
+    src = torch.rand(3, 2, 9, 11, generator=torch.Generator().manual_seed(3))
+    which, top, left = (
+        torch.tensor([2, 0, 2, 1]),
+        torch.tensor([0, 4, 5, 2]),
+        torch.tensor([6, 0, 3, 1]),
+    )
+    out = gather_windows(src, which, top, left, 4, 5)
+    for k in range(4):
+        t, s = int(top[k]), int(left[k])
+        assert torch.equal(out[k], src[int(which[k]), :, t : t + 4, s : s + 5])
+
+
+def test_shifted_taps_equal_scipy_correlation():
+    """Per-sample taps (shifts larger than the image included) equal scipy.ndimage's
+    correlation with the same taps as a kernel, edges replicated (mode 'nearest')."""
+    from scipy import ndimage
+
+    from mura_plugin.shifts._ops import shifted_taps
+
+    g = torch.Generator().manual_seed(4)
+    x = torch.rand(2, 3, 7, 9, generator=g, dtype=torch.float64)
+    dy = torch.tensor([[0, 1, -3, 9], [2, 0, -1, -12]])
+    dx = torch.tensor([[0, -2, 4, 1], [0, 11, -1, 0]])
+    weights = torch.tensor([0.4, 0.3, 0.2, 0.1], dtype=torch.float64)
+    out = shifted_taps(x, dy, dx, weights)
+    for b in range(2):
+        r = int(max(dy[b].abs().max(), dx[b].abs().max()))
+        kernel = torch.zeros(2 * r + 1, 2 * r + 1, dtype=torch.float64)
+        for j in range(4):  # out[y, x] += w * img[y - dy, x - dx]: kernel offset (-dy, -dx)
+            kernel[r - int(dy[b, j]), r - int(dx[b, j])] += weights[j]
+        for c in range(3):
+            ref = ndimage.correlate(x[b, c].numpy(), kernel.numpy(), mode="nearest")
+            torch.testing.assert_close(out[b, c], torch.from_numpy(ref))
+
+
+@pytest.mark.parametrize("mode,scipy_mode", [("nearest", "nearest"), ("reflect", "reflect")])
+def test_banded_separable_equals_scipy_gaussian(mode, scipy_mode):
+    from scipy import ndimage
+
+    from mura_plugin.shifts._ops import BAND_BLOCK, banded_separable, gaussian_weights
+
+    taps = gaussian_weights(3.0, 4.0, torch.device("cpu"), torch.float64)  # radius 12
+    # Partial last blocks (150 x 141) and whole blocks only (written in place).
+    for h, w in ((150, 141), (7 * BAND_BLOCK, 6 * BAND_BLOCK)):
+        g = torch.Generator().manual_seed(5)
+        x = torch.rand(2, h, w, generator=g, dtype=torch.float64)
+        out = banded_separable(x, taps, mode)
+        for i in range(2):
+            ref = ndimage.gaussian_filter(x[i].numpy(), 3.0, mode=scipy_mode, truncate=4.0)
+            torch.testing.assert_close(out[i], torch.from_numpy(ref))
+
+
+def test_pixel_operator_equals_the_map_it_tabulates():
+    """Dense (wide Gaussian, disk) and sparse (zoom average) operators built from their
+    taps reproduce the maps; images above the size limit get none."""
+    from mura_plugin.shifts._ops import (
+        OPERATOR_MAX_PIXELS,
+        apply_pixel_operator,
+        correlation_taps,
+        fft_correlate,
+        gaussian_filter,
+        gaussian_weights,
+        pixel_operator,
+    )
+
+    h, w = 20, 24
+    x = torch.rand(3, 3, h, w, generator=torch.Generator().manual_seed(6))
+    g = gaussian_weights(4.0, 4.0, x.device, torch.float64)
+    disk = blur.disk_kernel(6, 0.5)
+    factors = tuple(float(z) for z in blur.zoom_factors("digits", 5))
+    cases = [
+        (lambda: correlation_taps(h, w, g[:, None] * g, "nearest"), gaussian_filter(x, 4.0)),
+        (
+            lambda: correlation_taps(h, w, disk, "reflect101"),
+            fft_correlate(x, disk[None], "reflect"),
+        ),
+        (lambda: blur._zoom_taps(h, w, factors), blur._zoom_average(x, factors)),
+    ]
+    layouts = []
+    for i, (build, expected) in enumerate(cases):
+        op = pixel_operator(("test", i), h, w, build, x.device, x.dtype)
+        layouts.append(op.layout)
+        torch.testing.assert_close(apply_pixel_operator(x, op), expected, atol=1e-5, rtol=0)
+    assert layouts == [torch.strided, torch.strided, torch.sparse_csr]
+    side = int(OPERATOR_MAX_PIXELS**0.5) + 1
+    assert pixel_operator("test-big", side, side, cases[0][0], x.device, x.dtype) is None
+
+
+@pytest.mark.parametrize("sparse_limit", [0.0, 1.0])
+def test_canny_equals_opencv(monkeypatch, sparse_limit):
+    """Both hysteresis paths: whole-image dilations (limit 0) and candidates followed one
+    by one (limit 1); the inputs have ~1400 and ~10 weak-only candidates, half of which
+    join an edge."""
+    cv2 = pytest.importorskip("cv2")
+    from mura_plugin.shifts._ops import gaussian_filter
+
+    monkeypatch.setattr(weather, "SPARSE_HYSTERESIS", sparse_limit)
+
+    g = torch.Generator().manual_seed(7)
+    smooth = (gaussian_filter(torch.rand(2, 1, 48, 53, generator=g), 1.5) * 255).floor()
+    contrasty = (smooth - smooth.mean()).mul(6).add(128).clamp(0, 255).floor()
+    for u8 in (smooth, contrasty):
+        ours = weather._canny(u8, 50.0, 150.0)
+        for i in range(2):
+            ref = cv2.Canny(u8[i, 0].numpy().astype("uint8"), 50, 150) > 0
+            assert ref.sum() > 50
+            assert torch.equal(ours[i, 0] > 0, torch.from_numpy(ref))

@@ -13,7 +13,15 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from mura_plugin.shifts._ops import _filter_matrix, fft_correlate, zoom_axis
+from mura_plugin.shifts._ops import (
+    _filter_matrix,
+    apply_pixel_operator,
+    correlation_taps,
+    fft_correlate,
+    pixel_operator,
+    shifted_taps,
+    zoom_axis,
+)
 from mura_plugin.shifts._ops import gaussian_filter as _gaussian_filter
 from mura_plugin.shifts._params import check_images, severity_param, spatial_scale
 from tta_bench.rng import SampleGenerator
@@ -112,6 +120,13 @@ def defocus_blur(
     scale = spatial_scale(table, images)
     kernel = disk_kernel(radius * scale, alias * scale, images.device)
     key = ("disk", radius * scale, alias * scale)
+    h, w = images.shape[-2:]
+    # Small images: the whole filter as one cached pixel-space matrix (see pixel_operator).
+    op = pixel_operator(
+        key, h, w, lambda: correlation_taps(h, w, kernel, "reflect101"), images.device, images.dtype
+    )
+    if op is not None:
+        return apply_pixel_operator(images, op).clamp_(0.0, 1.0)
     return fft_correlate(images, kernel[None], "reflect", cache_key=key).clamp_(0.0, 1.0)
 
 
@@ -162,28 +177,32 @@ def glass_blur(
     return gaussian_filter(x, sigma).clamp_(0.0, 1.0)
 
 
+def motion_offsets(
+    radius: int, sigma: float, angles: torch.Tensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """ImageMagick's motion-blur line: ``(weights [n], dy [B, n], dx [B, n])`` (float64,
+    int64) with ``n = 2 * radius + 1`` taps, one-sided Gaussian weights ``exp(-i^2 / 2
+    sigma^2)`` (normalised) at offsets ``i * (cos a, sin a)`` rounded as ImageMagick does:
+    ``out[y, x] = sum weights[i] * image[y - dy[i], x - dx[i]]`` (the imagecorruptions
+    re-implementation of Wand's ``motion_blur`` used by ImageNet-C)."""
+    i = torch.arange(2 * radius + 1, dtype=torch.float64)
+    g = torch.exp(-(i**2) / (2 * sigma**2))
+    a = torch.deg2rad(angles.double().cpu())[:, None]
+    dy = (-torch.ceil(i * torch.sin(a) - 0.5)).long()
+    dx = (-torch.ceil(i * torch.cos(a) - 0.5)).long()
+    return g / g.sum(), dy, dx
+
+
 def motion_kernels(
     radius: int, sigma: float, angles: torch.Tensor, device: torch.device
 ) -> torch.Tensor:
-    """ImageMagick's motion-blur line as centred correlation kernels ``[B, k, k]``.
-
-    ``width = 2 * radius + 1`` taps with one-sided Gaussian weights ``exp(-i^2 / 2 sigma^2)``
-    (normalised) at offsets ``i * (cos a, sin a)`` rounded as ImageMagick does, so the blur
-    trails the pixel on one side (the imagecorruptions re-implementation of Wand's
-    ``motion_blur`` used by ImageNet-C).
-    """
-    width = 2 * radius + 1
-    i = torch.arange(width, dtype=torch.float64)
-    g = torch.exp(-(i**2) / (2 * sigma**2))
-    g = g / g.sum()
-    a = torch.deg2rad(angles.double().cpu())[:, None]
-    # shifted[y, x] = image[y - dy, x - dx] with dy = -ceil(i sin a - 1/2), same for dx.
-    dy = -torch.ceil(i * torch.sin(a) - 0.5)
-    dx = -torch.ceil(i * torch.cos(a) - 0.5)
-    half = width - 1
+    """The motion line (``motion_offsets``) as centred correlation kernels ``[B, k, k]``,
+    so the blur trails the pixel on one side."""
+    g, dy, dx = motion_offsets(radius, sigma, angles)
+    half = 2 * radius
     k = 2 * half + 1
     kern = torch.zeros(angles.shape[0], k * k, dtype=torch.float64)
-    flat = ((half - dy) * k + (half - dx)).long()
+    flat = (half - dy) * k + (half - dx)
     kern.scatter_add_(1, flat, g.expand_as(dy).contiguous())
     return kern.view(-1, k, k).to(device)
 
@@ -192,13 +211,8 @@ def motion_taps(radius: int, sigma: float, angles: torch.Tensor) -> list[dict[tu
     """Per angle, the motion line's taps ``{(dy, dx): weight}`` (coinciding offsets merged):
     ``out[y, x] = sum weight * image[y - dy, x - dx]`` is the correlation with
     ``motion_kernels``."""
-    width = 2 * radius + 1
-    i = torch.arange(width, dtype=torch.float64)
-    g = torch.exp(-(i**2) / (2 * sigma**2))
-    g = (g / g.sum()).tolist()
-    a = torch.deg2rad(angles.double().cpu())[:, None]
-    dys = (-torch.ceil(i * torch.sin(a) - 0.5)).long().tolist()
-    dxs = (-torch.ceil(i * torch.cos(a) - 0.5)).long().tolist()
+    g, dy, dx = motion_offsets(radius, sigma, angles)
+    g, dys, dxs = g.tolist(), dy.tolist(), dx.tolist()
     taps = []
     for dy_row, dx_row in zip(dys, dxs):
         merged: dict[tuple, float] = {}
@@ -208,7 +222,8 @@ def motion_taps(radius: int, sigma: float, angles: torch.Tensor) -> list[dict[tu
     return taps
 
 
-#: Up to this many pixels per image, ``motion_filter`` correlates by FFT (see there).
+#: Up to this many pixels per image, ``motion_filter`` gathers all taps of a few samples at
+#: once (``shifted_taps``); larger images take per-sample shifted adds (see there).
 SMALL_MOTION_PIXELS = 64 * 64
 
 
@@ -219,11 +234,13 @@ def motion_filter(
     replicated. The line has only ``2 * radius + 1`` taps, so it is applied directly as
     weighted shifted copies (far cheaper than a per-sample FFT of the whole image)."""
     b, c, h, w = images.shape
-    if h * w <= SMALL_MOTION_PIXELS:
-        # Small images: one batched FFT correlation with the per-sample line kernels beats
-        # a Python loop of shifted adds per sample and tap (measured ~2x at 32 px).
-        kernels = motion_kernels(radius, sigma, angles, images.device)
-        return fft_correlate(images, kernels.to(images.dtype), "replicate")
+    if h * w <= SMALL_MOTION_PIXELS or images.device.type != "cpu":
+        # Small images (and GPUs): windows of a padded batch, a few samples at a time, and
+        # one batched product; the Python loop of shifted adds per sample and tap below
+        # would be dominated by per-op overhead (at 32 px, radius 20: ~10x faster than it,
+        # ~7x faster than a batched FFT correlation with the line kernels).
+        g, dy, dx = motion_offsets(radius, sigma, angles)
+        return shifted_taps(images, dy, dx, g)
     taps = motion_taps(radius, sigma, angles)
     pad = max(max(abs(dy), abs(dx)) for t in taps for dy, dx in t)
     padded = F.pad(images, (pad, pad, pad, pad), mode="replicate") if pad else images
@@ -277,16 +294,52 @@ def _zoom_grid(
 def zoom_blur(
     images: torch.Tensor, severity: int, *, generator: SampleGenerator, table: str = "cifar"
 ) -> torch.Tensor:
-    """Average of the image and its centre zooms by each factor (radial blur).
+    """Average of the image and its centre zooms by each factor (radial blur); small
+    images through one cached pixel-space matrix of the same map (``pixel_operator``)."""
+    del generator  # deterministic
+    check_images("zoom_blur", images)
+    factors = tuple(float(z) for z in zoom_factors(table, severity))
+    h, w = images.shape[-2:]
+    # Small images: the whole average as one cached (sparse) pixel-space matrix.
+    op = pixel_operator(
+        ("zoom_blur", factors), h, w, lambda: _zoom_taps(h, w, factors), images.device, images.dtype
+    )
+    if op is not None:
+        return apply_pixel_operator(images, op).clamp_(0.0, 1.0)
+    return _zoom_average(images, factors).clamp_(0.0, 1.0)
+
+
+def _zoom_taps(h: int, w: int, factors: tuple[float, ...]) -> tuple[torch.Tensor, ...]:
+    """``pixel_operator`` taps of ``_zoom_average`` on ``[h, w]`` images: the identity and,
+    per factor, the four bilinear taps of ``clipped_zoom`` (``zoom_axis``), each weighted
+    ``1 / (len(factors) + 1)``."""
+    cpu = torch.device("cpu")
+    scale = 1.0 / (len(factors) + 1)
+    outs, srcs, weights = (
+        [torch.arange(h * w)],
+        [torch.arange(h * w)],
+        [torch.full((h * w,), scale, dtype=torch.float64)],
+    )
+    out = torch.arange(h * w).view(h, w)
+    for z in factors:
+        y0, y1, wy = zoom_axis(h, z, cpu)
+        x0, x1, wx = zoom_axis(w, z, cpu)
+        for yi, fy in ((y0, 1 - wy), (y1, wy)):
+            for xi, fx in ((x0, 1 - wx), (x1, wx)):
+                outs.append(out.reshape(-1))
+                srcs.append((yi[:, None] * w + xi[None, :]).reshape(-1))
+                weights.append((fy[:, None] * fx[None, :]).reshape(-1) * scale)
+    return torch.cat(outs), torch.cat(srcs), torch.cat(weights)
+
+
+def _zoom_average(images: torch.Tensor, factors: tuple[float, ...]) -> torch.Tensor:
+    """The mean of ``images [B, C, H, W]`` and its ``clipped_zoom`` by each factor.
 
     All zooms of a group of channels come from one ``grid_sample`` call: the batch's
     channels are its channels (``[1, B * C, H, W]``), so the bilinear weights of every
     output position are computed once and reused across channels, and the factors are
     stacked along the grid's height.
     """
-    del generator  # deterministic
-    check_images("zoom_blur", images)
-    factors = tuple(float(z) for z in zoom_factors(table, severity))
     b, c, h, w = images.shape
     grid = _zoom_grid(h, w, factors, images.device, images.dtype)
     out = images.clone(memory_format=torch.contiguous_format)
@@ -300,4 +353,4 @@ def zoom_blur(
             flat[:, s : s + step], grid, "bilinear", "border", align_corners=True
         )
         acc[s : s + step] += zoomed[0].view(-1, n, h, w).sum(1)
-    return (out / (n + 1)).clamp_(0.0, 1.0)
+    return out.div_(n + 1)

@@ -15,8 +15,8 @@ import torch.nn.functional as F
 from mura_plugin.shifts._ops import (
     _filter_matrix,
     apply_separable,
-    chunk_rows,
     clipped_zoom,
+    gather_windows,
     gaussian_filter,
     rgb_to_gray,
 )
@@ -241,6 +241,17 @@ def frost_texture(index: int, zoom: float, min_side: int) -> torch.Tensor:
     return F.interpolate(base[None], size=(side, side), mode="bilinear", antialias=True)[0]
 
 
+@lru_cache(maxsize=8)
+def _frost_stack(
+    zoom: float, min_side: int, channels: int, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor:
+    """All ``frost_texture``s at one scale, ``[5, channels, S, S]`` (grey for 1 channel)."""
+    tex = torch.stack([frost_texture(i, zoom, min_side) for i in range(len(FROST_STATS))])
+    if channels == 1:
+        tex = rgb_to_gray(tex)
+    return tex.to(device, dtype).contiguous()
+
+
 def frost(
     images: torch.Tensor, severity: int, *, generator: SampleGenerator, table: str = "cifar"
 ) -> torch.Tensor:
@@ -248,23 +259,16 @@ def frost(
     randomly cropped (texture scale as the table's reference; see ``FROST_ZOOM``)."""
     check_images("frost", images)
     a, b = severity_param("frost", FROST, table, severity)
-    bsz, c, h, w = images.shape
+    c, h, w = images.shape[1:]
     zoom = FROST_ZOOM[table] * spatial_scale(table, images)
     draws = generator.uniform(3)
-    out = torch.empty_like(images)
-    textures = {}
-    for i in range(bsz):
-        idx = int(draws[i, 0] * len(FROST_STATS))
-        if idx not in textures:
-            textures[idx] = frost_texture(idx, zoom, max(h, w)).to(images.device, images.dtype)
-        tex = textures[idx]
-        top = int(draws[i, 1] * (tex.shape[1] - h + 1))
-        left = int(draws[i, 2] * (tex.shape[2] - w + 1))
-        crop = tex[:, top : top + h, left : left + w]
-        if c == 1:
-            crop = rgb_to_gray(crop[None])[0]
-        out[i] = a * images[i] + b * crop
-    return out.clamp(0.0, 1.0)
+    tex = _frost_stack(zoom, max(h, w), c, images.device, images.dtype)
+    # The same float32 arithmetic as indexing a Python list with int(u * n).
+    idx = (draws[:, 0] * len(FROST_STATS)).long()
+    top = (draws[:, 1] * (tex.shape[2] - h + 1)).long()
+    left = (draws[:, 2] * (tex.shape[3] - w + 1)).long()
+    crops = gather_windows(tex, idx, top, left, h, w)
+    return torch.add(crops.mul_(b), images, alpha=a).clamp_(0.0, 1.0)
 
 
 # -- spatter ---------------------------------------------------------------------------------
@@ -284,33 +288,39 @@ def _box3(x: torch.Tensor) -> torch.Tensor:
 
 
 def _mask(op, a: torch.Tensor, b: torch.Tensor | float) -> torch.Tensor:
-    """``op(a, b)`` (a torch comparison) as a float 0/1 tensor: on CPU, comparisons into
-    float outputs and arithmetic on them run several times faster than with bool tensors
-    (and ``torch.where`` is slower still)."""
+    """``op(a, b)`` (a torch comparison) as a 0/1 tensor of ``a``'s (numeric) dtype: on CPU,
+    comparisons into numeric outputs and arithmetic on them run several times faster than
+    with bool tensors (and ``torch.where`` is slower still)."""
     return op(a, b, out=torch.empty(a.shape, dtype=a.dtype, device=a.device))
 
 
 def _dilate3(x: torch.Tensor) -> torch.Tensor:
-    """3x3 dilation of a float 0/1 ``[B, 1, H, W]`` (zero border), separably (shifted
-    maxima; ``max_pool2d`` is far slower on CPU)."""
-    p = F.pad(x, (1, 1, 1, 1))
-    row = torch.maximum(p[..., :-2], p[..., 2:])
-    row = torch.maximum(row, p[..., 1:-1], out=row)
-    out = torch.maximum(row[..., :-2, :], row[..., 2:, :])
-    return torch.maximum(out, row[..., 1:-1, :], out=out)
+    """3x3 dilation of a float 0/1 ``[B, 1, H, W]`` (zero border), separably: in-place
+    maxima with each shifted neighbour on a copy (no padded buffer to fill; ``max_pool2d``
+    is far slower on CPU)."""
+    row = x.clone()
+    torch.maximum(row[..., 1:], x[..., :-1], out=row[..., 1:])
+    torch.maximum(row[..., :-1], x[..., 1:], out=row[..., :-1])
+    out = row.clone()
+    torch.maximum(out[..., 1:, :], row[..., :-1, :], out=out[..., 1:, :])
+    torch.maximum(out[..., :-1, :], row[..., 1:, :], out=out[..., :-1, :])
+    return out
 
 
 def _canny(u8: torch.Tensor, low: float, high: float) -> torch.Tensor:
-    """OpenCV-style Canny edges of 8-bit values ``[B, 1, H, W]`` (float) as a float 0/1
-    map: 3x3 Sobel (replicated border), L1 magnitude, non-maximum suppression along the
-    quantised gradient direction, hysteresis by 8-connected growth from strong into weak
-    pixels (until nothing changes). Masks are float 0/1 and selections arithmetic (see
-    ``_mask``)."""
-    p = F.pad(u8, (1, 1, 1, 1), mode="replicate")
+    """OpenCV-style Canny edges of 8-bit values ``[B, 1, H, W]`` (float) as a 0/1 map
+    (int16): 3x3 Sobel (replicated border), L1 magnitude, non-maximum suppression along
+    the quantised gradient direction, hysteresis by 8-connected growth from strong into
+    weak pixels (see ``_hysteresis``). Equal to ``cv2.Canny`` (tests).
+
+    Everything is exact in int16 (gradients of 8-bit values stay within +-2040), which
+    halves the memory traffic of float32; masks are 0/1 numbers and selections
+    arithmetic (see ``_mask``)."""
+    p = F.pad(u8, (1, 1, 1, 1), mode="replicate").to(torch.int16)
     # Separable Sobel: derivative [-1, 0, 1] along one axis, smoothing [1, 2, 1] along the other.
     d = p[..., 2:] - p[..., :-2]
-    gx = torch.add(d[..., :-2, :], d[..., 2:, :]).add_(d[..., 1:-1, :], alpha=2.0)
-    sm = torch.add(p[..., :-2], p[..., 2:]).add_(p[..., 1:-1], alpha=2.0)
+    gx = torch.add(d[..., :-2, :], d[..., 2:, :]).add_(d[..., 1:-1, :], alpha=2)
+    sm = torch.add(p[..., :-2], p[..., 2:]).add_(p[..., 1:-1], alpha=2)
     gy = sm[..., 2:, :] - sm[..., :-2, :]
     ax, ay = gx.abs(), gy.abs()
     mag = ax + ay
@@ -320,28 +330,79 @@ def _canny(u8: torch.Tensor, low: float, high: float) -> torch.Tensor:
         h, w = mag.shape[-2:]
         return mp[..., 1 + dy : 1 + dy + h, 1 + dx : 1 + dx + w]
 
+    # Direction tests in float32 (the integers are exact there; tan 22.5 is irrational).
     tan22, tan67 = 0.4142135623730951, 2.414213562373095
     horiz = _mask(torch.lt, ay, ax * tan22)
     vert = _mask(torch.gt, ay, ax * tan67)  # exclusive with horiz
-    keep_h = _mask(torch.gt, mag, nb(0, -1)).mul_(_mask(torch.ge, mag, nb(0, 1)))
-    keep_v = _mask(torch.gt, mag, nb(-1, 0)).mul_(_mask(torch.ge, mag, nb(1, 0)))
-    d_pos = _mask(torch.gt, mag, nb(-1, -1)).mul_(_mask(torch.gt, mag, nb(1, 1)))
-    d_neg = _mask(torch.gt, mag, nb(-1, 1)).mul_(_mask(torch.gt, mag, nb(1, -1)))
-    # keep_d = d_neg where gx * gy < 0 else d_pos; then horiz / vert override it.
-    keep = d_neg.sub_(d_pos).mul_(_mask(torch.lt, gx * gy, 0.0)).add_(d_pos)
-    keep.addcmul_(horiz, keep_h.sub_(keep)).addcmul_(vert, keep_v.sub_(keep))
-    weak = keep.mul_(_mask(torch.gt, mag, low))
-    edges = weak * _mask(torch.gt, mag, high)
-    count = edges.sum()
-    for _ in range(max(u8.shape[-2:])):
-        # Growth only adds pixels, so an unchanged count means nothing changed.
-        grown = _dilate3(edges).mul_(weak)
-        grown_count = grown.sum()
-        edges = grown
-        if bool(grown_count == count):
+    # Magnitudes are integers, so ``mag >= n`` is ``mag > n - 1``: each direction's test
+    # is ``mag`` above the larger of its two (adjusted) neighbours; the direction's bound is
+    # selected first (arithmetic selects), so one comparison decides every pixel.
+    bound_h = torch.maximum(nb(0, -1), nb(0, 1) - 1)
+    bound_v = torch.maximum(nb(-1, 0), nb(1, 0) - 1)
+    bound = torch.maximum(nb(-1, -1), nb(1, 1))  # gx * gy >= 0
+    neg = torch.maximum(nb(-1, 1), nb(1, -1)).sub_(bound)  # gx * gy < 0, relative
+    # gx * gy < 0 as opposite sign bits (the product overflows int16); where either is 0
+    # the pixel is horizontal or vertical (or has no gradient), so the choice is unused.
+    bound.addcmul_(_mask(torch.lt, gx.bitwise_xor_(gy), 0), neg)
+    bound.addcmul_(horiz, bound_h.sub_(bound)).addcmul_(vert, bound_v.sub_(bound))
+    weak = _mask(torch.gt, mag, bound.clamp_(min=int(low)))
+    strong = weak * _mask(torch.gt, mag, high)
+    return _hysteresis(weak, strong)
+
+
+#: ``_hysteresis`` follows candidate pixels one by one up to this fraction of all pixels
+#: (usually a few hundred per image pair); above it, whole-image dilations are cheaper.
+SPARSE_HYSTERESIS = 1.0 / 64
+
+
+def _hysteresis(weak: torch.Tensor, strong: torch.Tensor) -> torch.Tensor:
+    """Canny's hysteresis on 0/1 maps ``[B, 1, H, W]`` (``strong`` within ``weak``):
+    ``strong`` grown by 8-connected steps into ``weak`` pixels until nothing changes.
+
+    Only the weak-but-not-strong pixels can change, and they are usually few: their
+    positions are listed once and each round reads their 8 neighbours in a zero-bordered
+    copy of the edge map and switches on the ones touching an edge (all at once, as one
+    dilation step would). Many candidates fall back to whole-image dilations."""
+    candidates = weak - strong
+    cand = _nonzero_positions(candidates)
+    if cand.numel() == 0:
+        return strong
+    if cand.numel() > candidates.numel() * SPARSE_HYSTERESIS:
+        edges, count = strong, strong.sum()
+        for _ in range(weak[0].numel()):  # the longest possible path
+            # Growth only adds pixels, so an unchanged count means nothing changed.
+            edges = _dilate3(edges).mul_(weak)
+            grown_count = edges.sum()
+            if bool(grown_count == count):
+                break
+            count = grown_count
+        return edges
+    b, _, h, w = strong.shape
+    hp, wp = h + 2, w + 2
+    grid = F.pad(strong, (1, 1, 1, 1))
+    flat = grid.view(-1)
+    img, rem = cand // (h * w), cand % (h * w)
+    pos = img * (hp * wp) + (rem // w + 1) * wp + rem % w + 1
+    offsets = torch.tensor(
+        [-wp - 1, -wp, -wp + 1, -1, 1, wp - 1, wp, wp + 1], device=strong.device
+    ).view(1, 8)
+    while pos.numel():
+        hit = flat[pos.view(-1, 1) + offsets].amax(1) > 0
+        if not bool(hit.any()):
             break
-        count = grown_count
-    return edges
+        flat[pos[hit]] = 1
+        pos = pos[~hit]
+    return grid[..., 1:-1, 1:-1]
+
+
+def _nonzero_positions(mask: torch.Tensor) -> torch.Tensor:
+    """Flat positions of the non-zero entries of ``mask`` (rows of 128 values screened by
+    their maximum first: a full-size ``nonzero`` is slow on CPU)."""
+    flat = mask.reshape(-1)
+    width = 128 if flat.numel() % 128 == 0 else flat.numel()
+    rows = flat.view(-1, width).amax(1).nonzero().squeeze(1)
+    sub = flat.view(-1, width).index_select(0, rows).nonzero()
+    return rows[sub[:, 0]] * width + sub[:, 1]
 
 
 def _edge_distance(edges: torch.Tensor, cap: int) -> torch.Tensor:
@@ -355,7 +416,7 @@ def _edge_distance(edges: torch.Tensor, cap: int) -> torch.Tensor:
     # every shifted read is a plain slice (no padding per step).
     colp = torch.full((b, 1, h + 2 * cap, w), far, dtype=torch.int16, device=edges.device)
     col = colp[..., cap : cap + h, :]
-    col.copy_(edges.to(torch.float32).mul_(-far).add_(far))
+    col.copy_(torch.mul(edges, -far).add_(far))
     s = 1
     while s <= cap:
         step = torch.minimum(
@@ -369,13 +430,25 @@ def _edge_distance(edges: torch.Tensor, cap: int) -> torch.Tensor:
     best = sqp[..., cap : cap + w]
     torch.mul(col, col, out=best)
     best = best.clone()
-    for dx in range(1, cap + 1):
+    # Offset ``cap`` itself is skipped: it can only offer distances >= cap, which the
+    # truncation turns into cap, as it does every distance still above cap without it.
+    for dx in range(1, cap):
         # No pixel can improve any more (checked now and then: the check is a full pass).
         if dx % 4 == 1 and dx * dx >= int(best.max()):
             break
         cand = torch.minimum(sqp[..., cap + dx : cap + dx + w], sqp[..., cap - dx : cap - dx + w])
         torch.minimum(best, cand.add_(dx * dx), out=best)
-    return best.float().sqrt_().clamp_(max=cap)
+    # Truncated square roots of the integer squared distances by table look-up (sqrt of an
+    # exact 0, most pixels here, is many times slower than of other values on x86 CPUs).
+    dtype = edges.dtype if edges.is_floating_point() else torch.float32
+    roots = _truncated_roots(far * far, cap, edges.device, dtype)
+    return roots.index_select(0, best.view(-1).int()).view(best.shape)
+
+
+@lru_cache(maxsize=4)
+def _truncated_roots(n: int, cap: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """``min(sqrt(k), cap)`` for ``k = 0..n`` (float32 roots, correctly rounded)."""
+    return torch.arange(n + 1, dtype=torch.float32).sqrt_().clamp_(max=cap).to(device, dtype)
 
 
 #: ImageNet-C's emboss kernel (correlation taps), applied as shifted adds: a 3x3
@@ -400,8 +473,9 @@ def _equalize_hist(u8: torch.Tensor) -> torch.Tensor:
     b = u8.shape[0]
     # Values of image i index 256 * i + value: one histogram count and one table read for
     # the whole batch.
-    offsets = torch.arange(b, device=u8.device).view(b, 1) * 256
-    flat = u8.reshape(b, -1).long().add_(offsets)
+    # int32 indices (half the memory traffic of int64; bincount and index_select take them).
+    offsets = torch.arange(b, device=u8.device, dtype=torch.int32).view(b, 1) * 256
+    flat = u8.reshape(b, -1).int().add_(offsets)
     hist = torch.bincount(flat.view(-1), minlength=256 * b).view(b, 256).double()
     total = flat.shape[1]
     first = (hist > 0).float().argmax(dim=1, keepdim=True)
@@ -414,6 +488,32 @@ def _equalize_hist(u8: torch.Tensor) -> torch.Tensor:
     constant = hist.gather(1, first) == total
     lut = torch.where(constant, first.to(lut.dtype), lut)
     return lut.view(-1).to(u8.dtype).index_select(0, flat.view(-1)).view_as(u8)
+
+
+#: Values per chunk of the water chain on CPU (see ``spatter``; two 224 px images measured
+#: fastest, on one thread).
+SPATTER_CHUNK = 1 << 17
+
+
+def _liquid(noise: torch.Tensor, mean: float, std: float, sigma: float) -> torch.Tensor:
+    """ImageNet-C's liquid layer ``gaussian(noise * std + mean, sigma)`` (edges replicated);
+    the blur is linear with unit gain, so it is ``gaussian(noise, sigma) * std + mean``."""
+    return gaussian_filter(noise, sigma, mode="nearest").mul_(std).add_(mean)
+
+
+def _water(liquid: torch.Tensor, strength: float) -> torch.Tensor:
+    """The water layer ``[B, 1, H, W]`` (float) of the thresholded ``liquid``: Canny edges
+    of its 8-bit values, distance to them truncated at 20, box blur, histogram
+    equalisation, emboss, box blur, times the 8-bit liquid, scaled to ``strength`` at the
+    image's maximum."""
+    u8 = liquid.mul(255.0).floor_()
+    if bool(u8.amax() >= 256.0):
+        u8.remainder_(256.0)  # the reference's uint8 cast wraps
+    dist = _edge_distance(_canny(u8, 50.0, 150.0), 20)
+    dist = _equalize_hist(_box3(dist).floor_())
+    dist = _emboss(F.pad(dist, (1, 1, 1, 1), mode="reflect"))
+    m = _box3(dist.round_().clamp_(0, 255)).mul_(u8)
+    return m.mul_(strength / m.amax(dim=(2, 3), keepdim=True).clamp_min(1e-12))
 
 
 def spatter(
@@ -429,26 +529,27 @@ def spatter(
     check_images("spatter", images)
     mean, std, sigma, thresh, strength, mode = severity_param("spatter", SPATTER, table, severity)
     scale = spatial_scale(table, images)
-    h, w = images.shape[-2:]
-    # The blur is linear with unit gain: blur(n * std + mean) = blur(n) * std + mean.
-    liquid = generator.normal(1, h, w).to(images.device, images.dtype)
-    liquid = gaussian_filter(liquid, sigma * scale, mode="nearest").mul_(std).add_(mean)
-    liquid.mul_(_mask(torch.ge, liquid, thresh))  # below the threshold: 0
+    b, c, h, w = images.shape
     if mode == 0:
-        u8 = liquid.mul(255.0).floor_()
-        if bool(u8.amax() >= 256.0):
-            u8.remainder_(256.0)  # the reference's uint8 cast wraps
-        dist = torch.empty_like(u8)
-        step = chunk_rows(u8)
-        for i in range(0, u8.shape[0], step):
-            dist[i : i + step] = _edge_distance(_canny(u8[i : i + step], 50.0, 150.0), 20)
-        dist = _equalize_hist(_box3(dist).floor_())
-        dist = _emboss(F.pad(dist, (1, 1, 1, 1), mode="reflect"))
-        m = _box3(dist.round_().clamp_(0, 255)).mul_(u8)
-        m.mul_(strength / m.amax(dim=(2, 3), keepdim=True).clamp_min(1e-12))
+        # The whole chain runs a few images at a time (``SPATTER_CHUNK`` values: per-op
+        # overhead favours larger chunks, cache misses smaller ones), drawing each chunk's
+        # liquid noise from its samples' generators (the values of ``generator.normal``).
+        out = torch.empty_like(images)
+        step = max(1, SPATTER_CHUNK // (h * w)) if images.device.type == "cpu" else b
+        noise = torch.empty(min(step, b), 1, h, w)
         color = torch.tensor([175.0, 238.0, 238.0], device=images.device, dtype=images.dtype)
-        color = color[: images.shape[1]].view(1, -1, 1, 1) / 255.0
-        return torch.addcmul(images, m, color).clamp_(0.0, 1.0)
+        color = color[:c].view(1, -1, 1, 1) / 255.0
+        for s in range(0, b, step):
+            n = min(step, b - s)
+            for j, g in enumerate(generator.generators[s : s + n]):
+                torch.randn((1, h, w), generator=g, out=noise[j])
+            liquid = _liquid(noise[:n].to(images.device, images.dtype), mean, std, sigma * scale)
+            liquid.mul_(_mask(torch.ge, liquid, thresh))  # below the threshold: 0
+            m = _water(liquid, strength)
+            torch.addcmul(images[s : s + n], m, color, out=out[s : s + n]).clamp_(0.0, 1.0)
+        return out
+    noise = generator.normal(1, h, w).to(images.device, images.dtype)
+    liquid = _liquid(noise, mean, std, sigma * scale)
     m = gaussian_filter(_mask(torch.gt, liquid, thresh), strength * scale, mode="nearest")
     m.mul_(_mask(torch.ge, m, 0.8))  # below 0.8: 0
     mud = torch.tensor([63.0, 42.0, 20.0], device=images.device, dtype=images.dtype)
