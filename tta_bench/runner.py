@@ -431,8 +431,10 @@ class Evaluation:
                     assert item["number"] == batch.number, "loader out of stream order"
                     x = item["images"].to(device, non_blocking=non_blocking)
                     # NHWC uint8 -> contiguous NCHW float: kernels and the model take
-                    # their fast paths on contiguous input.
-                    x = x.permute(0, 3, 1, 2).float().div_(255.0).contiguous()
+                    # their fast paths on contiguous input. Transposing the uint8 bytes
+                    # first, then converting in place, is ~6x faster on the CPU than
+                    # converting the strided view and copying the floats.
+                    x = x.permute(0, 3, 1, 2).contiguous().float().div_(255.0)
                     y = item["labels"].to(device, non_blocking=non_blocking)
                 with timer.phase("shift"):
                     if kernels:
