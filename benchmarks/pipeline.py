@@ -60,9 +60,10 @@ def model_only_seconds(model: torch.nn.Module, batches: list[torch.Tensor]) -> f
 def measure(
     label: str, model: str, model_args: dict[str, Any], repeats: int, **protocol: Any
 ) -> dict[str, Any]:
-    """``repeats`` pairs of (harness run, model-only pass over the same tensors); the ratio
-    is the median of the pairs' ratios (each pair runs back to back, so a change of load on
-    a shared machine mostly hits both sides of one pair), printed with its range."""
+    """``repeats`` pairs of (harness run, model-only pass over the same tensors), after one
+    warm-up pair; the ratio is the median of the pairs' ratios (each pair runs back to
+    back, so a change of load on a shared machine mostly hits both sides of one pair),
+    printed with its range."""
     proto = load_protocol("digits-c", **protocol)
     spec = runner.RunSpec(
         method="zeroshot",
@@ -76,13 +77,20 @@ def measure(
         resume=False,
     )
     registry("methods").get("zeroshot")  # fail early on a missing plugin
+    # One model for every pair, and a first pair thrown away: freshly built weights run
+    # measurably slower for a while (on this machine ~10% for ViT-B-32 over its first
+    # ~15 s: the kernel collapses them into huge pages in the background), which would
+    # otherwise be charged to whichever side runs first.
+    torch.manual_seed(0)
+    bundle = registry("models").get(model)(**model_args)
     pairs: list[tuple[float, float]] = []
-    for _ in range(repeats):
+    for _ in range(repeats + 1):
         seen: list[torch.Tensor] = []
         with tempfile.TemporaryDirectory() as tmp:
             ev = runner.Evaluation(
                 spec,
                 Path(tmp) / "r.json",
+                bundle=bundle,
                 observer=lambda s, b, x, seen=seen: seen.append(x.clone()),
             )
             record = ev.run()
@@ -91,6 +99,7 @@ def measure(
         pairs.append((record["loop"]["wall_s"], model_only_seconds(classifier, seen)))
         sec = ev.phase_seconds
         shift_share = sec.get("shift", 0.0) / max(sum(sec.values()), 1e-12)
+    pairs = pairs[1:]  # the warm-up pair
     images = record["loop"]["images"]
     ratios = sorted(m / h for h, m in pairs)
     h_med = statistics.median(h for h, _ in pairs)
