@@ -17,8 +17,9 @@ from __future__ import annotations
 import math
 import warnings
 from collections import OrderedDict
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from functools import lru_cache
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -256,8 +257,28 @@ def fft_size(n: int) -> int:
 
 #: Spectra of fixed kernels by (cache key, FFT size, device, dtype); a few entries suffice
 #: (one per corruption, severity and image size in use).
-_SPECTRA: OrderedDict[tuple, torch.Tensor] = OrderedDict()
-_SPECTRA_MAX = 16
+class BoundedCache:
+    """A least-recently-used map of at most ``size`` entries, for values built from
+    unhashable inputs (tensors) under a key the caller names (``functools.lru_cache``
+    needs hashable arguments)."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._entries: OrderedDict[Hashable, Any] = OrderedDict()
+
+    def get(self, key: Hashable, build: Callable[[], Any]) -> Any:
+        """The value under ``key``; ``build()`` makes (and stores) it on a miss."""
+        if key in self._entries:
+            self._entries.move_to_end(key)
+            return self._entries[key]
+        value = build()
+        self._entries[key] = value
+        while len(self._entries) > self.size:
+            self._entries.popitem(last=False)
+        return value
+
+
+_SPECTRA = BoundedCache(16)
 
 
 def _kernel_spectrum(kernels: torch.Tensor, fh: int, fw: int, dtype: torch.dtype) -> torch.Tensor:
@@ -285,18 +306,14 @@ def fft_correlate(
     kh, kw = kernels.shape[-2:]
     ry, rx = kh // 2, kw // 2
     fh, fw = fft_size(h + 2 * ry), fft_size(w + 2 * rx)
-    key = None
-    if cache_key is not None:
-        key = (cache_key, fh, fw, str(images.device), images.dtype)
-    if key is not None and key in _SPECTRA:
-        _SPECTRA.move_to_end(key)
-        spec_k = _SPECTRA[key]
+
+    def spectrum() -> torch.Tensor:
+        return _kernel_spectrum(kernels.to(images.device), fh, fw, images.dtype)
+
+    if cache_key is None:
+        spec_k = spectrum()
     else:
-        spec_k = _kernel_spectrum(kernels.to(images.device), fh, fw, images.dtype)
-        if key is not None:
-            _SPECTRA[key] = spec_k
-            while len(_SPECTRA) > _SPECTRA_MAX:
-                _SPECTRA.popitem(last=False)
+        spec_k = _SPECTRA.get((cache_key, fh, fw, str(images.device), images.dtype), spectrum)
     shared = spec_k.shape[0] == 1
     out = torch.empty_like(images)
     step = max(1, (1 << 20) // (c * fh * fw)) if images.device.type == "cpu" and shared else b
@@ -440,8 +457,7 @@ OPERATOR_MAX_PIXELS = 48 * 48
 DENSE_OPERATOR_PIXELS = 32 * 32
 #: Stored sparse when at most this fraction of the entries is non-zero.
 SPARSE_OPERATOR_DENSITY = 0.15
-_OPERATORS: OrderedDict[tuple, torch.Tensor | None] = OrderedDict()
-_OPERATORS_MAX = 16  # every (kernel, severity) of a suite: a rebuild costs ~0.1 s
+_OPERATORS = BoundedCache(16)  # every (kernel, severity) of a suite: a rebuild costs ~0.1 s
 
 
 PixelTaps = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
@@ -465,30 +481,29 @@ def pixel_operator(
     n = h * w
     if n > OPERATOR_MAX_PIXELS:
         return None
-    cache_key = (key, h, w, str(device), dtype)
-    if cache_key in _OPERATORS:
-        _OPERATORS.move_to_end(cache_key)
-        return _OPERATORS[cache_key]
-    out_idx, src_idx, weight = build()
+    return _OPERATORS.get(
+        (key, h, w, str(device), dtype), lambda: _build_operator(n, build(), device, dtype)
+    )
+
+
+def _build_operator(
+    n: int, taps: PixelTaps, device: torch.device, dtype: torch.dtype
+) -> torch.Tensor | None:
+    """``pixel_operator``'s matrix of ``n``-pixel images from its ``taps``, or None."""
+    out_idx, src_idx, weight = taps
     # Accumulated densely (at most OPERATOR_MAX_PIXELS^2 float64: ~40 MB, briefly): far
     # cheaper than coalescing a sparse tensor with many repeated pairs.
     mat = torch.zeros(n * n, dtype=torch.float64)
     mat.index_add_(0, out_idx * n + src_idx, weight)
     mat = mat.view(n, n)  # [out, src]
     density = mat.count_nonzero().item() / (n * n)
-    op: torch.Tensor | None
     if density <= SPARSE_OPERATOR_DENSITY:
         with warnings.catch_warnings():  # "sparse CSR support is in beta": it is used as is
             warnings.simplefilter("ignore", UserWarning)
-            op = mat.to(dtype).to_sparse_csr().to(device)
-    elif n <= DENSE_OPERATOR_PIXELS:
-        op = mat.t().to(device, dtype).contiguous()
-    else:
-        op = None
-    _OPERATORS[cache_key] = op
-    while len(_OPERATORS) > _OPERATORS_MAX:
-        _OPERATORS.popitem(last=False)
-    return op
+            return mat.to(dtype).to_sparse_csr().to(device)
+    if n <= DENSE_OPERATOR_PIXELS:
+        return mat.t().to(device, dtype).contiguous()
+    return None
 
 
 def correlation_taps(h: int, w: int, kernel: torch.Tensor, mode: str) -> PixelTaps:
