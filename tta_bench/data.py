@@ -20,7 +20,6 @@ import hashlib
 import io
 import json
 import os
-import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -29,7 +28,7 @@ from typing import Any
 
 import numpy as np
 
-from tta_bench.paths import atomic_write_text, cache_dir
+from tta_bench.paths import atomic_path, atomic_write_text, cache_dir
 
 RESIZE_RECIPE = "shorter-side-bicubic+center-crop/v1"
 ON_BAD_IMAGE = ("fail", "skip")
@@ -216,20 +215,44 @@ def _decode_into_cache(
 ) -> Decoded:
     import datasets
 
-    n = len(stream)
     ds = stream.dataset
     if not _array_feature(stream):
         ds = ds.cast_column("image", datasets.Image(decode=False))  # we decode, naming paths
     else:
         ds = _numpy_images(ds)
-    tmp: str | None = None
-    if use_cache:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=path.stem, suffix=".npy.tmp")
-        os.close(fd)
-        out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.uint8, shape=(n, size, size, 3))
-    else:
-        out = np.empty((n, size, size, 3), dtype=np.uint8)
+    shape = (len(stream), size, size, 3)
+    if not use_cache:
+        out = np.empty(shape, dtype=np.uint8)
+        bad = _decode_all(stream, ds, out, size, progress, on_bad_image, workers)
+        return Decoded(out, [b["index"] for b in bad], bad)
+    # Written beside its final name and renamed when whole (metadata first), so a killed
+    # or failed decode leaves nothing half-written in the cache.
+    with atomic_path(path) as tmp:
+        out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.uint8, shape=shape)
+        bad = _decode_all(stream, ds, out, size, progress, on_bad_image, workers)
+        out.flush()
+        del out
+        atomic_write_text(
+            meta_path,
+            json.dumps({"name": stream.name, "fingerprint": stream.fingerprint, "bad": bad}),
+        )
+    return Decoded(np.load(path, mmap_mode="r"), [b["index"] for b in bad], bad)
+
+
+def _decode_all(
+    stream: DomainStream,
+    ds: Any,
+    out: np.ndarray,
+    size: int,
+    progress: bool,
+    on_bad_image: str,
+    workers: int | None,
+) -> list[dict[str, Any]]:
+    """Decode every image of ``ds`` into ``out [N, size, size, 3]`` on a thread pool; the
+    bad ones (zeroed in ``out``) are returned by index, or raise per ``on_bad_image``."""
+    from tqdm.auto import tqdm
+
+    n = len(out)
     bad: list[dict[str, Any]] = []
     lock = threading.Lock()
 
@@ -250,32 +273,12 @@ def _decode_into_cache(
                     )
         return stop - start
 
-    try:
-        from tqdm.auto import tqdm
-
-        n_workers = workers or min(8, os.cpu_count() or 1)
-        bar = tqdm(
-            total=n, desc=f"decode {stream.name}", unit="img", leave=False, disable=not progress
-        )
-        with ThreadPoolExecutor(max_workers=n_workers) as pool:
-            for done in pool.map(work, range(0, n, CHUNK)):
-                bar.update(done)
-        bar.close()
-        bad.sort(key=lambda b: b["index"])
-        _check_bad(stream, bad, on_bad_image)
-        if tmp is not None:
-            out.flush()
-            del out
-            atomic_write_text(
-                meta_path,
-                json.dumps({"name": stream.name, "fingerprint": stream.fingerprint, "bad": bad}),
-            )
-            os.replace(tmp, path)
-            tmp = None
-            result = np.load(path, mmap_mode="r")
-        else:
-            result = out
-    finally:
-        if tmp is not None:
-            Path(tmp).unlink(missing_ok=True)
-    return Decoded(result, [b["index"] for b in bad], bad)
+    n_workers = workers or min(8, os.cpu_count() or 1)
+    bar = tqdm(total=n, desc=f"decode {stream.name}", unit="img", leave=False, disable=not progress)
+    with ThreadPoolExecutor(max_workers=n_workers) as pool:
+        for done in pool.map(work, range(0, n, CHUNK)):
+            bar.update(done)
+    bar.close()
+    bad.sort(key=lambda b: b["index"])
+    _check_bad(stream, bad, on_bad_image)
+    return bad
