@@ -106,3 +106,23 @@ def test_frost_textures_are_deterministic_and_in_range():
         assert tex.shape == (3, 512, 512) and tex.min() >= 0 and tex.max() <= 1
         mean = torch.tensor(FROST_STATS[i][0])
         assert (tex.mean(dim=(1, 2)) - mean).abs().max() < 0.03
+
+
+def test_sample_generators_are_keyed_per_sample_and_built_lazily():
+    """``for_samples`` seeds sample ``i`` with ``stable_seed(*key, i)`` (the pinned scheme
+    every committed result depends on; ``stable_seeds`` hashes the shared prefix once), and
+    a deterministic kernel that never draws leaves the generators unbuilt."""
+    from tta_bench.rng import stable_seed, stable_seeds
+
+    idx = [0, 5, 17, 1_000_003]
+    for key in [(0, "fog", 5), (2, "shot_noise", 1), ()]:
+        want = [stable_seed(*key, i) for i in idx]
+        assert stable_seeds(key, idx) == want
+        assert SampleGenerator.for_samples(idx, *key).seeds == want
+    assert stable_seed(0, "fog", 5, 0) == 3837102993674096367  # the scheme itself is pinned
+    gen = SampleGenerator.for_samples(range(4), 0, "contrast", 3)
+    registry("shifts").get("contrast")(torch.rand(4, 3, 8, 8), 3, generator=gen)
+    assert gen._generators is None
+    first = gen.uniform(2)
+    again = SampleGenerator.for_samples(range(4), 0, "contrast", 3).uniform(2)
+    assert torch.equal(first, again) and len(gen.generators) == 4

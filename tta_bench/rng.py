@@ -12,7 +12,7 @@ generator only).
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 import torch
 
@@ -21,6 +21,19 @@ def stable_seed(*parts: object) -> int:
     """A 63-bit seed from any printable parts; identical across processes and machines."""
     text = "\x1f".join(str(p) for p in parts).encode()
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little") >> 1
+
+
+def stable_seeds(key: Sequence[object], indices: Iterable[int]) -> list[int]:
+    """``[stable_seed(*key, i) for i in indices]``, hashing the shared prefix once (a copy
+    of the prefix's hash state per index: the same digests, ~2x cheaper per sample)."""
+    prefix = hashlib.blake2b(digest_size=8)
+    prefix.update(("\x1f".join(str(p) for p in key) + "\x1f").encode() if key else b"")
+    out = []
+    for i in indices:
+        h = prefix.copy()
+        h.update(str(int(i)).encode())
+        out.append(int.from_bytes(h.digest(), "little") >> 1)
+    return out
 
 
 class SampleGenerator:
@@ -33,17 +46,27 @@ class SampleGenerator:
     def __init__(self, seeds: Sequence[int], device: torch.device | str = "cpu"):
         self.seeds = [int(s) for s in seeds]
         self.device = torch.device(device)
-        self.generators = [torch.Generator().manual_seed(s) for s in self.seeds]
+        self._generators: list[torch.Generator] | None = None
+
+    @property
+    def generators(self) -> list[torch.Generator]:
+        """One ``torch.Generator`` per sample, seeded with ``seeds[i]``. Built on first use:
+        deterministic kernels never draw, and the construction is a noticeable share of a
+        small batch's corruption time."""
+        if self._generators is None:
+            self._generators = [torch.Generator().manual_seed(s) for s in self.seeds]
+        return self._generators
 
     @classmethod
     def for_samples(
         cls, indices: Sequence[int], *key: object, device: torch.device | str = "cpu"
     ) -> SampleGenerator:
-        """Generators for dataset ``indices`` under ``key`` (e.g. seed, shift, severity)."""
-        return cls([stable_seed(*key, int(i)) for i in indices], device=device)
+        """Generators for dataset ``indices`` under ``key`` (e.g. seed, shift, severity):
+        sample ``i`` is seeded with ``stable_seed(*key, i)``."""
+        return cls(stable_seeds(key, indices), device=device)
 
     def __len__(self) -> int:
-        return len(self.generators)
+        return len(self.seeds)
 
     def _stack(self, draw, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         rows = [draw(tuple(shape), g, dtype) for g in self.generators]
