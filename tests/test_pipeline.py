@@ -123,3 +123,43 @@ def test_peak_memory_sees_a_transient_allocation(monkeypatch, high_water_mark):
         del buf
     assert mem.kind == "cpu_rss_growth"
     assert 150e6 < mem.peak_bytes < 400e6, mem.peak_bytes
+
+
+def test_peak_memory_is_right_when_the_heap_keeps_freed_blocks():
+    """Under ``tta_bench.malloc``'s policy (glibc keeps freed big blocks resident for
+    reuse, as the runner sets it) a second context still sees its own transient buffer:
+    the retained pages are handed back before its baseline is read. Run in a fresh
+    process, so the policy does not leak into the other tests."""
+    code = """
+import torch
+from tta_bench import cost, malloc
+if not malloc.keep_freed_memory():
+    print("skip")
+    raise SystemExit
+peaks = []
+for n in (20_000_000, 20_000_000, 5_000_000):
+    with cost.PeakMemory(torch.device("cpu")) as mem:
+        buf = torch.ones(n)  # 80, 80, 20 MB, touched, freed inside the context
+        del buf
+    peaks.append(mem.peak_bytes)
+print(" ".join(str(p) for p in peaks), malloc.policy())
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    if done.stdout.strip() == "skip":
+        pytest.skip("not glibc: the allocator policy does not apply")
+    *peaks, policy = done.stdout.split()
+    assert policy == "keep"
+    for peak, size in zip(map(int, peaks), (80e6, 80e6, 20e6)):
+        assert 0.9 * size < peak < 1.5 * size, peaks
+
+
+def test_malloc_policy_opt_out_and_bad_value(monkeypatch):
+    from tta_bench import malloc
+
+    monkeypatch.setenv(malloc.ENV, "bogus")
+    monkeypatch.setitem(malloc._state, "tuned", False)
+    with pytest.raises(ValueError, match="TTA_BENCH_MALLOC='bogus'.*'keep'.*'system'"):
+        malloc.keep_freed_memory()
+    monkeypatch.setenv(malloc.ENV, "system")
+    assert malloc.keep_freed_memory() is False and malloc.policy() == "system"
