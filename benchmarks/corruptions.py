@@ -7,7 +7,10 @@ For each size (224 px with the ``imagenet`` table, 32 px with ``cifar``) and eac
 corruption the reference implements, prints images/s of ours (whole batch, best of
 ``--repeats``) and of the reference (per image, averaged over ``--ref-images`` images of the
 batch, best of ``--repeats`` passes), their ratio, and the totals (time for every
-corruption once, summed). Adds the CUDA figure when a GPU is present.
+corruption once, summed). Adds the CUDA figure when a GPU is present. A kernel with a
+``from_uint8`` entry (``jpeg_compression``: its codec is 8-bit) is timed through it on the
+uint8 batch, as the runner calls it and as the reference gets it; its float-input figure is
+printed under the table.
 
 Thread setting (printed): both sides run with ``--threads`` CPU threads (default 1):
 ``torch.set_num_threads`` for ours, ``cv2.setNumThreads`` and threadpoolctl's BLAS/OpenMP
@@ -18,6 +21,10 @@ Memory parity: numpy (the reference) backs large arrays with transparent huge pa
 default (``madvise(MADV_HUGEPAGE)``, numpy >= 1.20 on Linux); torch does so only when
 ``THP_MEM_ALLOC_ENABLE=1`` is set before its first allocation, so this script sets it
 (unless already set; printed) to give both sides the same page size for batch-sized buffers.
+The process also runs under the allocator policy every ``tta-bench`` run uses
+(``tta_bench.malloc``: glibc keeps freed big blocks for reuse instead of unmapping them;
+printed): the reference's per-image buffers are reused by glibc anyway, ours (a 38.5 MB
+batch at 224 px) would otherwise be mapped and zeroed afresh on every call.
 """
 
 from __future__ import annotations
@@ -31,8 +38,10 @@ os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # before torch allocates (se
 import numpy as np
 import torch
 
+from tta_bench import malloc
 from tta_bench.registry import registry
 from tta_bench.rng import SampleGenerator
+from tta_bench.runner import uint8_entry
 
 TABLE_FOR_SIZE = {224: "imagenet", 32: "cifar"}
 ORDER = [
@@ -61,9 +70,14 @@ def make_batch(batch: int, size: int) -> np.ndarray:
     return np.stack(out)
 
 
-def time_ours(name: str, x: torch.Tensor, table: str, repeats: int, device: torch.device) -> float:
-    """Best wall time (s) of one batched call, generator construction included."""
+def time_ours(
+    name: str, x: torch.Tensor, table: str, repeats: int, device: torch.device, uint8: bool = False
+) -> float:
+    """Best wall time (s) of one batched call, generator construction included; with
+    ``uint8`` the kernel's ``from_uint8`` entry on ``x`` (uint8 ``[B, H, W, C]``)."""
     kernel = registry("shifts").get(name)
+    if uint8:
+        kernel = uint8_entry(kernel)
     best = float("inf")
     for r in range(repeats + 1):  # the first call warms caches (texture, coefficients)
         if device.type == "cuda":
@@ -102,9 +116,11 @@ def set_threads(n: int) -> str:
     cv2.setNumThreads(n)
     threadpool_limits(n)
     thp = os.environ.get("THP_MEM_ALLOC_ENABLE")
+    malloc.keep_freed_memory()
     return (
         f"{n} CPU thread(s) for both sides (torch, OpenCV, BLAS/OpenMP); "
-        f"THP_MEM_ALLOC_ENABLE={thp} (huge pages for big buffers, as numpy's default)"
+        f"THP_MEM_ALLOC_ENABLE={thp} (huge pages for big buffers, as numpy's default); "
+        f"malloc policy {malloc.policy()!r} (as tta-bench runs)"
     )
 
 
@@ -127,21 +143,40 @@ def main() -> None:
         u8 = make_batch(args.batch, size)
         x = torch.from_numpy(u8).permute(0, 3, 1, 2).float().div(255.0).contiguous()
         xg = x.cuda() if cuda else None
+        u8_g = torch.from_numpy(u8).cuda() if cuda else None
         header = f"{'corruption':18s} {'ours img/s':>11s} {'ref img/s':>10s} {'ratio':>7s}"
         print(f"\n{size} px, table {table!r}\n" + header + ("  cuda img/s" if cuda else ""))
         tot_ours = tot_ref = tot_cuda = 0.0
+        notes = []
         for name in ORDER:
-            t_ours = time_ours(name, x, table, args.repeats, torch.device("cpu")) / len(x)
+            # A kernel with a ``from_uint8`` entry is timed through it on the uint8 batch
+            # (the reference's input, and what the runner hands it); its float entry is
+            # printed below the table.
+            direct = uint8_entry(registry("shifts").get(name)) is not None
+            cpu = torch.device("cpu")
+            src, src_g = (torch.from_numpy(u8), u8_g) if direct else (x, xg)
+            t_ours = time_ours(name, src, table, args.repeats, cpu, uint8=direct) / len(x)
             t_ref = time_reference(name, u8[: args.ref_images], args.repeats)
             tot_ours, tot_ref = tot_ours + t_ours, tot_ref + t_ref
-            line = f"{name:18s} {1 / t_ours:11.1f} {1 / t_ref:10.1f} {t_ref / t_ours:7.1f}x"
+            label = name + ("*" if direct else "")
+            line = f"{label:18s} {1 / t_ours:11.1f} {1 / t_ref:10.1f} {t_ref / t_ours:7.1f}x"
             if cuda:
-                t_cuda = time_ours(name, xg, table, args.repeats, torch.device("cuda")) / len(x)
+                t_cuda = time_ours(
+                    name, src_g, table, args.repeats, torch.device("cuda"), uint8=direct
+                ) / len(x)
                 tot_cuda += t_cuda
                 line += f" {1 / t_cuda:11.1f}"
             print(line, flush=True)
+            if direct:
+                t_float = time_ours(name, x, table, args.repeats, cpu) / len(x)
+                notes.append(
+                    f"* {name}: from the uint8 batch (its from_uint8 entry, the runner's "
+                    f"path); from float input {1 / t_float:.1f} img/s ({t_ref / t_float:.1f}x)"
+                )
         line = f"{'TOTAL':18s} {1 / tot_ours:11.1f} {1 / tot_ref:10.1f} {tot_ref / tot_ours:7.1f}x"
         print(line + (f" {1 / tot_cuda:11.1f}" if cuda else ""))
+        for note in notes:
+            print(note)
 
 
 if __name__ == "__main__":

@@ -126,3 +126,34 @@ def test_sample_generators_are_keyed_per_sample_and_built_lazily():
     first = gen.uniform(2)
     again = SampleGenerator.for_samples(range(4), 0, "contrast", 3).uniform(2)
     assert torch.equal(first, again) and len(gen.generators) == 4
+
+
+@pytest.mark.parametrize("name", registry("shifts").names())
+def test_uint8_entry_equals_the_float_kernel(name):
+    """A kernel's optional ``from_uint8`` entry (the decoded cache's NHWC batch, no float
+    pass) returns exactly what the kernel returns for ``u8 / 255``; ``apply_shift`` routes
+    uint8 batches to it, or converts them for kernels without one."""
+    from tta_bench.runner import apply_shift, to_float_images, uint8_entry
+
+    kernel = registry("shifts").get(name)
+    u8 = torch.randint(0, 256, (3, 20, 24, 3), dtype=torch.uint8)
+    u8[:, :8] = 77  # a flat region, as real images have
+    x = to_float_images(u8)  # contiguous NCHW, u8 / 255
+    assert torch.equal(x, u8.permute(0, 3, 1, 2).float() / 255) and x.is_contiguous()
+    want = apply_shift(kernel, x, 4, _gen(range(3), name, 4), "cifar")
+    got = apply_shift(kernel, u8, 4, _gen(range(3), name, 4), "cifar")
+    assert got.shape == want.shape == (3, 3, 20, 24)
+    assert torch.equal(got, want)
+    entry = uint8_entry(kernel)
+    if entry is not None:
+        direct = entry(u8, 4, generator=_gen(range(3), name, 4), table="cifar")
+        assert torch.equal(direct, want)
+        with pytest.raises(ValueError, match=r"uint8 images \[B, H, W, C\]"):
+            entry(x, 4, generator=_gen(range(3), name, 4), table="cifar")
+
+
+def test_jpeg_offers_the_uint8_entry():
+    from tta_bench.runner import uint8_entry
+
+    assert uint8_entry(registry("shifts").get("jpeg_compression")) is not None
+    assert uint8_entry(registry("shifts").get("contrast")) is None

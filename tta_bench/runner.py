@@ -25,7 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tta_bench import SCHEMA_VERSION, metrics, results
+from tta_bench import SCHEMA_VERSION, malloc, metrics, results
 from tta_bench.cost import PassCounter, PeakMemory, PhaseTimer, _rss_bytes
 from tta_bench.data import DomainStream, decode
 from tta_bench.loader import StreamBatches, make_loader, resolve_settings
@@ -118,6 +118,23 @@ def build_method(name: str, model: ZeroShotClassifier, config: Any) -> Method:
 _TAKES_TABLE: dict[Callable[..., Any], bool] = {}
 
 
+def uint8_entry(kernel: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor] | None:
+    """The kernel's optional ``from_uint8`` entry: the same corruption of an 8-bit
+    ``[B, H, W, C]`` batch, the decoded cache's own format, returning what the kernel
+    returns for ``images.permute(0, 3, 1, 2).float() / 255``. Kernels whose work is 8-bit
+    anyway (a JPEG codec) offer it to skip a float -> 8-bit pass; None when absent."""
+    entry = getattr(kernel, "from_uint8", None)
+    return entry if callable(entry) else None
+
+
+def to_float_images(images: torch.Tensor) -> torch.Tensor:
+    """uint8 ``[B, H, W, C]`` -> contiguous float ``[B, C, H, W]`` in [0, 1]."""
+    # Kernels and the model take their fast paths on contiguous input. Transposing the
+    # uint8 bytes first, then converting in place, is ~6x faster on the CPU than
+    # converting the strided view and copying the floats.
+    return images.permute(0, 3, 1, 2).contiguous().float().div_(255.0)
+
+
 def apply_shift(
     kernel: Callable[..., torch.Tensor],
     images: torch.Tensor,
@@ -125,7 +142,19 @@ def apply_shift(
     generator: SampleGenerator,
     table: str,
 ) -> torch.Tensor:
-    """``kernel(images, severity, generator=..., table=...)``, checked and clamped to [0, 1]."""
+    """``kernel(images, severity, generator=..., table=...)``, checked and clamped to [0, 1].
+
+    uint8 ``[B, H, W, C]`` images go to the kernel's ``from_uint8`` entry (``uint8_entry``)
+    when it has one, else they are converted (``to_float_images``) first."""
+    expected = images.shape
+    if images.dtype == torch.uint8:
+        b, h, w, c = images.shape
+        expected = torch.Size((b, c, h, w))
+        entry = uint8_entry(kernel)
+        if entry is None:
+            images = to_float_images(images)
+        else:
+            kernel = entry
     takes_table = _TAKES_TABLE.get(kernel)
     if takes_table is None:  # inspect once per kernel, not per batch
         takes_table = _TAKES_TABLE[kernel] = "table" in inspect.signature(kernel).parameters
@@ -133,8 +162,8 @@ def apply_shift(
     if takes_table:
         kwargs["table"] = table
     out = kernel(images, severity, **kwargs)
-    if out.shape != images.shape:
-        raise ValueError(f"shift kernel changed the batch shape {images.shape} -> {out.shape}")
+    if out.shape != expected:
+        raise ValueError(f"shift kernel changed the batch shape {expected} -> {out.shape}")
     return out.clamp_(0.0, 1.0)
 
 
@@ -246,6 +275,7 @@ class Evaluation:
     # -- the loop ------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         spec, protocol, device = self.spec, self.protocol, self.device
+        malloc.keep_freed_memory()  # reuse big CPU buffers batch after batch (tta_bench.malloc)
         torch.manual_seed(0)  # model construction must not depend on ambient state
         bundle = self.bundle or registry("models").get(spec.model)(**spec.model_args)
         size = bundle.preprocess.image_size
@@ -430,11 +460,10 @@ class Evaluation:
                     item = next(it)
                     assert item["number"] == batch.number, "loader out of stream order"
                     x = item["images"].to(device, non_blocking=non_blocking)
-                    # NHWC uint8 -> contiguous NCHW float: kernels and the model take
-                    # their fast paths on contiguous input. Transposing the uint8 bytes
-                    # first, then converting in place, is ~6x faster on the CPU than
-                    # converting the strided view and copying the floats.
-                    x = x.permute(0, 3, 1, 2).contiguous().float().div_(255.0)
+                    # NHWC uint8 -> NCHW float in [0, 1], unless this batch's kernel takes
+                    # the uint8 batch itself (``uint8_entry``).
+                    if not self._takes_uint8(batch, stream, kernels):
+                        x = to_float_images(x)
                     y = item["labels"].to(device, non_blocking=non_blocking)
                 with timer.phase("shift"):
                     if kernels:
@@ -510,6 +539,16 @@ class Evaluation:
                 shift=last["shift"], sev=last["severity"], acc=f"{last['accuracy']:.3f}"
             )
         return cells
+
+    def _takes_uint8(
+        self, batch: Batch, stream: Stream, kernels: dict[str, Callable[..., torch.Tensor]]
+    ) -> bool:
+        """Whether ``batch`` goes to its shift kernel as uint8 (one domain, a kernel with a
+        ``from_uint8`` entry); mixed batches are converted once for all their kernels."""
+        dom = batch.single_domain()
+        if not kernels or dom is None:
+            return False
+        return uint8_entry(kernels[stream.domains[dom][0]]) is not None
 
     def _shift(
         self,
@@ -621,6 +660,7 @@ class Evaluation:
                 "packages": results.package_versions(),
                 "device": results.device_info(device),
                 "torch_threads": torch.get_num_threads(),
+                "cpu_malloc": malloc.policy(),
                 "torch": torch.__version__,
                 "precision": _precision(spec.method_config, device),
                 "plugins": plugins,

@@ -221,12 +221,13 @@ def jpeg_compression(
     images: torch.Tensor, severity: int, *, generator: SampleGenerator, table: str = "cifar"
 ) -> torch.Tensor:
     """Real JPEG encode + decode at quality ``c`` (libjpeg via torchvision, 4:2:0 chroma
-    subsampling like PIL's default) of the 8-bit image; CPU codec on any device."""
-    del generator  # deterministic
-    from torchvision.io import decode_jpeg, encode_jpeg
+    subsampling like PIL's default) of the 8-bit image; CPU codec on any device.
 
+    ``jpeg_compression.from_uint8`` is the same corruption of an 8-bit ``[B, H, W, C]``
+    batch (the harness's decoded format): no quantisation pass, the same result."""
+    del generator  # deterministic
     check_images("jpeg_compression", images)
-    quality = severity_param("jpeg_compression", JPEG_COMPRESSION, table, severity)
+    quality = int(severity_param("jpeg_compression", JPEG_COMPRESSION, table, severity))
     # Channels-last (HWC) buffers are the codec's own layout: encode and decode then copy
     # nothing and the result is written with plain contiguous passes. ``out`` is returned
     # in that memory format (same shape and values; ``.contiguous()`` gives NCHW strides).
@@ -235,30 +236,64 @@ def jpeg_compression(
     step = max(1, JPEG_CHUNK // images[0].numel())
     hwc = torch.empty(min(step, b), h, w, c)
     hwc_u8 = torch.empty(hwc.shape, dtype=torch.uint8)
+    for s in range(0, b, step):
+        n = min(step, b - s)
+        buf = hwc[:n]
+        # 8-bit quantisation: ``255 x`` in HWC order as a batched product with ``255 I``
+        # (a GEMM transposes far faster than a strided elementwise copy), then ``+ 2^23``
+        # rounds it (half to even, as ``round``) to an integer held in the low mantissa
+        # byte; clipping to 2^23 + [0, 255] is clipping to 0..255, and the int32 -> uint8
+        # narrowing keeps that byte (float -> uint8 is several times slower). For
+        # ``x = k / 255`` (an 8-bit image) this gives back ``k`` exactly.
+        planes = images[s : s + n].detach().cpu().float().reshape(n, c, h * w).transpose(1, 2)
+        torch.bmm(planes, _scaled_eye(c).expand(n, c, c), out=buf.view(n, h * w, c))
+        buf.clamp_(0.0, 255.0).add_(_ROUND_BIAS)
+        _jpeg_roundtrip(hwc_u8[:n].copy_(buf.view(torch.int32)), quality, out[s : s + n])
+    return out.to(images.device)
+
+
+def _jpeg_from_uint8(
+    images: torch.Tensor, severity: int, *, generator: SampleGenerator, table: str = "cifar"
+) -> torch.Tensor:
+    """``jpeg_compression`` of an 8-bit ``[B, H, W, C]`` batch (values 0..255; C = 1 or 3):
+    float ``[B, C, H, W]`` in [0, 1] (channels-last memory), equal to
+    ``jpeg_compression(images.permute(0, 3, 1, 2).float() / 255, ...)`` value for value.
+    The codec takes 8-bit pixels, so this skips the float -> 8-bit pass (at 224 px about a
+    third of the kernel's time)."""
+    del generator  # deterministic
+    if images.dtype != torch.uint8 or images.dim() != 4 or images.shape[-1] not in (1, 3):
+        raise ValueError(
+            "jpeg_compression.from_uint8 expects uint8 images [B, H, W, C] with C in (1, 3), "
+            f"got {tuple(images.shape)} {images.dtype}"
+        )
+    quality = int(severity_param("jpeg_compression", JPEG_COMPRESSION, table, severity))
+    b, h, w, c = images.shape
+    out = torch.empty((b, c, h, w), memory_format=torch.channels_last)
+    u8 = images.detach().cpu().contiguous()
+    step = max(1, JPEG_CHUNK // u8[0].numel())
+    for s in range(0, b, step):
+        _jpeg_roundtrip(u8[s : s + step], quality, out[s : s + step])
+    return out.to(images.device)
+
+
+jpeg_compression.from_uint8 = _jpeg_from_uint8  # type: ignore[attr-defined]
+
+
+def _jpeg_roundtrip(hwc_u8: torch.Tensor, quality: int, out: torch.Tensor) -> None:
+    """Encode the uint8 ``[n, H, W, C]`` images at ``quality``, decode them and write
+    ``decoded / 255`` into ``out`` (``[n, C, H, W]``, channels-last memory)."""
+    from torchvision.io import decode_jpeg, encode_jpeg
+
     # torchvision 0.29 deprecates its codecs in favour of torchcodec; they are still the
     # libjpeg the fidelity tests pin, so the notice is silenced here rather than per run.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
-        for s in range(0, b, step):
-            n = min(step, b - s)
-            buf = hwc[:n]
-            # 8-bit quantisation: ``255 x`` in HWC order as a batched product with
-            # ``255 I`` (a GEMM transposes far faster than a strided elementwise copy), then
-            # ``+ 2^23`` rounds it (half to even, as ``round``) to an integer held in the low
-            # mantissa byte; clipping to 2^23 + [0, 255] is clipping to 0..255, and the
-            # int32 -> uint8 narrowing keeps that byte (float -> uint8 is several times
-            # slower).
-            planes = images[s : s + n].detach().cpu().float().reshape(n, c, h * w).transpose(1, 2)
-            torch.bmm(planes, _scaled_eye(c).expand(n, c, c), out=buf.view(n, h * w, c))
-            buf.clamp_(0.0, 255.0).add_(_ROUND_BIAS)
-            u8 = hwc_u8[:n].copy_(buf.view(torch.int32))
-            encoded = encode_jpeg(list(u8.permute(0, 3, 1, 2)), quality=int(quality))
-            # Decoded images are HWC underneath, as ``out``. Per image, a plain conversion
-            # copy then an in-place float division while it is cached: uint8 operands in
-            # arithmetic take a slow (unvectorised) path, a fused divide is ~4x slower.
-            for j, img in enumerate(decode_jpeg(encoded)):
-                out[s + j].copy_(img).div_(255.0)
-    return out.to(images.device)
+        encoded = encode_jpeg(list(hwc_u8.permute(0, 3, 1, 2)), quality=quality)
+        # Decoded images are HWC underneath, as ``out``. Per image, a plain conversion
+        # copy then an in-place float division while it is cached: uint8 operands in
+        # arithmetic take a slow (unvectorised) path, a fused divide is ~4x slower.
+        for j, img in enumerate(decode_jpeg(encoded)):
+            out[j].copy_(img).div_(255.0)
 
 
 #: Pillow's fixed-point precision for 8-bit resampling weights (``PRECISION_BITS``).
