@@ -21,10 +21,10 @@ Memory parity: numpy (the reference) backs large arrays with transparent huge pa
 default (``madvise(MADV_HUGEPAGE)``, numpy >= 1.20 on Linux); torch does so only when
 ``THP_MEM_ALLOC_ENABLE=1`` is set before its first allocation, so this script sets it
 (unless already set; printed) to give both sides the same page size for batch-sized buffers.
-The process also runs under the allocator policy every ``tta-bench`` run uses
-(``tta_bench.malloc``: glibc keeps freed big blocks for reuse instead of unmapping them;
-printed): the reference's per-image buffers are reused by glibc anyway, ours (a 38.5 MB
-batch at 224 px) would otherwise be mapped and zeroed afresh on every call.
+Allocator parity: the process keeps freed big blocks for reuse (``tta_bench.malloc``, as a
+caching allocator does; printed): the reference's per-image buffers are reused by glibc
+anyway, ours (a 38.5 MB batch at 224 px) would otherwise be mapped and zeroed afresh on
+every call. ``tta-bench run`` does the same with ``TTA_BENCH_MALLOC=keep``.
 """
 
 from __future__ import annotations
@@ -120,7 +120,7 @@ def set_threads(n: int) -> str:
     return (
         f"{n} CPU thread(s) for both sides (torch, OpenCV, BLAS/OpenMP); "
         f"THP_MEM_ALLOC_ENABLE={thp} (huge pages for big buffers, as numpy's default); "
-        f"malloc policy {malloc.policy()!r} (as tta-bench runs)"
+        f"malloc policy {malloc.policy()!r} (freed big blocks reused, both sides)"
     )
 
 

@@ -7,7 +7,7 @@ cell); an observer keeps a copy of every corrupted batch the method received, an
 model-only figure is the classifier's forward over exactly those tensors (already on the
 device), right after each harness run; the ratio is the median over ``--repeats`` such
 pairs. Setup (model build, decoding into the cache) is excluded from both. Both sides run
-in this process, under the allocator policy the runner sets (``tta_bench.malloc``). The ratio is
+in this process, under the allocator policy of a default run (``tta_bench.malloc``). The ratio is
 printed, not asserted. Usage::
 
     python benchmarks/pipeline.py [--vit-images 384] [--repeats 3]

@@ -126,8 +126,8 @@ def test_peak_memory_sees_a_transient_allocation(monkeypatch, high_water_mark):
 
 
 def test_peak_memory_is_right_when_the_heap_keeps_freed_blocks():
-    """Under ``tta_bench.malloc``'s policy (glibc keeps freed big blocks resident for
-    reuse, as the runner sets it) a second context still sees its own transient buffer:
+    """Under ``tta_bench.malloc``'s keep policy (glibc keeps freed big blocks resident for
+    reuse; ``TTA_BENCH_MALLOC=keep``) a second context still sees its own transient buffer:
     the retained pages are handed back before its baseline is read. Run in a fresh
     process, so the policy does not leak into the other tests."""
     code = """
@@ -154,12 +154,12 @@ print(" ".join(str(p) for p in peaks), malloc.policy())
         assert 0.9 * size < peak < 1.5 * size, peaks
 
 
-def test_malloc_policy_opt_out_and_bad_value(monkeypatch):
+def test_malloc_policy_from_env(monkeypatch):
     from tta_bench import malloc
 
-    monkeypatch.setenv(malloc.ENV, "bogus")
     monkeypatch.setitem(malloc._state, "tuned", False)
-    with pytest.raises(ValueError, match="TTA_BENCH_MALLOC='bogus'.*'keep'.*'system'"):
-        malloc.keep_freed_memory()
+    monkeypatch.setenv(malloc.ENV, "bogus")
+    with pytest.raises(ValueError, match="TTA_BENCH_MALLOC='bogus'.*'system'.*'keep'"):
+        malloc.from_env()
     monkeypatch.setenv(malloc.ENV, "system")
-    assert malloc.keep_freed_memory() is False and malloc.policy() == "system"
+    assert malloc.from_env() is False and malloc.policy() == "system"

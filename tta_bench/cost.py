@@ -18,7 +18,7 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from tta_bench.malloc import release_free_memory
+from tta_bench import malloc
 
 
 def _rss_bytes() -> int:
@@ -62,8 +62,8 @@ def _high_water_mark() -> int | None:
 class PeakMemory:
     """Peak memory while the context is open: CUDA allocator peak, or CPU RSS growth.
 
-    On the CPU the growth is ``peak RSS - RSS at entry``, after the heap's free pages are
-    returned (``tta_bench.malloc.release_free_memory``). On Linux the peak is the kernel's
+    On the CPU the growth is ``peak RSS - RSS at entry`` (under ``tta_bench.malloc``'s keep
+    policy, after the heap's free pages are returned). On Linux the peak is the kernel's
     own high-water mark, reset at entry: exact, and free (no thread competes with the
     model's intra-op threads). Elsewhere a background thread samples the RSS every
     ``interval_s``. Contexts must not nest on the CPU: entering one resets the mark the
@@ -84,9 +84,10 @@ class PeakMemory:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             return self
-        # Free heap pages kept for reuse (``tta_bench.malloc``) would absorb this block's
-        # allocations without raising the RSS: hand them back before the baseline.
-        release_free_memory()
+        # Free heap pages kept for reuse (``tta_bench.malloc``'s opt-in policy) would absorb
+        # this block's allocations without raising the RSS: hand them back first.
+        if malloc.policy() == "keep":
+            malloc.release_free_memory()
         self._base = _rss_bytes()
         self._max = self._base
         if _reset_high_water_mark():

@@ -1,4 +1,4 @@
-"""The CPU allocator policy of a benchmark process (glibc ``malloc``), and its accounting.
+"""An optional CPU allocator policy (glibc ``malloc``): keep freed big blocks for reuse.
 
 A TTA run allocates the same big buffers batch after batch (a 224 px batch of 64 is 38.5 MB
 of float32; each shift kernel returns a fresh one). glibc serves every block above its mmap
@@ -10,12 +10,14 @@ allocators (the CUDA caching allocator, jemalloc, tcmalloc) keep freed blocks fo
 ``keep_freed_memory`` asks glibc to do the same: every block from the heap, freed memory
 kept unless more than ``TRIM_THRESHOLD`` lies free at its top.
 
-A heap that keeps freed memory also keeps it resident, which would hide a later phase's
-allocations from an RSS-based peak: ``release_free_memory`` (``malloc_trim``) hands the
-free pages back, and ``tta_bench.cost.PeakMemory`` calls it before it reads its baseline.
-
-Set ``TTA_BENCH_MALLOC=system`` to leave glibc's defaults alone. Other C libraries (musl,
-macOS, Windows) are left as they are.
+Runs leave glibc's defaults unless ``TTA_BENCH_MALLOC=keep`` is set (``from_env``): a heap
+that keeps freed memory also keeps it resident, which would hide a cell's allocations from
+the RSS-based peak, so under the policy ``tta_bench.cost.PeakMemory`` first hands the free
+pages back (``release_free_memory``, ``malloc_trim``) and the next batches fault them in
+again. That costs ~10% of a tiny model's loop on 32 px images, where the policy gains
+nothing; at 224 px on the CPU it pays. ``benchmarks/corruptions.py`` always sets it for
+both sides (allocator parity: the reference's per-image buffers are reused by glibc anyway).
+Other C libraries (musl, macOS, Windows) are left as they are.
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ _M_TRIM_THRESHOLD = -1
 _M_MMAP_MAX = -4
 #: Free bytes at the top of the heap that glibc keeps before it trims (returns) them.
 TRIM_THRESHOLD = 1 << 30
-#: The environment variable that opts out (``system``).
+#: The environment variable that opts a run in (``keep``).
 ENV = "TTA_BENCH_MALLOC"
 
 _state = {"tuned": False}
@@ -53,21 +55,26 @@ def _glibc() -> ctypes.CDLL | None:
 
 def keep_freed_memory() -> bool:
     """Make glibc keep and reuse freed big blocks in this process (idempotent). Returns
-    whether the policy is in force (False on other C libraries or with
-    ``TTA_BENCH_MALLOC=system``)."""
+    whether the policy is in force (False on other C libraries)."""
     if _state["tuned"]:
         return True
-    value = os.environ.get(ENV, "").strip().lower()
-    if value == "system":
-        return False
-    if value not in ("", "keep"):
-        raise ValueError(f"{ENV}={value!r}: expected 'keep' (the default) or 'system'")
     libc = _glibc()
     if libc is None:
         return False
     ok = libc.mallopt(_M_MMAP_MAX, 0) == 1 and libc.mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) == 1
     _state["tuned"] = ok
     return ok
+
+
+def from_env() -> bool:
+    """Apply ``TTA_BENCH_MALLOC``: ``keep`` -> ``keep_freed_memory()``; ``system`` or unset
+    -> glibc's defaults. Returns whether the keep policy is in force."""
+    value = os.environ.get(ENV, "").strip().lower()
+    if value not in ("", "system", "keep"):
+        raise ValueError(f"{ENV}={value!r}: expected 'system' (the default) or 'keep'")
+    if value == "keep":
+        return keep_freed_memory()
+    return _state["tuned"]
 
 
 def release_free_memory() -> None:
@@ -79,5 +86,5 @@ def release_free_memory() -> None:
 
 def policy() -> str:
     """``keep`` when ``keep_freed_memory`` is in force in this process, else ``system``
-    (recorded with each run's environment)."""
+    (recorded in each results file's provenance)."""
     return "keep" if _state["tuned"] else "system"

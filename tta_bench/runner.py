@@ -275,7 +275,7 @@ class Evaluation:
     # -- the loop ------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         spec, protocol, device = self.spec, self.protocol, self.device
-        malloc.keep_freed_memory()  # reuse big CPU buffers batch after batch (tta_bench.malloc)
+        malloc.from_env()  # TTA_BENCH_MALLOC=keep: reuse big CPU buffers (tta_bench.malloc)
         torch.manual_seed(0)  # model construction must not depend on ambient state
         bundle = self.bundle or registry("models").get(spec.model)(**spec.model_args)
         size = bundle.preprocess.image_size
