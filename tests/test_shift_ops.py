@@ -210,3 +210,157 @@ def test_canny_equals_opencv(monkeypatch, sparse_limit):
             ref = cv2.Canny(u8[i, 0].numpy().astype("uint8"), 50, 150) > 0
             assert ref.sum() > 50
             assert torch.equal(ours[i, 0] > 0, torch.from_numpy(ref))
+
+
+@pytest.mark.parametrize("channels", [1, 3])
+def test_row_taps_equal_shifted_taps(channels):
+    from mura_plugin.shifts._ops import shifted_taps, shifted_taps_rows
+
+    gen = torch.Generator().manual_seed(5)
+    x = torch.rand(5, channels, 9, 11, generator=gen)
+    # Shifts of both signs, some past the image (edge replication all the way).
+    dy = torch.randint(-14, 15, (5, 7), generator=gen)
+    dx = torch.randint(-20, 3, (5, 7), generator=gen)
+    for weights in (torch.rand(7, generator=gen), torch.rand(5, 7, generator=gen)):
+        out = shifted_taps_rows(x, dy, dx, weights)
+        assert out.is_contiguous() and out.shape == x.shape
+        torch.testing.assert_close(out, shifted_taps(x, dy, dx, weights), atol=1e-6, rtol=0)
+
+
+@pytest.mark.parametrize("size,sigma", [(32, 2.0), (32, 1.0), (20, 0.05), (12, 4.0), (130, 3.0)])
+def test_cached_gaussian_filter_equals_gaussian_filter(size, sigma):
+    from mura_plugin.shifts._ops import gaussian_filter, gaussian_filter_cached
+
+    x = torch.rand(2, 3, size, size + 3, generator=torch.Generator().manual_seed(2))
+    ref = gaussian_filter(x, sigma)
+    for _ in range(2):  # built, then from the cache
+        assert torch.equal(gaussian_filter_cached(x, sigma), ref)
+
+
+def _glass_blur_per_iteration(x, severity, seeds, table):
+    """glass_blur's definition, one scrambling pass per iteration with integer division."""
+    from mura_plugin.shifts._ops import gaussian_filter
+    from mura_plugin.shifts._params import spatial_scale
+
+    sigma, delta, iterations = blur.GLASS_BLUR[table][severity - 1]
+    scale = spatial_scale(table, x)
+    sigma, delta = sigma * scale, max(1, int(round(delta * scale)))
+    b, c, h, w = x.shape
+    x = (gaussian_filter(x, sigma, mode="nearest") * 255).floor() / 255
+    gens = [torch.Generator().manual_seed(s) for s in seeds]
+    draws = torch.stack(
+        [torch.empty(iterations, h * w, dtype=torch.int32).random_(generator=g) for g in gens]
+    ).long()
+    span = 2 * delta
+    yy, xx = torch.meshgrid(torch.arange(h), torch.arange(w), indexing="ij")
+    yy, xx = yy.reshape(-1), xx.reshape(-1)
+    interior = (yy >= delta) & (yy < h - delta) & (xx >= delta) & (xx < w - delta)
+    for it in range(iterations):
+        pair = ((draws[:, it] >> 15) * span * span) >> 16
+        sy, sx = yy + pair // span - delta, xx + pair % span - delta
+        src = torch.where(interior, sy * w + sx, yy * w + xx)
+        x = torch.gather(x.reshape(b, c, h * w), 2, src[:, None].expand(b, c, h * w))
+    return gaussian_filter(x.view(b, c, h, w), sigma, mode="nearest").clamp(0, 1)
+
+
+@pytest.mark.parametrize(
+    "table,severity,size", [("digits", 5, 32), ("cifar", 2, 14), ("imagenet", 3, 40)]
+)
+def test_glass_blur_equals_per_iteration_scrambling(table, severity, size):
+    from tta_bench.rng import SampleGenerator
+
+    x = torch.rand(3, 3, size, size, generator=torch.Generator().manual_seed(4))
+    seeds = [11, 12, 13]
+    out = blur.glass_blur(x, severity, generator=SampleGenerator(seeds), table=table)
+    ref = _glass_blur_per_iteration(x, severity, seeds, table)
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=0)
+
+
+# -- snow and elastic_transform fast paths ----------------------------------------------------
+@pytest.mark.parametrize(
+    "kind,shape,dtype",
+    [
+        ("uniform", (3, 2), torch.float64),
+        ("normal", (1, 5, 7), torch.float32),
+        ("uniform", (1,), torch.float32),
+    ],
+)
+def test_draw_batch_equals_sample_generator(kind, shape, dtype):
+    from mura_plugin.shifts._ops import draw_batch
+    from tta_bench.rng import SampleGenerator
+
+    ref_gen, gen = SampleGenerator([3, 4, 5]), SampleGenerator([3, 4, 5])
+    ref = getattr(ref_gen, kind)(*shape, dtype=dtype)
+    out = draw_batch(gen, kind, *shape, dtype=dtype)
+    assert out.dtype == dtype and torch.equal(out, ref)
+    # The generators are left in the same state: the next draws agree too.
+    assert torch.equal(gen.uniform(2), ref_gen.uniform(2))
+    with pytest.raises(ValueError, match="uniform"):
+        draw_batch(gen, "poisson", 2)
+
+
+@pytest.mark.parametrize(
+    "h,w,factor", [(32, 32, 1.25), (32, 48, 1.75), (28, 28, 2.25), (17, 23, 1.5), (32, 32, 1.0)]
+)
+def test_zoom_gray_equals_clipped_zoom_bitwise(h, w, factor):
+    from mura_plugin.shifts._ops import clipped_zoom
+
+    x = torch.randn(6, 1, h, w, generator=torch.Generator().manual_seed(h + w)) * 0.3 + 0.5
+    assert torch.equal(weather._zoom_gray(x, factor), clipped_zoom(x, factor))
+
+
+@pytest.mark.parametrize("c,radius,sigma", [(1, 14, 8.0), (1, 3, 1.5), (3, 10, 4.0)])
+def test_motion_small_equals_motion_filter_bitwise(c, radius, sigma):
+    g = torch.Generator().manual_seed(radius)
+    x = (torch.rand(19, c, 32, 30, generator=g) * 255).floor() / 255
+    angles = torch.rand(19, generator=g) * 360.0 - 180.0
+    ref = blur.motion_filter(x, radius, sigma, angles)
+    assert torch.equal(weather._motion_small(x, radius, sigma, angles), ref)
+
+
+@pytest.mark.parametrize("table,severity,c", [("digits", 5, 3), ("cifar", 3, 1), ("digits", 1, 3)])
+def test_snow_small_path_equals_general_path(monkeypatch, table, severity, c):
+    from tta_bench.rng import SampleGenerator
+
+    x = torch.rand(9, c, 32, 32, generator=torch.Generator().manual_seed(severity))
+    fast = weather.snow(x, severity, generator=SampleGenerator(range(9)), table=table)
+    monkeypatch.setattr(weather, "SNOW_SMALL_PIXELS", 0)  # clipped_zoom + motion_filter
+    general = weather.snow(x, severity, generator=SampleGenerator(range(9)), table=table)
+    # The 8-bit rounding of the grain and the layer would turn any difference there into
+    # multiples of 1/255: the two paths agree exactly.
+    assert torch.equal(fast, general)
+
+
+def test_elastic_theta_equals_lapack_solution():
+    from mura_plugin.shifts.geometric import _elastic_theta
+
+    h, w, jitter = 32, 40, 5.0
+    noise = torch.rand(7, 3, 2, dtype=torch.float64, generator=torch.Generator().manual_seed(1))
+    cy, cx, sq = float(h // 2), float(w // 2), float(min(h, w) // 3)
+    pts1 = torch.tensor([[cy + sq, cx + sq], [cy + sq, cx - sq], [cy - sq, cx - sq]]).double()
+    a = torch.cat((pts1, torch.ones(3, 1, dtype=torch.float64)), 1)
+    m = torch.linalg.solve(a.expand(7, 3, 3), pts1 + jitter * noise).transpose(1, 2)
+    full = torch.cat((m, torch.tensor([[[0.0, 0.0, 1.0]]]).double().expand(7, 1, 3)), 1)
+    to_norm = torch.tensor(
+        [[2 / (w - 1), 0.0, -1.0], [0.0, 2 / (h - 1), -1.0], [0.0, 0.0, 1.0]], dtype=torch.float64
+    )
+    ref = (to_norm @ torch.linalg.inv(full) @ torch.linalg.inv(to_norm))[:, :2]
+    torch.testing.assert_close(_elastic_theta(noise, jitter, h, w), ref, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("table,severity", [("digits", 5), ("cifar", 4), ("digits", 1)])
+def test_elastic_dense_path_equals_general_path(monkeypatch, table, severity):
+    from mura_plugin.shifts import geometric
+    from tta_bench.rng import SampleGenerator
+
+    x = torch.rand(5, 3, 32, 32, generator=torch.Generator().manual_seed(severity))
+    dense = geometric.elastic_transform(
+        x, severity, generator=SampleGenerator(range(5)), table=table
+    )
+    monkeypatch.setattr(geometric, "ELASTIC_DENSE_PIXELS", 0)  # gaussian_filter path
+    general = geometric.elastic_transform(
+        x, severity, generator=SampleGenerator(range(5)), table=table
+    )
+    # Only float32 rounding separates them (the smoothing's summation order).
+    torch.testing.assert_close(dense, general, atol=1e-5, rtol=0)
+    assert not torch.equal(dense, x)

@@ -19,10 +19,13 @@ import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from functools import lru_cache
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
+
+if TYPE_CHECKING:
+    from tta_bench.rng import SampleGenerator
 
 __all__ = [
     "fold_index",
@@ -42,6 +45,9 @@ __all__ = [
     "pixel_operator",
     "correlation_taps",
     "apply_pixel_operator",
+    "draw_batch",
+    "gaussian_filter_cached",
+    "shifted_taps_rows",
 ]
 
 #: Elements (values) per chunk in ``chunk_rows``: big enough to amortise per-op overhead,
@@ -526,3 +532,108 @@ def apply_pixel_operator(images: torch.Tensor, op: torch.Tensor) -> torch.Tensor
         # (op^T x^T)^T with op stored transposed: sparse rows are output pixels.
         return (op @ flat.t()).t().reshape(b, c, h, w)
     return (flat @ op).view(b, c, h, w)
+
+
+def draw_batch(
+    generator: SampleGenerator, kind: str, *shape: int, dtype: torch.dtype = torch.float32
+) -> torch.Tensor:
+    """The values of ``generator.uniform(*shape)`` (``kind="uniform"``) or
+    ``generator.normal(*shape)`` (``"normal"``), ``[B, *shape]`` on the CPU: each sample's
+    generator fills its own row of one preallocated batch in place (the same draws from the
+    same generators in the same order, without a tensor per sample and the stacking copy,
+    which cost more than the draws for small shapes)."""
+    fills = {"uniform": torch.Tensor.uniform_, "normal": torch.Tensor.normal_}
+    if kind not in fills:
+        raise ValueError(f"draw_batch: unknown kind {kind!r}; expected one of {sorted(fills)}")
+    fill = fills[kind]
+    out = torch.empty(len(generator), *shape, dtype=dtype)
+    for row, g in zip(out, generator.generators):
+        fill(row, generator=g)
+    return out
+
+
+_GAUSSIAN_MATRICES = BoundedCache(16)
+
+
+def gaussian_filter_cached(
+    images: torch.Tensor, sigma: float, *, truncate: float = 4.0, mode: str = "nearest"
+) -> torch.Tensor:
+    """``gaussian_filter`` (same result, same code paths) with the dense matrices of its
+    matrix-product path cached by ``(side, sigma, truncate, mode, device, dtype)``: building
+    them costs more than applying them to a batch of small images (~0.1 ms vs ~0.2 ms at
+    32 px, batch 64). The tap-based CPU paths, which build no matrix, are taken under the
+    same conditions as in ``gaussian_filter``."""
+    h, w = images.shape[-2:]
+    radius = int(truncate * sigma + 0.5) if sigma > 0 else 0
+    if (
+        images.device.type == "cpu"
+        and 0 < radius < min(h, w)
+        and (radius <= SHIFTED_MAX_RADIUS or min(h, w) >= BANDED_MIN_SIDE)
+    ):
+        return gaussian_filter(images, sigma, truncate=truncate, mode=mode)
+
+    def matrix(n: int) -> torch.Tensor:
+        key = (n, float(sigma), float(truncate), mode, str(images.device), images.dtype)
+        return _GAUSSIAN_MATRICES.get(
+            key,
+            lambda: gaussian_matrix(
+                n, sigma, truncate=truncate, mode=mode, device=images.device, dtype=images.dtype
+            ),
+        )
+
+    mh = matrix(h)
+    return apply_separable(images, mh, mh if w == h else matrix(w))
+
+
+#: Values per thread in each chunk of the tap stacks in ``shifted_taps_rows`` (two samples'
+#: taps at 32 px, radius 20: measured fastest on one thread; the stack is reduced right
+#: after it is gathered, while still in the core's cache).
+TAPS_ROWS_CHUNK = 1 << 18
+
+
+def shifted_taps_rows(
+    images: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor, weights: torch.Tensor
+) -> torch.Tensor:
+    """``shifted_taps`` (same contract, same values) for small CPU batches:
+    ``out[b, c, y, x] = sum_j weights[j] * images[b, c, clamp(y - dy[b, j]), clamp(x - dx[b, j])]``
+    for ``images [B, C, H, W]``, integer shifts ``dy, dx [B, n]`` and ``weights [n]`` or
+    ``[B, n]``.
+
+    The batch is padded (edges replicated) along the width only; the vertical edge rule
+    goes into the row indices (clamped) instead. Each tap's shifted copy is then ``C * H``
+    rows of ``W`` values, gathered by row index (int32: half the index traffic) for a few
+    samples at a time into one reused buffer and reduced by one batched product while still
+    in cache. Against ``shifted_taps`` (4 samples per chunk, a fresh stack per chunk, a
+    batch padded on all four sides) about 2x faster at 32 px, radius 20, one thread."""
+    b, c, h, w = images.shape
+    n = dy.shape[1]
+    dy, dx = dy.cpu().int(), dx.cpu().int()
+    lft, rgt = max(0, int(dx.max())), max(0, -int(dx.min()))
+    wp = w + lft + rgt
+    padded = images.new_empty(b, c, h, wp)
+    padded[..., lft : lft + w] = images
+    if lft:
+        padded[..., :lft] = padded[..., lft : lft + 1]
+    if rgt:
+        padded[..., lft + w :] = padded[..., lft + w - 1 : lft + w]
+    # One row per padded position: the W values from it (rows never cross a padded image
+    # row, since every start column is at most lft + rgt).
+    rows = padded.view(-1).as_strided((padded.numel() - w + 1, w), (1, 1))
+    i32 = torch.int32
+    src_row = (torch.arange(h, dtype=i32).view(1, 1, h) - dy.view(b, n, 1)).clamp_(0, h - 1)
+    first = (torch.arange(b, dtype=i32) * (c * h * wp)).view(b, 1, 1) + (lft - dx).view(b, n, 1)
+    start = src_row.mul_(wp).add_(first).view(b, n, 1, h)
+    start = (start + (torch.arange(c, dtype=i32) * (h * wp)).view(1, 1, c, 1)).view(-1)
+    wts = weights.to(images.dtype).reshape(-1, 1, n).expand(b, 1, n)
+    out = torch.empty_like(images, memory_format=torch.contiguous_format)
+    flat_out = out.view(b, 1, c * h * w)
+    per = n * c * h * w
+    step = max(1, TAPS_ROWS_CHUNK * torch.get_num_threads() // per)
+    rows_per = n * c * h
+    buf = images.new_empty(min(step, b) * rows_per, w)
+    for s in range(0, b, step):
+        e = min(b, s + step)
+        taps = buf[: (e - s) * rows_per]
+        torch.index_select(rows, 0, start[s * rows_per : e * rows_per], out=taps)
+        torch.bmm(wts[s:e], taps.view(e - s, n, c * h * w), out=flat_out[s:e])
+    return out
