@@ -17,6 +17,7 @@ import importlib.metadata as md
 import json
 import platform
 import subprocess
+import threading
 from pathlib import Path
 from typing import Any
 
@@ -92,10 +93,73 @@ def default_output(results_dir: str, method: str, suite: str) -> Path:
     return Path(results_dir) / f"{suite}_{method}_{stamp}.json"
 
 
+def _dumps(data: dict[str, Any]) -> str:
+    return json.dumps(data, indent=1, sort_keys=False) + "\n"
+
+
 def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
     """Write ``data`` as JSON through ``atomic_path`` (fsynced): a reader (or a killed run)
     sees the old file or the new one, never a truncated one."""
-    atomic_write_text(path, json.dumps(data, indent=1, sort_keys=False) + "\n", fsync=True)
+    atomic_write_text(path, _dumps(data), fsync=True)
+
+
+class SnapshotWriter:
+    """Successive snapshots of one results file, written by a background thread with
+    ``write_json_atomic``'s guarantees (atomic replace, fsynced), so the evaluation loop
+    does not wait on the disk after every cell.
+
+    ``submit`` serialises the snapshot at once (later changes to ``data`` do not leak into
+    it) and queues it; a snapshot still waiting when a newer one arrives is dropped, since
+    the newer one holds every cell the older one did. ``close`` writes what is queued and
+    waits. A failed write is raised by the next ``submit`` or by ``close``. A run killed
+    with SIGKILL loses at most the snapshot being written or queued: the file on disk is
+    always a complete earlier snapshot.
+    """
+
+    def __init__(self, path: Path):
+        self.path = Path(path)
+        self._cond = threading.Condition()
+        self._pending: str | None = None
+        self._closed = False
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._work, name="results-writer", daemon=True)
+        self._thread.start()
+
+    def submit(self, data: dict[str, Any]) -> None:
+        text = _dumps(data)
+        with self._cond:
+            self._raise_error()
+            if self._closed:
+                raise RuntimeError(f"results writer for {self.path} is closed")
+            self._pending = text
+            self._cond.notify_all()
+
+    def close(self) -> None:
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+        self._thread.join()
+        with self._cond:
+            self._raise_error()
+
+    def _raise_error(self) -> None:
+        if self._error is not None:
+            error, self._error = self._error, None
+            raise OSError(f"could not write results file {self.path}: {error}") from error
+
+    def _work(self) -> None:
+        while True:
+            with self._cond:
+                while self._pending is None and not self._closed:
+                    self._cond.wait()
+                if self._pending is None:  # closed, nothing left
+                    return
+                text, self._pending = self._pending, None
+            try:
+                atomic_write_text(self.path, text, fsync=True)
+            except Exception as exc:  # handed to the loop's thread
+                with self._cond:
+                    self._error = exc
 
 
 def load_results(path: str | Path) -> dict[str, Any]:

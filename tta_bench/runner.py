@@ -368,23 +368,31 @@ class Evaluation:
         n_images = 0
         it = iter(loader)
         k = 0
-        while k < len(plan):
-            seed, first, stream = plan[k]
-            end = k + 1
-            while end < len(plan) and plan[end][0] == seed and plan[end][1].group == first.group:
-                end += 1
-            group, k = plan[k:end], end
-            cells = self._run_group(seed, stream, group, it, base_for, kernels, timer, bar)
-            n_images += sum(len(b) for _, b, _ in group)
-            if record["parameters"] is None and self._last_method is not None:
-                m = self._last_method
-                record["parameters"] = {
-                    "trainable": sum(p.numel() for p in m.trainable_parameters()),
-                    "total": count_parameters(m.model),
-                }
-            record["cells"].extend(cells)
-            record["summary"] = results.summarize(record["cells"])
-            self._save(record)
+        # Cell snapshots are written in the background (the loop does not wait on fsync);
+        # closing the writer, also on an error or Ctrl-C, saves every finished cell.
+        writer = results.SnapshotWriter(self.output)
+        try:
+            while k < len(plan):
+                seed, first, stream = plan[k]
+                end = k + 1
+                while (
+                    end < len(plan) and plan[end][0] == seed and plan[end][1].group == first.group
+                ):
+                    end += 1
+                group, k = plan[k:end], end
+                cells = self._run_group(seed, stream, group, it, base_for, kernels, timer, bar)
+                n_images += sum(len(b) for _, b, _ in group)
+                if record["parameters"] is None and self._last_method is not None:
+                    m = self._last_method
+                    record["parameters"] = {
+                        "trainable": sum(p.numel() for p in m.trainable_parameters()),
+                        "total": count_parameters(m.model),
+                    }
+                record["cells"].extend(cells)
+                record["summary"] = results.summarize(record["cells"])
+                writer.submit(record)
+        finally:
+            writer.close()
         bar.close()
         loop_s = time.perf_counter() - loop_start
         self.phase_seconds = dict(timer.seconds)
