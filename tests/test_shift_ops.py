@@ -364,3 +364,157 @@ def test_elastic_dense_path_equals_general_path(monkeypatch, table, severity):
     # Only float32 rounding separates them (the smoothing's summation order).
     torch.testing.assert_close(dense, general, atol=1e-5, rtol=0)
     assert not torch.equal(dense, x)
+
+
+@pytest.mark.parametrize("rate_max", [0.5, 12.0, 60.0, 500.0])
+def test_poisson_offsets_decode_the_packed_table(rate_max):
+    """The one-add first stage of ``poisson_counts`` gives ``lo + [low >= thr]`` of the packed
+    table at every bin's edges and steps, and a negative count in its marked bins."""
+    from mura_plugin.shifts.noise import _LOW_BITS, _poisson_offsets, _poisson_tables
+
+    _, _, packed = _poisson_tables(rate_max, torch.device("cpu"))
+    packed = packed.long()
+    offsets = _poisson_offsets(rate_max, torch.device("cpu")).long()
+    mask = (1 << _LOW_BITS) - 1
+    lo, thr = packed >> _LOW_BITS, packed & mask
+    for low in (torch.zeros_like(thr), (thr - 1).clamp(min=0), thr, torch.full_like(thr, mask)):
+        assert int((low + offsets).abs().max()) < 2**31  # no int32 overflow in the sampler
+        got = (low + offsets) >> _LOW_BITS
+        ok = packed != -(2**31)
+        assert torch.equal(got[ok].long(), lo[ok] + (low[ok] >= thr[ok]).long())
+        assert bool((got[~ok] < -2).all())
+
+
+@pytest.mark.parametrize(
+    "size,channels,table,severity", [(32, 3, "digits", 5), (20, 1, "cifar", 2)]
+)
+def test_shot_noise_equals_exact_search_on_per_sample_draws(
+    monkeypatch, size, channels, table, severity
+):
+    """shot_noise is Poisson(x * c) / c with, per sample, its first ``C*H*W`` int32 draws as
+    the first uniforms and the next ``C*H*W`` as the second, counted by the exact search:
+    with whole-batch segments and with segments smaller than one image (scratch reuse)."""
+    from mura_plugin.shifts import noise
+    from tta_bench.rng import SampleGenerator
+
+    x = torch.rand(5, channels, size, size, generator=torch.Generator().manual_seed(size))
+    x[0, 0, :2] = 1.0
+    c = float(noise.SHOT_NOISE[table][severity - 1])
+    per = x[0].numel()
+    gens = SampleGenerator(range(5)).generators
+    a = torch.empty(2, 5, per, dtype=torch.int32)
+    for j, g in enumerate(gens):
+        a[0, j].random_(generator=g)
+        a[1, j].random_(generator=g)
+    rates = (x.reshape(5, per) * c).reshape(-1)
+    counts = noise._poisson_search(rates, a[0].reshape(-1), a[1].reshape(-1), c)
+    expected = (counts.float() * (1.0 / c)).clamp(max=1.0).view_as(x)
+    for segment in (noise.POISSON_SEGMENT, 1000):
+        monkeypatch.setattr(noise, "POISSON_SEGMENT", segment)
+        got = noise.shot_noise(x, severity, generator=SampleGenerator(range(5)), table=table)
+        assert torch.equal(got, expected), segment
+
+
+def _plasma_reference(uniforms: torch.Tensor, mapsize: int, decay: float) -> torch.Tensor:
+    """ImageNet-C's ``plasma_fractal`` in float32 on ``[B, mapsize^2 - 1]`` uniforms: rolled
+    neighbour sums per level, each level's midpoints consuming the next uniforms."""
+    m = torch.zeros(uniforms.shape[0], mapsize, mapsize)
+    step, wibble, used = mapsize, 100.0, 0
+
+    def wibbled(total: torch.Tensor) -> torch.Tensor:
+        nonlocal used
+        u = uniforms[:, used : used + total[0].numel()].view_as(total)
+        used += total[0].numel()
+        return total / 4 + wibble * (u * 2 * wibble - wibble)
+
+    while step >= 2:
+        half = step // 2
+        ul = m[:, 0::step, 0::step]
+        sq = ul + torch.roll(ul, -1, 1)
+        m[:, half::step, half::step] = wibbled(sq + torch.roll(sq, -1, 2))
+        dr = m[:, half::step, half::step]
+        lt = dr + torch.roll(dr, 1, 1) + ul + torch.roll(ul, -1, 2)
+        m[:, 0::step, half::step] = wibbled(lt)
+        tt = dr + torch.roll(dr, 1, 2) + ul + torch.roll(ul, -1, 1)
+        m[:, half::step, 0::step] = wibbled(tt)
+        step //= 2
+        wibble /= decay
+    m -= m.amin(dim=(1, 2), keepdim=True)
+    return m / m.amax(dim=(1, 2), keepdim=True)
+
+
+@pytest.mark.parametrize("mapsize,decay,batch", [(2, 3.0, 3), (8, 1.75, 5), (32, 1.4, 4)])
+def test_plasma_fractal_equals_level_by_level_reference_bitwise(mapsize, decay, batch):
+    """Same uniforms (the sample generators' draws, in order) and the same float32 values
+    as the per-level construction; a crop is the crop of the whole normalised map."""
+    from tta_bench.rng import SampleGenerator
+
+    uniforms = SampleGenerator(range(batch)).uniform(mapsize * mapsize - 1)
+    ref = _plasma_reference(uniforms, mapsize, decay)
+    out = weather.plasma_fractal(SampleGenerator(range(batch)), mapsize, decay)
+    assert out.shape == (batch, mapsize, mapsize) and torch.equal(out, ref)
+    crop = (mapsize - mapsize // 4, mapsize - 1)
+    cropped = weather.plasma_fractal(SampleGenerator(range(batch)), mapsize, decay, crop=crop)
+    assert torch.equal(cropped, ref[:, : crop[0], : crop[1]])
+    with pytest.raises(ValueError, match="power of two"):
+        weather.plasma_fractal(SampleGenerator(range(batch)), 24, decay)
+    with pytest.raises(ValueError, match="inside"):
+        weather.plasma_fractal(SampleGenerator(range(batch)), 8, decay, crop=(9, 8))
+
+
+def _correlate_reference(images: torch.Tensor, kernel: torch.Tensor, mode: str) -> torch.Tensor:
+    """``sum_(dy, dx) kernel[dy, dx] * image[fold(y + dy - ry), fold(x + dx - rx)]``."""
+    from mura_plugin.shifts._ops import fold_index
+
+    h, w = images.shape[-2:]
+    kh, kw = kernel.shape
+    out = torch.zeros_like(images)
+    for dy in range(kh):
+        ys = fold_index(torch.arange(h) + dy - kh // 2, h, mode)
+        for dx in range(kw):
+            xs = fold_index(torch.arange(w) + dx - kw // 2, w, mode)
+            out += kernel[dy, dx] * images[..., ys, :][..., xs]
+    return out
+
+
+@pytest.mark.parametrize("h,w,k,rank", [(32, 32, 21, 3), (17, 23, 7, 2), (9, 12, 21, 4)])
+def test_low_rank_correlate_equals_the_2d_correlation(h, w, k, rank):
+    """Separable terms through the two products equal the bounded 2-D correlation with
+    their sum, kernels wider than the image included (the fold is periodic)."""
+    from mura_plugin.shifts._ops import low_rank_correlate, low_rank_factors
+
+    g = torch.Generator().manual_seed(h * w + k)
+    cols = torch.randn(k, rank, dtype=torch.float64, generator=g)
+    rows = torch.randn(k, rank, dtype=torch.float64, generator=g)
+    x = torch.rand(2, 3, h, w, dtype=torch.float64, generator=g)
+    for mode in ("reflect101", "nearest"):
+        factors = low_rank_factors(
+            ("test", h, w, k, rank), h, w, lambda: (cols, rows), mode, x.device, x.dtype
+        )
+        ref = _correlate_reference(x, cols @ rows.t(), mode)
+        torch.testing.assert_close(low_rank_correlate(x, factors), ref, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.875, 1.5])
+def test_disk_factors_sum_to_the_disk_kernel(scale):
+    for table in blur.DEFOCUS_BLUR.values():
+        for radius, alias in table:
+            cols, rows = blur.disk_factors(radius * scale, alias * scale)
+            kernel = blur.disk_kernel(radius * scale, alias * scale)
+            assert bool((cols >= 0).all() and (rows >= 0).all())
+            torch.testing.assert_close(cols @ rows.t(), kernel, atol=1e-15, rtol=0)
+            # One term per distinct row width of the disk: exactly the kernel's rank.
+            assert cols.shape[1] == int(torch.linalg.matrix_rank(kernel))
+
+
+@pytest.mark.parametrize("table,severity,size", [("digits", 5, 32), ("cifar", 4, 28)])
+def test_small_defocus_blur_equals_the_float64_correlation(table, severity, size):
+    from mura_plugin.shifts._params import spatial_scale
+
+    x = torch.rand(4, 3, size, size, generator=torch.Generator().manual_seed(size))
+    radius, alias = blur.DEFOCUS_BLUR[table][severity - 1]
+    scale = spatial_scale(table, x)
+    kernel = blur.disk_kernel(radius * scale, alias * scale)
+    ref = _correlate_reference(x.double(), kernel, "reflect101").clamp(0.0, 1.0).float()
+    out = blur.defocus_blur(x, severity, generator=None, table=table)
+    torch.testing.assert_close(out, ref, atol=1e-6, rtol=0)

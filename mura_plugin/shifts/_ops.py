@@ -15,6 +15,7 @@ built on ``gather_windows``).
 from __future__ import annotations
 
 import math
+import threading
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
@@ -637,3 +638,81 @@ def shifted_taps_rows(
         torch.index_select(rows, 0, start[s * rows_per : e * rows_per], out=taps)
         torch.bmm(wts[s:e], taps.view(e - s, n, c * h * w), out=flat_out[s:e])
     return out
+
+
+_SCRATCH = threading.local()
+
+
+def scratch(tag: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """An uninitialised contiguous CPU tensor of ``shape`` for temporary values, reused by
+    every call with the same ``(tag, dtype)`` in this thread (grown when too small).
+
+    Why: a fresh CPU buffer of a few hundred KB is served by ``mmap`` and its first touch
+    costs a page fault per 4 KB page, ~0.2 ms per 768 KB here (a 32 px batch of 64),
+    several times the arithmetic done on it. The contents are valid only until the next
+    ``scratch`` call with the same tag in the same thread: never return one (or a view) to a
+    caller, and give each live buffer of a kernel its own tag."""
+    store = getattr(_SCRATCH, "buffers", None)
+    if store is None:
+        store = _SCRATCH.buffers = {}
+    n = math.prod(shape)
+    buf = store.get((tag, dtype))
+    if buf is None or buf.numel() < n:
+        buf = store[(tag, dtype)] = torch.empty(n, dtype=dtype)
+    return buf[:n].view(shape)
+
+
+#: ``low_rank_correlate`` is meant for images of at most this many pixels: its cost per
+#: channel, ``rank * H * W * (H + W)`` multiply-adds, grows faster than a spectral
+#: product's (measured on one thread, batch 64, disks of the digits and cifar tables: ~2x
+#: faster than a pixel-space matrix at 28-40 px; at 48 px slower than FFT at one radius).
+LOW_RANK_MAX_PIXELS = 40 * 40
+_LOW_RANK = BoundedCache(16)
+
+
+def low_rank_factors(
+    key: object,
+    h: int,
+    w: int,
+    build: Callable[[], tuple[torch.Tensor, torch.Tensor]],
+    mode: str,
+    device: torch.device,
+    dtype: torch.dtype,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """``low_rank_correlate``'s matrices for ``[h, w]`` images, cached by ``(key, h, w,
+    mode, device, dtype)``.
+
+    ``build()`` gives a kernel as a sum of ``r`` separable terms, ``(cols [kh, r], rows
+    [kw, r])`` (float64, odd sides, centred): ``kernel = cols @ rows^T``. With ``A_i`` and
+    ``B_i`` the ``[h, h]`` and ``[w, w]`` 1-D correlation matrices of ``cols[:, i]`` and
+    ``rows[:, i]`` under boundary ``mode`` (``fold_index``; the fold is separable, so the
+    bounded 2-D correlation is ``sum_i A_i X B_i^T``), returns ``right [w, r w]`` with
+    ``right[x', (i, x)] = B_i[x, x']`` and ``left [h, h r]`` with ``left[y', (y, i)] =
+    A_i[y', y]``."""
+
+    def make() -> tuple[torch.Tensor, torch.Tensor]:
+        cols, rows = build()
+        r = cols.shape[1]
+        b = [_filter_matrix(w, rows[:, i].double().cpu(), mode).t() for i in range(r)]
+        a = [_filter_matrix(h, cols[:, i].double().cpu(), mode) for i in range(r)]
+        right = torch.stack(b, 1).reshape(w, r * w)
+        left = torch.stack(a, 2).reshape(h, h * r)
+        return left.to(device, dtype).contiguous(), right.to(device, dtype).contiguous()
+
+    return _LOW_RANK.get((key, h, w, mode, str(device), dtype), make)
+
+
+def low_rank_correlate(
+    images: torch.Tensor, factors: tuple[torch.Tensor, torch.Tensor]
+) -> torch.Tensor:
+    """Correlate every channel of ``images [B, C, H, W]`` with a kernel given as separable
+    terms (``low_rank_factors``): ``sum_i A_i X B_i^T`` as two matrix products, every
+    term's row pass at once (``[B C H, W] @ right``, whose rows ``(y, i)`` per channel are
+    then the reduction axis of the column pass ``left @ [B C, H r, W]``; no transposition
+    between them). ``r H W (H + W)`` multiply-adds per channel instead of ``(H W)^2`` for
+    the pixel-space matrix: a disk of radius 10 at 32 px has rank 7, ~2x faster."""
+    left, right = factors
+    b, c, h, w = images.shape
+    r = right.shape[1] // w
+    rows = images.reshape(b * c * h, w) @ right  # [(b, c, y), (i, x)]
+    return torch.matmul(left, rows.view(b * c, h * r, w)).view(b, c, h, w)

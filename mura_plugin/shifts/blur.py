@@ -14,12 +14,15 @@ import torch
 import torch.nn.functional as F
 
 from mura_plugin.shifts._ops import (
+    LOW_RANK_MAX_PIXELS,
     BoundedCache,
     _filter_matrix,
     apply_pixel_operator,
     correlation_taps,
     fft_correlate,
     gaussian_filter_cached,
+    low_rank_correlate,
+    low_rank_factors,
     pixel_operator,
     shifted_taps,
     shifted_taps_rows,
@@ -37,6 +40,7 @@ __all__ = [
     "motion_blur",
     "zoom_blur",
     "disk_kernel",
+    "disk_factors",
     "motion_filter",
 ]
 
@@ -113,6 +117,34 @@ def disk_kernel(
     return m @ disk @ m.t()
 
 
+def disk_factors(radius: float, alias_blur: float) -> tuple[torch.Tensor, torch.Tensor]:
+    """``disk_kernel(radius, alias_blur)`` as a sum of separable terms with non-negative
+    factors, ``(cols [k, r], rows [k, r])`` float64 (CPU) with ``kernel = cols @ rows^T``,
+    ``r`` the number of distinct row widths of the disk (7 at radius 10).
+
+    The disk is cut into vertical bands of the columns sharing one height (the pixels of
+    band ``j`` are the rows at least as wide as its width ``w_j``, the columns with
+    ``w_(j+1) < 2 |x| + 1 <= w_j``): each band is separable, and the anti-aliasing blur
+    ``m`` (the same on both axes) maps the terms to ``(m a_j)(m b_j)^T``. Non-negative
+    factors sum without cancellation (more accurate than an SVD's in float32)."""
+    half = 8 if radius <= 8 else int(radius)
+    ksize = 3 if radius <= 8 else 5
+    ax = torch.arange(-half, half + 1, dtype=torch.float64)
+    inside = (ax[:, None] ** 2 + ax[None, :] ** 2) <= radius**2
+    width = inside.sum(1)  # each row's run of pixels, centred (odd)
+    widths = sorted({int(v) for v in width.tolist()} - {0}, reverse=True)
+    cols, rows = [], []
+    for j, wd in enumerate(widths):
+        narrower = widths[j + 1] if j + 1 < len(widths) else -1
+        cols.append((width >= wd).double())
+        band = (2 * ax.abs() + 1 <= wd) & (2 * ax.abs() + 1 > narrower)
+        rows.append(band.double())
+    x = torch.arange(ksize, dtype=torch.float64) - (ksize - 1) / 2
+    g = torch.exp(-(x**2) / (2 * alias_blur**2))
+    m = _filter_matrix(len(ax), g / g.sum(), "reflect101")
+    return m @ torch.stack(cols, 1) / inside.sum(), m @ torch.stack(rows, 1)
+
+
 def defocus_blur(
     images: torch.Tensor, severity: int, *, generator: SampleGenerator, table: str = "cifar"
 ) -> torch.Tensor:
@@ -121,10 +153,23 @@ def defocus_blur(
     check_images("defocus_blur", images)
     radius, alias = severity_param("defocus_blur", DEFOCUS_BLUR, table, severity)
     scale = spatial_scale(table, images)
-    kernel = disk_kernel(radius * scale, alias * scale, images.device)
     key = ("disk", radius * scale, alias * scale)
     h, w = images.shape[-2:]
-    # Small images: the whole filter as one cached pixel-space matrix (see pixel_operator).
+    if h * w <= LOW_RANK_MAX_PIXELS:
+        # Small images: the disk as a few separable terms, two matrix products (see
+        # low_rank_correlate: ~2x faster than the dense pixel-space matrix at 32 px).
+        factors = low_rank_factors(
+            key,
+            h,
+            w,
+            lambda: disk_factors(radius * scale, alias * scale),
+            "reflect101",
+            images.device,
+            images.dtype,
+        )
+        return low_rank_correlate(images, factors).clamp_(0.0, 1.0)
+    kernel = disk_kernel(radius * scale, alias * scale, images.device)
+    # A little larger: the whole filter as one cached pixel-space matrix if sparse enough.
     op = pixel_operator(
         key, h, w, lambda: correlation_taps(h, w, kernel, "reflect101"), images.device, images.dtype
     )

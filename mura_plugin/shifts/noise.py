@@ -7,11 +7,12 @@ sample's noise does not depend on the batch it is in.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from functools import lru_cache
 
 import torch
 
-from mura_plugin.shifts._ops import chunk_rows
+from mura_plugin.shifts._ops import chunk_rows, scratch
 from mura_plugin.shifts._params import check_images, severity_param
 from tta_bench.rng import SampleGenerator
 
@@ -173,6 +174,28 @@ def _poisson_fallback(
     counts.view(-1)[pos] = found.to(counts.dtype)
 
 
+@lru_cache(maxsize=8)
+def _poisson_offsets(rate_max: float, device: torch.device) -> torch.Tensor:
+    """First-stage table of ``poisson_counts``: int32 ``[(levels + 1) * bins]`` offsets ``E``
+    such that ``(low + E[level * bins + (a >> _LOW_BITS)]) >> _LOW_BITS``, with ``low`` the
+    bits of the 31-bit uniform ``a`` below its bin index, is the first-stage count (the same
+    as from the packed ``_poisson_tables`` entries ``lo, thr``: the bins are the same).
+
+    ``E = ((lo + 1) << _LOW_BITS) - thr`` gives ``(lo << _LOW_BITS) + (2^_LOW_BITS - thr +
+    low)``, whose shift is ``lo + [low >= thr]`` (``0 <= low, thr < 2^_LOW_BITS``; arithmetic
+    shift, so ``lo = -1`` works too). Bins the packed table marks (several CDF steps) get
+    ``E = -2^30``: a count of ``-2^(30 - _LOW_BITS)``, negative whatever the second stage
+    adds. One addition replaces the packed entry's two masks, a subtraction and a shift."""
+    _, _, packed = _poisson_tables(rate_max, torch.device("cpu"))
+    packed = packed.long()
+    lo, thr = packed >> _LOW_BITS, packed & ((1 << _LOW_BITS) - 1)
+    # lo + 1 < 2^(31 - _LOW_BITS) keeps E and every sum low + E inside int32.
+    if int(lo.max()) + 1 >= 1 << (31 - _LOW_BITS):
+        raise ValueError(f"shot_noise: photon count scale {rate_max} is too large (max ~700)")
+    offsets = torch.where(packed == -(1 << 31), -(1 << 30), ((lo + 1) << _LOW_BITS) - thr)
+    return offsets.to(torch.int32).to(device)
+
+
 def poisson_counts(
     rates: torch.Tensor,
     a1: torch.Tensor,
@@ -186,44 +209,73 @@ def poisson_counts(
 
     ``Poisson(r) = Poisson(j * delta) + Poisson(r - j * delta)`` (independent parts) with
     ``j = floor(r / delta)``: the first part by inversion of ``a1`` through a tabulated
-    quantile function (one table read, no search; ``_poisson_tables``), the second, whose
+    quantile function (one table read, no search; ``_poisson_offsets``), the second, whose
     rate is below ``delta <= 1/8``, by inversion of ``a2`` unrolled over counts 0..2.
     Everything is exact up to the uniforms' resolution (2^-31 and 2^-24) and float64
     tables; the rare values the fast path cannot settle (a table bin with several CDF
-    steps, a second-stage count of 3 or more) are finished by exact search. Branch-free
-    integer/float arithmetic (no boolean tensors) keeps the common path cheap on CPU.
-    With ``resolve=False`` the marked values are left negative for the caller to settle
+    steps, a second-stage count of 3 or more) are finished by exact search. With
+    ``resolve=False`` the marked values are left negative for the caller to settle
     (``_poisson_search``), so many calls can share one search.
     """
-    delta, _, table = _poisson_tables(float(rate_max), rates.device)
-    levels = table.numel() >> POISSON_BINS_LOG2
-    level = torch.mul(rates, 1.0 / delta).floor_().clamp_(0, levels - 1)
-    # Second stage first (it needs the float level): exp(-frac), frac = r - level * delta.
-    negf = torch.mul(level, delta).sub_(rates).clamp_(max=0.0)
-    p = torch.exp(negf)
-    u2 = (a2 >> 7).to(rates.dtype).mul_(2.0**-24)
-    # m = [u2 >= F0] + [u2 >= F1] + [u2 >= F2] with [u2 >= F] = floor(u2 - F) + 1 (|.| < 1).
-    m = torch.sub(u2, p).floor_()
-    term = torch.mul(p, negf).neg_()  # p * frac
-    cdf = torch.add(p, term)
-    m.add_(torch.sub(u2, cdf).floor_())
-    term.mul_(negf).mul_(-0.5)  # p * frac^2 / 2
-    cdf.add_(term)
-    m.add_(torch.sub(u2, cdf).floor_()).add_(3.0)
-    # First stage: one packed table read per value.
-    idx = torch.bitwise_right_shift(a1, _LOW_BITS)
-    idx.add_(level.to(torch.int32), alpha=1 << POISSON_BINS_LOG2)
-    code = table.index_select(0, idx.view(-1)).view_as(a1)
-    low = torch.bitwise_and(a1, (1 << _LOW_BITS) - 1)
-    # count = lo + [low >= thr]: (low - thr) >> 31 is -1 below the step, 0 from it on.
-    counts = low.sub_(torch.bitwise_and(code, (1 << _LOW_BITS) - 1)).bitwise_right_shift_(31)
-    counts.add_(code.bitwise_right_shift_(_LOW_BITS)).add_(1)
-    m = m.to(torch.int32)
-    # Marks for the fallback: a -1 table entry gives a negative count; m == 3 is made so.
-    counts.add_(m).sub_(torch.bitwise_right_shift(m, 1).bitwise_and_(m).mul_(1 << 30))
+
+    def fresh(_: int, dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(rates.shape, dtype=dtype, device=rates.device)
+
+    counts = _poisson_into(rates, a1, a2, float(rate_max), fresh)
     if resolve and int(counts.amin()) < 0:
         _poisson_fallback(counts, rates, a1, a2, float(rate_max))
     return counts
+
+
+def _poisson_into(
+    rates: torch.Tensor,
+    a1: torch.Tensor,
+    a2: torch.Tensor,
+    rate_max: float,
+    buffer: Callable[[int, torch.dtype], torch.Tensor],
+) -> torch.Tensor:
+    """``poisson_counts(..., resolve=False)`` computed in work buffers of ``rates``' shape
+    from ``buffer(i, dtype)`` (eight distinct ``i``); the counts are one of them.
+
+    ~26 elementwise passes, each in place or into a given buffer. Branch-free arithmetic
+    with comparisons into float outputs (no boolean tensors, cheap on CPU); the float
+    second stage repeats the reference order of operations exactly."""
+    delta, _, _ = _poisson_tables(rate_max, rates.device)
+    offsets = _poisson_offsets(rate_max, rates.device)
+    levels = offsets.numel() >> POISSON_BINS_LOG2
+    level = torch.mul(rates, 1.0 / delta, out=buffer(0, rates.dtype))
+    level.floor_().clamp_(0, levels - 1)
+    negf = torch.mul(level, delta, out=buffer(1, rates.dtype))  # -frac, frac = r - level * delta
+    negf.sub_(rates).clamp_(max=0.0)
+    # First stage: one table read per value, count = (low + E) >> _LOW_BITS.
+    idx = torch.bitwise_right_shift(a1, _LOW_BITS, out=buffer(2, torch.int32))
+    counts = buffer(3, torch.int32).copy_(level)  # the level as int32 (exact)
+    idx.add_(counts, alpha=1 << POISSON_BINS_LOG2)
+    torch.index_select(offsets, 0, idx.view(-1), out=counts.view(-1))
+    counts.add_(torch.bitwise_and(a1, (1 << _LOW_BITS) - 1, out=idx))
+    counts.bitwise_right_shift_(_LOW_BITS)
+    # Second stage: m = [u2 >= F0] + [u2 >= F1] - 2^30 [u2 >= F2], F the CDF of
+    # Poisson(frac) (the -2^30 marks a count of 3 or more for the exact search).
+    cdf = torch.exp(negf, out=level)  # F0 = P(0)
+    u2 = torch.mul(torch.bitwise_right_shift(a2, 7, out=idx), 2.0**-24, out=buffer(4, rates.dtype))
+    m = torch.ge(u2, cdf, out=buffer(5, rates.dtype))
+    term = torch.mul(cdf, negf, out=buffer(6, rates.dtype))  # -P(1) = -F0 * frac
+    hit = torch.ge(u2, cdf.sub_(term), out=buffer(7, rates.dtype))
+    m.add_(hit)
+    # F2 = F1 + P(1) * frac / 2 with P(1) * frac = term * negf: halving is exact (or the
+    # product is too small to change F1), so ``alpha=0.5`` equals a separate multiply.
+    m.add_(torch.ge(u2, cdf.add_(term.mul_(negf), alpha=0.5), out=hit), alpha=-(2.0**30))
+    return counts.add_(idx.copy_(m))
+
+
+def _work_buffers(
+    tag: str, shape: tuple[int, ...], device: torch.device
+) -> Callable[[int, torch.dtype], torch.Tensor]:
+    """``buffer(i, dtype)`` for ``_poisson_into``: reused ``scratch`` tensors of ``shape`` on
+    the CPU, fresh ones elsewhere (CUDA's caching allocator already reuses memory)."""
+    if device.type == "cpu":
+        return lambda i, dtype: scratch(f"{tag}.{i}", shape, dtype)
+    return lambda i, dtype: torch.empty(shape, dtype=dtype, device=device)
 
 
 def shot_noise(
@@ -237,32 +289,37 @@ def shot_noise(
     flat_in = images.detach().reshape(b, per)
     out = torch.empty(images.shape, dtype=images.dtype, device=images.device)
     flat_out = out.view(b, per)
-    # Two 31-bit uniforms per value (int32 ``random_`` is uniform on [0, 2^31)). CPU: about
-    # ``POISSON_SEGMENT`` values per sampler call (a segment of one big image, or several
-    # small images); other devices take the whole batch.
+    # Two 31-bit uniforms per value (int32 ``random_`` is uniform on [0, 2^31)): a sample's
+    # ``2 * per`` draws fill its row of ``draws [rows, 2, per]`` in one call (the same values
+    # as two calls of ``per``). CPU: about ``POISSON_SEGMENT`` values per sampler call (a
+    # segment of one big image, or several small images) in reused scratch buffers (fresh
+    # ones cost more in page faults than the arithmetic); other devices take the whole batch.
     cpu = images.device.type == "cpu"
     rows = min(b, max(1, POISSON_SEGMENT // per)) if cpu else b
     seg = POISSON_SEGMENT if cpu else per
-    draws = torch.empty(2, rows, per, dtype=torch.int32)
+    if cpu:
+        draws = scratch("shot_noise.draws", (rows, 2, per), torch.int32)
+    else:
+        draws = torch.empty(rows, 2, per, dtype=torch.int32)
     # Marked values (see ``poisson_counts``) of every segment are settled by one search.
     marked: list[tuple[torch.Tensor, ...]] = []
     for s in range(0, b, rows):
         n = min(rows, b - s)
-        for j, g in enumerate(generator.generators[s : s + n]):
-            draws[0, j].random_(generator=g)
-            draws[1, j].random_(generator=g)
-        a = draws[:, :n].to(images.device)
+        for row, g in zip(draws[:n], generator.generators[s : s + n]):
+            row.random_(generator=g)
+        a = draws[:n].to(images.device)
         for t in range(0, per, seg):
-            rates = flat_in[s : s + n, t : t + seg] * c
-            a1, a2 = a[0, :, t : t + seg], a[1, :, t : t + seg]
-            counts = poisson_counts(rates, a1, a2, c, resolve=False)
+            x = flat_in[s : s + n, t : t + seg]
+            buffer = _work_buffers("shot_noise", tuple(x.shape), images.device)
+            rates = torch.mul(x, c, out=buffer(8, images.dtype))
+            a1, a2 = a[:, 0, t : t + seg], a[:, 1, t : t + seg]
+            counts = _poisson_into(rates, a1, a2, c, buffer)
             if int(counts.amin()) < 0:
                 pos = _marked(counts)
                 width = counts.shape[1]
-                flat_pos = (pos // width + s) * per + pos % width + t
-                marked.append(
-                    (flat_pos, rates.reshape(-1)[pos], a1.reshape(-1)[pos], a2.reshape(-1)[pos])
-                )
+                row_of, col = pos // width, pos % width
+                flat_pos = (row_of + s) * per + col + t
+                marked.append((flat_pos, rates[row_of, col], a1[row_of, col], a2[row_of, col]))
             torch.mul(counts, 1.0 / c, out=flat_out[s : s + n, t : t + seg]).clamp_(max=1.0)
     if marked:
         flat_pos, lam, a1, a2 = (torch.cat(parts) for parts in zip(*marked))

@@ -95,45 +95,120 @@ SPATTER = {
 
 
 # -- fog -------------------------------------------------------------------------------------
-def plasma_fractal(generator: SampleGenerator, mapsize: int, decay: float) -> torch.Tensor:
+#: ``plasma_fractal``'s passes: ``(first slot, count, centre, taps [count, 4])``.
+PlasmaPass = tuple[int, int, bool, torch.Tensor]
+
+
+@lru_cache(maxsize=8)
+def _plasma_plan(mapsize: int) -> tuple[tuple[PlasmaPass, ...], torch.Tensor]:
+    """``plasma_fractal``'s schedule for a ``mapsize`` map, in slot order: the fractal is
+    built in a ``[mapsize^2, B]`` buffer whose row ``s`` is the ``s``-th value created
+    (slot 0 is the zero corner; slot ``1 + d`` consumes uniform ``d``), so each pass
+    writes one contiguous block of rows.
+
+    Returns the passes ``(first slot, count, centre, taps)``, ``taps [count, 4]`` the slots
+    of the four neighbours each new value averages (``centre``: square centres, summed
+    ``(t0 + t2) + (t1 + t3)``; otherwise edge midpoints, ``((t0 + t1) + t2) + t3``: the
+    reference's summation orders), and ``slot [mapsize, mapsize]`` (int64), each map
+    position's row. Cached: never modify the tensors."""
+    slot = torch.full((mapsize, mapsize), -1, dtype=torch.long)
+    slot[0, 0] = 0
+    passes = []
+    used, step = 1, mapsize
+    while step >= 2:
+        half, k = step // 2, mapsize // step
+        # Neighbours with wrap-around, as the reference's ``np.roll``s.
+        ul = slot[0::step, 0::step]
+        down, right = ul.roll(-1, 0), ul.roll(-1, 1)
+        taps = torch.stack((ul, right, down, down.roll(-1, 1)), -1).view(-1, 4)
+        slot[half::step, half::step] = torch.arange(used, used + k * k).view(k, k)
+        passes.append((used, k * k, True, taps))
+        used += k * k
+        dr = slot[half::step, half::step]
+        left = torch.stack((dr, dr.roll(1, 0), ul, ul.roll(-1, 1)), -1).view(-1, 4)
+        top = torch.stack((dr, dr.roll(1, 1), ul, ul.roll(-1, 0)), -1).view(-1, 4)
+        slot[0::step, half::step] = torch.arange(used, used + k * k).view(k, k)
+        slot[half::step, 0::step] = torch.arange(used + k * k, used + 2 * k * k).view(k, k)
+        passes.append((used, 2 * k * k, False, torch.cat((left, top))))
+        used += 2 * k * k
+        step //= 2
+    return tuple(passes), slot
+
+
+@lru_cache(maxsize=16)
+def _plasma_wibbles(mapsize: int, decay: float) -> torch.Tensor:
+    """``[mapsize^2 - 1]`` float32: the ``wibble`` each uniform is scaled by (100, divided
+    by ``decay`` per level; a level creates ``3 k^2`` values on its ``k x k`` grid)."""
+    values, wibble, k = [], 100.0, 1
+    while k < mapsize:
+        values.append(torch.full((3 * k * k,), wibble, dtype=torch.float32))
+        wibble /= decay
+        k *= 2
+    return torch.cat(values)
+
+
+#: Gathered values per chunk of a ``plasma_fractal`` pass (``4 * rows * B``): the gathered
+#: neighbours are summed while still in cache (large maps; at 32 px a pass is one chunk).
+PLASMA_CHUNK = 1 << 17
+
+
+def _plasma_slots(generator: SampleGenerator, mapsize: int, decay: float) -> torch.Tensor:
+    """The plasma fractals in ``_plasma_plan``'s slot order, ``[mapsize^2, B]`` in [0, 1]."""
+    passes, _ = _plasma_plan(mapsize)
+    b = len(generator)
+    draws = torch.empty(b, mapsize * mapsize - 1)
+    for row, g in zip(draws, generator.generators):
+        row.uniform_(generator=g)  # the values of torch.rand
+    # wibble * U(-wibble, wibble) for every value at once, with the reference's roundings:
+    # ``wibble * (u * 2 * wibble - wibble)`` (``u * 2 * wibble`` is ``u * (2 * wibble)``
+    # exactly: doubling is exact).
+    wibble = _plasma_wibbles(mapsize, float(decay))
+    noise = draws.mul_(wibble * 2.0).sub_(wibble).mul_(wibble)
+    slots = torch.empty(mapsize * mapsize, b)
+    slots[0] = 0.0
+    slots[1:].copy_(noise.t())  # a 2-D transpose: torch's blocked copy
+    rows = max(1, PLASMA_CHUNK // (4 * max(1, b)))
+    for first, count, centre, taps in passes:
+        for s in range(0, count, rows):
+            e = min(count, s + rows)
+            near = slots.index_select(0, taps[s:e].view(-1)).view(e - s, 4, b)
+            if centre:
+                pairs = near[:, 0:2] + near[:, 2:4]
+                total = torch.add(pairs[:, 0], pairs[:, 1])
+            else:
+                total = near[:, 0] + near[:, 1]
+                total.add_(near[:, 2]).add_(near[:, 3])
+            # noise + total / 4 (a division by 4 is exact, as is the product by 0.25).
+            slots[first + s : first + e].add_(total, alpha=0.25)
+    slots.sub_(slots.amin(0, keepdim=True))
+    return slots.div_(slots.amax(0, keepdim=True))
+
+
+def plasma_fractal(
+    generator: SampleGenerator, mapsize: int, decay: float, *, crop: tuple[int, int] | None = None
+) -> torch.Tensor:
     """Diamond-square plasma fractals ``[B, mapsize, mapsize]`` in [0, 1] (float32, CPU),
     ImageNet-C's ``plasma_fractal``: midpoints get the mean of their neighbours plus
     ``wibble * U(-wibble, wibble)``, with ``wibble`` starting at 100 and divided by ``decay``
     per level. Each sample's uniforms (``mapsize^2 - 1`` of them) come from one draw of its
-    own generator, consumed level by level."""
-    if mapsize & (mapsize - 1):
+    own generator, consumed level by level. ``crop=(h, w)`` returns only the top-left
+    ``[B, h, w]`` (normalised over the whole map, as a crop of the full result).
+
+    All samples are built at once, level by level, with the reference's float32 operations
+    in its order (the same values, bit for bit): each level's square centres, then its edge
+    midpoints, each as one gather of their four neighbours and three adds in a buffer
+    ordered by creation (see ``_plasma_plan``), a few ops per level instead of a few dozen
+    on tiny strided slices."""
+    if mapsize < 1 or mapsize & (mapsize - 1):
         raise ValueError(f"plasma_fractal: mapsize must be a power of two, got {mapsize}")
-    b = len(generator)
-    draws = torch.empty(b, mapsize * mapsize - 1)
-    for j, g in enumerate(generator.generators):
-        torch.rand(draws.shape[1:], generator=g, out=draws[j])
-    m = torch.zeros(b, mapsize, mapsize)
-    step, wibble = mapsize, 100.0
-    used = 0
-
-    def wibbled(total: torch.Tensor) -> torch.Tensor:
-        nonlocal used
-        n = total.shape[1] * total.shape[2]
-        u = draws[:, used : used + n].view_as(total)
-        used += n
-        return total / 4 + wibble * (u * 2 * wibble - wibble)
-
-    while step >= 2:
-        half = step // 2
-        corner = m[:, 0::step, 0::step]
-        sq = corner + torch.roll(corner, -1, 1)
-        sq = sq + torch.roll(sq, -1, 2)
-        m[:, half::step, half::step] = wibbled(sq)
-        dr = m[:, half::step, half::step]
-        ul = m[:, 0::step, 0::step]
-        lt = dr + torch.roll(dr, 1, 1) + ul + torch.roll(ul, -1, 2)
-        m[:, 0::step, half::step] = wibbled(lt)
-        tt = dr + torch.roll(dr, 1, 2) + ul + torch.roll(ul, -1, 1)
-        m[:, half::step, 0::step] = wibbled(tt)
-        step //= 2
-        wibble /= decay
-    m.sub_(m.amin(dim=(1, 2), keepdim=True))
-    return m.div_(m.amax(dim=(1, 2), keepdim=True))
+    h, w = (mapsize, mapsize) if crop is None else crop
+    if not (0 < h <= mapsize and 0 < w <= mapsize):
+        raise ValueError(f"plasma_fractal: crop {crop} must lie inside {mapsize}x{mapsize}")
+    slots = _plasma_slots(generator, mapsize, decay)
+    _, slot = _plasma_plan(mapsize)
+    picked = slots.index_select(0, slot[:h, :w].reshape(-1))
+    out = torch.empty(len(generator), h * w)
+    return out.copy_(picked.t()).view(-1, h, w)  # a 2-D transpose: torch's blocked copy
 
 
 def fog_blend(images: torch.Tensor, pattern: torch.Tensor, strength: float) -> torch.Tensor:
@@ -153,7 +228,7 @@ def fog(
     strength, decay = severity_param("fog", FOG, table, severity)
     h, w = images.shape[-2:]
     size = 1 << max(1, (max(h, w) - 1).bit_length())
-    pattern = plasma_fractal(generator, size, decay)[:, :h, :w]
+    pattern = plasma_fractal(generator, size, decay, crop=(h, w))
     return fog_blend(images, pattern.to(images.device), strength)
 
 
