@@ -10,6 +10,7 @@ thread elsewhere).
 from __future__ import annotations
 
 import contextlib
+import os
 import threading
 import time
 from collections import defaultdict
@@ -20,15 +21,19 @@ from torch import nn
 
 from tta_bench import malloc
 
+_PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
+
 
 def _rss_bytes() -> int:
     try:
-        with open("/proc/self/statm") as fh:
-            pages = int(fh.read().split()[1])
-        import os
-
-        return pages * os.sysconf("SC_PAGE_SIZE")
-    except (OSError, ValueError):  # not Linux: fall back to the high-water mark
+        # One pread of /proc/self/statm (one syscall; its text is regenerated per read).
+        fd = os.open("/proc/self/statm", os.O_RDONLY)
+        try:
+            pages = int(os.pread(fd, 256, 0).split()[1])
+        finally:
+            os.close(fd)
+        return pages * _PAGE_SIZE
+    except (OSError, ValueError, AttributeError):  # not Linux: the high-water mark instead
         import resource
 
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024

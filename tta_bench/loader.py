@@ -17,7 +17,7 @@ from __future__ import annotations
 import functools
 import os
 import random
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -170,10 +170,28 @@ def _identity(item: Any) -> Any:
     return item
 
 
+class InProcessBatches:
+    """``dataset``'s items in order, read in this process: what a DataLoader with no workers
+    and no pinning yields, without its per-item machinery (iterator state, profiler
+    annotation, fetcher), ~0.1 ms per batch, which shows with a tiny model."""
+
+    def __init__(self, dataset: StreamBatches):
+        self.dataset = dataset
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def __iter__(self) -> Iterator[dict[str, Any]]:
+        return (self.dataset[k] for k in range(len(self.dataset)))
+
+
 def make_loader(
     dataset: StreamBatches, settings: LoaderSettings, seed: int = 0
-) -> torch.utils.data.DataLoader:
-    """A DataLoader yielding ``dataset``'s batches in order with ``settings``."""
+) -> torch.utils.data.DataLoader | InProcessBatches:
+    """A DataLoader yielding ``dataset``'s batches in order with ``settings`` (with no
+    workers and no pinning, the same items through ``InProcessBatches``)."""
+    if settings.num_workers == 0 and not settings.pin_memory:
+        return InProcessBatches(dataset)
     kwargs: dict[str, Any] = {}
     if settings.num_workers > 0:
         kwargs.update(
