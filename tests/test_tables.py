@@ -87,3 +87,20 @@ def test_different_protocols_are_refused():
 def test_unknown_format_lists_the_formats():
     with pytest.raises(ValueError, match="github, markdown, latex, csv, html"):
         report.render_tables(RESULTS, "rst")
+
+
+def test_shifts_follow_the_protocol_order_not_the_file_order():
+    """A resumed run appends the cells it recomputes after the kept ones; tables still list
+    the shifts in the protocol's pinned order."""
+    record = json.loads((GOLDEN / "golden_tent.json").read_text())
+    pinned = record["protocol"]["shifts"]
+    assert len(pinned) >= 2
+    moved = copy.deepcopy(record)
+    first = [c for c in moved["cells"] if c["shift"] == pinned[0]]
+    moved["cells"] = [c for c in moved["cells"] if c["shift"] != pinned[0]] + first
+    assert tables.shift_order([moved]) == pinned
+    for fn in (tables.shift_table, lambda r, fmt: tables.method_shift_table([r], fmt)):
+        assert fn(moved, "github") == fn(record, "github")
+    extra = copy.deepcopy(record)
+    extra["cells"].append({**extra["cells"][0], "shift": "zz_not_in_protocol"})
+    assert tables.shift_order([extra]) == [*pinned, "zz_not_in_protocol"]

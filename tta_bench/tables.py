@@ -84,12 +84,23 @@ def _check_one_protocol(records: Sequence[dict[str, Any]]) -> None:
         stats.check_same_protocol(records[0], other)
 
 
+def shift_order(records: Sequence[dict[str, Any]]) -> list[str]:
+    """The shifts of ``records``' cells in the protocol's pinned order (``protocol.shifts``),
+    then any others in order of appearance. The order of cells in a file is not the
+    protocol's: a resumed run appends the cells it computes after the kept ones."""
+    present = dict.fromkeys(c["shift"] for r in records for c in r["cells"])
+    pinned = [s for r in records for s in (r.get("protocol") or {}).get("shifts") or []]
+    return [s for s in dict.fromkeys(pinned) if s in present] + [
+        s for s in present if s not in pinned
+    ]
+
+
 def shift_table(record: dict[str, Any], fmt: str = "plain") -> str:
     """One run. Rows: shifts in protocol order, then the mean; columns: severities, mean
     (``mean ± std`` over seeds), and the zero-shot reference with the delta when the run
     scored it."""
     cells = record["cells"]
-    shifts = list(dict.fromkeys(c["shift"] for c in cells))
+    shifts = shift_order([record])
     severities = sorted({c["severity"] for c in cells})
     has_ref = record["method"] != "zeroshot" and all(
         c.get("reference_accuracy") is not None for c in cells
@@ -120,7 +131,7 @@ def method_shift_table(
     in protocol order, then the mean; each ``mean ± std`` over seeds, in percent."""
     _check_one_protocol(records)
     names = _labels(records, labels)
-    shifts = list(dict.fromkeys(c["shift"] for r in records for c in r["cells"]))
+    shifts = shift_order(records)
     rows = []
     for name, rec in zip(names, records):
         row: list[Any] = [name]
