@@ -138,12 +138,22 @@ def uint8_entry(kernel: Callable[..., torch.Tensor]) -> Callable[..., torch.Tens
     return entry if callable(entry) else None
 
 
+#: Pixels per image up to which ``to_float_images`` converts the strided view directly.
+SMALL_IMAGE_PIXELS = 64 * 64
+
+
 def to_float_images(images: torch.Tensor) -> torch.Tensor:
     """uint8 ``[B, H, W, C]`` -> contiguous float ``[B, C, H, W]`` in [0, 1]."""
-    # Kernels and the model take their fast paths on contiguous input. Transposing the
-    # uint8 bytes first, then converting in place, is ~6x faster on the CPU than
-    # converting the strided view and copying the floats.
-    return images.permute(0, 3, 1, 2).contiguous().float().div_(255.0)
+    # Kernels and the model take their fast paths on contiguous input. For large images,
+    # transposing the uint8 bytes first, then converting in place, is several times faster
+    # on the CPU than converting the strided view; for small ones (32 px: 0.09 vs 0.16 ms a
+    # batch of 64) one strided conversion into the float batch wins. Same values.
+    b, h, w, c = images.shape
+    nchw = images.permute(0, 3, 1, 2)
+    if h * w <= SMALL_IMAGE_PIXELS:
+        out = torch.empty((b, c, h, w), device=images.device)
+        return out.copy_(nchw).div_(255.0)
+    return nchw.contiguous().float().div_(255.0)
 
 
 def apply_shift(

@@ -279,6 +279,10 @@ def _jpeg_from_uint8(
 jpeg_compression.from_uint8 = _jpeg_from_uint8  # type: ignore[attr-defined]
 
 
+#: Pixels per image up to which decoded JPEGs are stacked before conversion.
+SMALL_JPEG_PIXELS = 64 * 64
+
+
 def _jpeg_roundtrip(hwc_u8: torch.Tensor, quality: int, out: torch.Tensor) -> None:
     """Encode the uint8 ``[n, H, W, C]`` images at ``quality``, decode them and write
     ``decoded / 255`` into ``out`` (``[n, C, H, W]``, channels-last memory)."""
@@ -289,11 +293,18 @@ def _jpeg_roundtrip(hwc_u8: torch.Tensor, quality: int, out: torch.Tensor) -> No
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         encoded = encode_jpeg(list(hwc_u8.permute(0, 3, 1, 2)), quality=quality)
-        # Decoded images are HWC underneath, as ``out``. Per image, a plain conversion
-        # copy then an in-place float division while it is cached: uint8 operands in
-        # arithmetic take a slow (unvectorised) path, a fused divide is ~4x slower.
-        for j, img in enumerate(decode_jpeg(encoded)):
+        decoded = decode_jpeg(encoded)
+    # Decoded images are HWC underneath, as ``out``: a plain conversion copy, then an
+    # in-place float division (uint8 operands in arithmetic take a slow, unvectorised path;
+    # a fused divide is ~4x slower). Large images one by one while each is cached; small
+    # ones stacked first (two ops per image cost more than the pixels: 32 px, 0.37 ->
+    # 0.13 ms a batch of 64). Same values either way.
+    if decoded[0][0].numel() > SMALL_JPEG_PIXELS:
+        for j, img in enumerate(decoded):
             out[j].copy_(img).div_(255.0)
+    else:
+        hwc = torch.stack([img.permute(1, 2, 0) for img in decoded])
+        out.copy_(hwc.permute(0, 3, 1, 2)).div_(255.0)
 
 
 #: Pillow's fixed-point precision for 8-bit resampling weights (``PRECISION_BITS``).
