@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import pickle
 import subprocess
 import sys
@@ -163,3 +164,40 @@ def test_malloc_policy_from_env(monkeypatch):
         malloc.from_env()
     monkeypatch.setenv(malloc.ENV, "system")
     assert malloc.from_env() is False and malloc.policy() == "system"
+
+
+@pytest.mark.parametrize("reset", ["reset_each_shift", "continual", "mixed_domains"])
+def test_chunked_corruption_feeds_the_same_batches(tmp_path, monkeypatch, default_bundle, reset):
+    """Consecutive batches of one cell are corrupted in one kernel call (``_chunk``); the
+    method still gets, batch by batch, exactly the tensors of one call per batch, and the
+    cells come out the same (jpeg through its uint8 entry, glass blur and noise drawing
+    per-sample randomness)."""
+
+    def run(chunk_pixels: int) -> tuple[list, list]:
+        monkeypatch.setattr(runner, "CHUNK_PIXELS", chunk_pixels)
+        seen: list = []
+        spec = dataclasses.replace(
+            _spec(method="zeroshot", reset=reset),
+            protocol=load_protocol(
+                "digits-c",
+                reset=reset,
+                shifts=["gaussian_noise", "jpeg_compression", "glass_blur"],
+                max_images=80,
+                batch_size=16,
+            ),
+        )
+        ev = runner.Evaluation(
+            spec,
+            tmp_path / f"{chunk_pixels}.json",
+            bundle=default_bundle,
+            observer=lambda s, b, x: seen.append((s, b.number, x.clone())),
+        )
+        return seen, ev.run()["cells"]
+
+    one_by_one, cells_a = run(0)
+    chunked, cells_b = run(1 << 20)
+    assert [(s, n) for s, n, _ in one_by_one] == [(s, n) for s, n, _ in chunked]
+    for (_, n, a), (_, _, b) in zip(one_by_one, chunked):
+        assert torch.equal(a, b), n
+    keep = ("shift", "severity", "seed", "n", "accuracy", "ece", "nll")
+    assert [{k: c[k] for k in keep} for c in cells_a] == [{k: c[k] for k in keep} for c in cells_b]

@@ -138,6 +138,9 @@ def uint8_entry(kernel: Callable[..., torch.Tensor]) -> Callable[..., torch.Tens
     return entry if callable(entry) else None
 
 
+#: Pixels (images x H x W) corrupted in one kernel call at most (``Evaluation._chunk``):
+#: three batches of 64 at 32 px (2.4 MB of float RGB, cache-sized); one batch from 64 px.
+CHUNK_PIXELS = 3 * 64 * 32 * 32
 #: Pixels per image up to which ``to_float_images`` converts the strided view directly.
 SMALL_IMAGE_PIXELS = 64 * 64
 
@@ -243,6 +246,7 @@ class Evaluation:
         self.loader_settings = resolve_settings(spec.loader, self.device)
         #: Filled by ``run()``: cells skipped because a previous run had finished them.
         self.skipped_cells = 0
+        self._pixels_per_image = 0  # set by ``run()``
         #: Filled by ``run()``: seconds per phase over the whole run (profile).
         self.phase_seconds: dict[str, float] = {}
         if spec.batch_log:  # one log per run: start it empty, groups append
@@ -320,6 +324,8 @@ class Evaluation:
                 if dec.skipped:
                     skipped_images[src.name] = dec.bad
         labels = {d: src.labels[keep[id(src)]] for d, src in sources.items()}
+        # Decoded images are all ``size`` square: H x W pixels each (``_chunk``'s budget).
+        self._pixels_per_image = int(arrays[0].shape[1] * arrays[0].shape[2]) if arrays else 0
 
         record = self._new_record(bundle, device)
         record["skipped_images"] = skipped_images
@@ -464,11 +470,12 @@ class Evaluation:
         accs: dict[int, _CellAcc] = {}
         cell_batches: dict[int, int] = {}
         score_reference = (spec.reference and spec.method != "zeroshot") or bool(spec.batch_log)
-        non_blocking = self.loader_settings.pin_memory
         # closed after the loop (a with-block would re-indent the whole loop)
         log = open(spec.batch_log, "a", encoding="utf-8") if spec.batch_log else None  # noqa: SIM115
         with PeakMemory(device) as mem:
-            for _, batch, _ in group:
+            # Corrupted inputs of later batches, made together with an earlier one.
+            ready: dict[int, tuple[torch.Tensor, torch.Tensor]] = {}
+            for pos, (_, batch, _) in enumerate(group):
                 dom = batch.single_domain()
                 if dataset_source and dom is not None and base_for(dom) is not base:
                     if protocol.stateful:
@@ -485,18 +492,11 @@ class Evaluation:
                 adapt_before = method.timings.get("adapt", 0.0)
                 doms = [dom] if dom is not None else [int(d) for d in np.unique(batch.domains)]
                 counting = spec.flops and any(d not in accs for d in doms)
-                with timer.phase("data"):
-                    item = next(it)
-                    assert item["number"] == batch.number, "loader out of stream order"
-                    x = item["images"].to(device, non_blocking=non_blocking)
-                    # NHWC uint8 -> NCHW float in [0, 1], unless this batch's kernel takes
-                    # the uint8 batch itself (``uint8_entry``).
-                    if not self._takes_uint8(batch, stream, kernels):
-                        x = to_float_images(x)
-                    y = item["labels"].to(device, non_blocking=non_blocking)
-                with timer.phase("shift"):
-                    if kernels:
-                        x = self._shift(x, batch, stream, seed, kernels)
+                if batch.number in ready:  # corrupted with an earlier batch of its cell
+                    x, y = ready.pop(batch.number)
+                else:
+                    chunk = self._chunk(group, pos, kernels)
+                    x, y = self._inputs(chunk, stream, seed, it, kernels, timer, ready)
                 if self.observer is not None:
                     self.observer(seed, batch, x)
                 with timer.phase("method"), _flop_counter(counting) as flop_counter:
@@ -569,6 +569,72 @@ class Evaluation:
             )
         return cells
 
+    def _chunk(
+        self,
+        group: list[tuple[int, Batch, Stream]],
+        pos: int,
+        kernels: dict[str, Callable[..., torch.Tensor]],
+    ) -> list[Batch]:
+        """``group[pos]``'s batch and the batches right after it that can be corrupted in
+        the same kernel call: same single domain (hence the same cell), at most
+        ``CHUNK_PIXELS`` pixels in all. One call per chunk instead of one per batch spares
+        the kernels' fixed per-call costs (small images), and the result is the same: a
+        kernel's output for a sample does not depend on the batch it is in (its randomness
+        is keyed by the sample's index). Chunks are off when FLOPs are counted (the first
+        batch of each cell is measured alone there)."""
+        first = group[pos][1]
+        dom = first.single_domain()
+        chunk = [first]
+        if not kernels or dom is None or self.spec.flops:
+            return chunk
+        pixels = self._pixels_per_image * len(first)
+        for _, nxt, _ in group[pos + 1 :]:
+            pixels += self._pixels_per_image * len(nxt)
+            if nxt.single_domain() != dom or pixels > CHUNK_PIXELS:
+                break
+            chunk.append(nxt)
+        return chunk
+
+    def _inputs(
+        self,
+        chunk: list[Batch],
+        stream: Stream,
+        seed: int,
+        it: Any,
+        kernels: dict[str, Callable[..., torch.Tensor]],
+        timer: PhaseTimer,
+        ready: dict[int, tuple[torch.Tensor, torch.Tensor]],
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Load ``chunk``'s batches, move them to the device, convert and corrupt them in
+        one go; return the first batch's ``(images, labels)`` and leave the others' in
+        ``ready`` (keyed by batch number)."""
+        device, non_blocking = self.device, self.loader_settings.pin_memory
+        first = chunk[0]
+        with timer.phase("data"):
+            images, labels = [], []
+            for batch in chunk:
+                item = next(it)
+                assert item["number"] == batch.number, "loader out of stream order"
+                images.append(item["images"].to(device, non_blocking=non_blocking))
+                labels.append(item["labels"].to(device, non_blocking=non_blocking))
+            x = images[0] if len(chunk) == 1 else torch.cat(images)
+            # NHWC uint8 -> NCHW float in [0, 1], unless this batch's kernel takes the uint8
+            # batch itself (``uint8_entry``).
+            if not self._takes_uint8(first, stream, kernels):
+                x = to_float_images(x)
+        with timer.phase("shift"):
+            if kernels:
+                indices = (
+                    first.indices if len(chunk) == 1 else np.concatenate([b.indices for b in chunk])
+                )
+                x = self._shift(x, first, stream, seed, kernels, indices=indices)
+        if len(chunk) == 1:
+            return x, labels[0]
+        parts = torch.split(x, [len(b) for b in chunk])
+        for batch, xb, yb in zip(chunk[1:], parts[1:], labels[1:]):
+            ready[batch.number] = (xb, yb)
+        return parts[0], labels[0]
+
     def _takes_uint8(
         self, batch: Batch, stream: Stream, kernels: dict[str, Callable[..., torch.Tensor]]
     ) -> bool:
@@ -586,13 +652,17 @@ class Evaluation:
         stream: Stream,
         seed: int,
         kernels: dict[str, Callable[..., torch.Tensor]],
+        indices: np.ndarray | None = None,
     ) -> torch.Tensor:
-        """Corrupt ``x`` on its device; a mixed batch is corrupted domain by domain."""
+        """Corrupt ``x`` on its device; a mixed batch is corrupted domain by domain. For a
+        single-domain ``batch``, ``indices`` (default: the batch's) are the dataset indices
+        of ``x``'s rows (a chunk of several batches of that domain)."""
         table = self.protocol.severity_table
         dom = batch.single_domain()
         if dom is not None:
             shift, severity = stream.domains[dom]
-            gen = SampleGenerator.for_samples(batch.indices, seed, shift, severity, device=x.device)
+            rows = batch.indices if indices is None else indices
+            gen = SampleGenerator.for_samples(rows, seed, shift, severity, device=x.device)
             return apply_shift(kernels[shift], x, severity, gen, table)
         out = torch.empty_like(x)
         for d in np.unique(batch.domains):
