@@ -141,6 +141,9 @@ def uint8_entry(kernel: Callable[..., torch.Tensor]) -> Callable[..., torch.Tens
 #: Pixels (images x H x W) corrupted in one kernel call at most (``Evaluation._chunk``):
 #: three batches of 64 at 32 px (2.4 MB of float RGB, cache-sized); one batch from 64 px.
 CHUNK_PIXELS = 3 * 64 * 32 * 32
+#: Decoded arrays up to this size are read into memory before the loop (larger ones stay
+#: memory-mapped: ImageNet-C's 5,000 images at 224 px are 750 MB).
+IN_MEMORY_BYTES = 64 << 20
 #: Pixels per image up to which ``to_float_images`` converts the strided view directly.
 SMALL_IMAGE_PIXELS = 64 * 64
 
@@ -320,7 +323,12 @@ class Evaluation:
                 array_ids[id(src)] = len(arrays)
                 dec = decode(src, size, progress=spec.progress, on_bad_image=spec.on_bad_image)
                 keep[id(src)] = np.setdiff1d(np.arange(len(src)), dec.skipped)
-                arrays.append(dec.images[keep[id(src)]] if dec.skipped else dec.images)
+                images = dec.images[keep[id(src)]] if dec.skipped else dec.images
+                # A small decoded array is read into memory once, here in setup: gathering
+                # batches from the memory map pays page faults inside the loop.
+                if isinstance(images, np.memmap) and images.nbytes <= IN_MEMORY_BYTES:
+                    images = np.array(images)
+                arrays.append(images)
                 if dec.skipped:
                     skipped_images[src.name] = dec.bad
         labels = {d: src.labels[keep[id(src)]] for d, src in sources.items()}
