@@ -157,3 +157,24 @@ def test_jpeg_offers_the_uint8_entry():
 
     assert uint8_entry(registry("shifts").get("jpeg_compression")) is not None
     assert uint8_entry(registry("shifts").get("contrast")) is None
+
+
+def test_pooled_generators_draw_what_fresh_ones_draw():
+    """The runner's ``GeneratorPool`` reuses generators across batches: a reused generator
+    reseeded for a sample draws exactly what a new one would, and a released
+    ``SampleGenerator`` refuses to draw."""
+    from tta_bench.rng import GeneratorPool
+
+    pool = GeneratorPool()
+    kernel = registry("shifts").get("shot_noise")
+    x = torch.rand(5, 3, 16, 16)
+    first = SampleGenerator.for_samples(range(5), 0, "shot_noise", 2, pool=pool)
+    kernel(x, 2, generator=first)
+    first.uniform(3)  # leave the generators mid-stream
+    first.release()
+    with pytest.raises(RuntimeError, match="after release"):
+        first.uniform(1)
+    reused = SampleGenerator.for_samples(range(5), 0, "shot_noise", 2, pool=pool)
+    fresh = SampleGenerator.for_samples(range(5), 0, "shot_noise", 2)
+    assert torch.equal(kernel(x, 2, generator=reused), kernel(x, 2, generator=fresh))
+    assert torch.equal(reused.normal(7), fresh.normal(7))

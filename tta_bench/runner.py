@@ -33,7 +33,7 @@ from tta_bench.method import Method, config_dict
 from tta_bench.model import ZeroShotClassifier, count_parameters
 from tta_bench.protocol import Protocol
 from tta_bench.registry import provenance, registry
-from tta_bench.rng import SampleGenerator, stable_seed
+from tta_bench.rng import GeneratorPool, SampleGenerator, stable_seed
 from tta_bench.stream import Batch, Domain, Stream, build_stream
 
 
@@ -250,6 +250,7 @@ class Evaluation:
         #: Filled by ``run()``: cells skipped because a previous run had finished them.
         self.skipped_cells = 0
         self._pixels_per_image = 0  # set by ``run()``
+        self._generator_pool = GeneratorPool()  # per-sample generators, reused batch to batch
         #: Filled by ``run()``: seconds per phase over the whole run (profile).
         self.phase_seconds: dict[str, float] = {}
         if spec.batch_log:  # one log per run: start it empty, groups append
@@ -665,22 +666,30 @@ class Evaluation:
         """Corrupt ``x`` on its device; a mixed batch is corrupted domain by domain. For a
         single-domain ``batch``, ``indices`` (default: the batch's) are the dataset indices
         of ``x``'s rows (a chunk of several batches of that domain)."""
-        table = self.protocol.severity_table
+        table, pool = self.protocol.severity_table, self._generator_pool
         dom = batch.single_domain()
         if dom is not None:
             shift, severity = stream.domains[dom]
             rows = batch.indices if indices is None else indices
-            gen = SampleGenerator.for_samples(rows, seed, shift, severity, device=x.device)
-            return apply_shift(kernels[shift], x, severity, gen, table)
+            gen = SampleGenerator.for_samples(
+                rows, seed, shift, severity, device=x.device, pool=pool
+            )
+            try:
+                return apply_shift(kernels[shift], x, severity, gen, table)
+            finally:
+                gen.release()
         out = torch.empty_like(x)
         for d in np.unique(batch.domains):
             shift, severity = stream.domains[int(d)]
             sel_np = batch.domains == d
             sel = torch.from_numpy(np.flatnonzero(sel_np)).to(x.device)
             gen = SampleGenerator.for_samples(
-                batch.indices[sel_np], seed, shift, severity, device=x.device
+                batch.indices[sel_np], seed, shift, severity, device=x.device, pool=pool
             )
-            out[sel] = apply_shift(kernels[shift], x[sel], severity, gen, table)
+            try:
+                out[sel] = apply_shift(kernels[shift], x[sel], severity, gen, table)
+            finally:
+                gen.release()
         return out
 
     def _cell(self, seed: int, domain: Domain, acc: _CellAcc, mem: PeakMemory) -> dict[str, Any]:
