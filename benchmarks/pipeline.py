@@ -10,7 +10,7 @@ received, and the model-only figure is the classifier's forward over exactly tho
 both. Both sides run in this process, under the allocator policy of a default run
 (``tta_bench.malloc``). The ratio is printed, not asserted. Usage::
 
-    python benchmarks/pipeline.py [--vit-images 384] [--repeats 3]
+    python benchmarks/pipeline.py [--vit-images 384] [--repeats 5]
 
 Models: the default tiny model on the default suite (every corruption: the shift kernels
 are part of the workload), the tiny model on one cheap shift (``contrast``: the harness
@@ -134,7 +134,7 @@ def measure(
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--vit-images", type=int, default=384, help="images for ViT-B-32 (bs 64)")
-    ap.add_argument("--repeats", type=int, default=3, help="(harness, model-only) pairs per figure")
+    ap.add_argument("--repeats", type=int, default=5, help="(harness, model-only) pairs per figure")
     ap.add_argument("--skip-vit", action="store_true")
     args = ap.parse_args()
     print(
