@@ -816,7 +816,9 @@ def _log_batch(
     device: torch.device,
 ) -> None:
     """One JSONL line per batch: accuracy of the frozen source model ("before") and of the
-    method ("after") on it, the method's last loss, seconds per phase and memory now."""
+    method ("after") on it, the method's last loss, seconds per phase and memory now. When
+    several batches of a cell are corrupted together (``Evaluation._chunk``), the first of
+    them carries the data and shift seconds of all."""
     dom = batch.single_domain()
     shift, severity = stream.domains[dom] if dom is not None else ("mixed", None)
     memory = torch.cuda.memory_allocated(device) if device.type == "cuda" else _rss_bytes()
