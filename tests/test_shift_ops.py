@@ -309,22 +309,13 @@ def test_zoom_gray_equals_clipped_zoom_bitwise(h, w, factor):
     assert torch.equal(weather._zoom_gray(x, factor), clipped_zoom(x, factor))
 
 
-@pytest.mark.parametrize("c,radius,sigma", [(1, 14, 8.0), (1, 3, 1.5), (3, 10, 4.0)])
-def test_motion_small_equals_motion_filter_bitwise(c, radius, sigma):
-    g = torch.Generator().manual_seed(radius)
-    x = (torch.rand(19, c, 32, 30, generator=g) * 255).floor() / 255
-    angles = torch.rand(19, generator=g) * 360.0 - 180.0
-    ref = blur.motion_filter(x, radius, sigma, angles)
-    assert torch.equal(weather._motion_small(x, radius, sigma, angles), ref)
-
-
 @pytest.mark.parametrize("table,severity,c", [("digits", 5, 3), ("cifar", 3, 1), ("digits", 1, 3)])
 def test_snow_small_path_equals_general_path(monkeypatch, table, severity, c):
     from tta_bench.rng import SampleGenerator
 
     x = torch.rand(9, c, 32, 32, generator=torch.Generator().manual_seed(severity))
     fast = weather.snow(x, severity, generator=SampleGenerator(range(9)), table=table)
-    monkeypatch.setattr(weather, "SNOW_SMALL_PIXELS", 0)  # clipped_zoom + motion_filter
+    monkeypatch.setattr(weather, "SNOW_SMALL_PIXELS", 0)  # clipped_zoom
     general = weather.snow(x, severity, generator=SampleGenerator(range(9)), table=table)
     # The 8-bit rounding of the grain and the layer would turn any difference there into
     # multiples of 1/255: the two paths agree exactly.

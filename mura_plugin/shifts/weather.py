@@ -23,7 +23,7 @@ from mura_plugin.shifts._ops import (
     rgb_to_gray,
 )
 from mura_plugin.shifts._params import check_images, severity_param, spatial_scale
-from mura_plugin.shifts.blur import motion_filter, motion_offsets
+from mura_plugin.shifts.blur import motion_filter
 from tta_bench.rng import SampleGenerator
 
 __all__ = ["fog", "snow", "frost", "spatter", "plasma_fractal", "frost_texture"]
@@ -233,14 +233,11 @@ def fog(
 
 
 # -- snow ------------------------------------------------------------------------------------
-#: Up to this many pixels per image, ``snow`` on CPU resamples its 1-channel grain and blurs
-#: it with its own table-driven kernels (same values as ``clipped_zoom`` and
-#: ``motion_filter``, bit for bit, at a fraction of their per-op cost); larger images take
-#: those functions.
+#: Up to this many pixels per image, ``snow`` on CPU resamples its 1-channel grain with its
+#: own table-driven kernel (same values as ``clipped_zoom``, bit for bit, at a fraction of
+#: its per-op cost); larger images take ``clipped_zoom``. (Its motion blur is
+#: ``motion_filter``'s, which has its own small-image path.)
 SNOW_SMALL_PIXELS = 64 * 64
-#: Window values per thread in each chunk of the small motion blur (a few images' windows:
-#: they are reduced while still in the core's cache; measured fastest at 32 px).
-SNOW_TAPS_CHUNK = 1 << 18
 
 
 @lru_cache(maxsize=16)
@@ -300,39 +297,6 @@ def _zoom_gray(images: torch.Tensor, factor: float) -> torch.Tensor:
     return out.view(b, 1, h, w)
 
 
-def _motion_small(
-    images: torch.Tensor, radius: int, sigma: float, angles: torch.Tensor
-) -> torch.Tensor:
-    """``motion_filter(images, radius, sigma, angles)`` of small ``[B, C, H, W]`` CPU
-    images, equal bit for bit (the same per-sample ``[1, n] @ [n, C H W]`` products of the
-    same windows as ``shifted_taps``), with less around them: one padded batch, one
-    ``index_select`` per chunk into a reused buffer, chunks sized to the threads' caches."""
-    b, c, h, w = images.shape
-    weights, dy, dx = motion_offsets(radius, sigma, angles)
-    n = dy.shape[1]
-    top, bottom = max(0, int(dy.max())), max(0, -int(dy.min()))
-    lft, rgt = max(0, int(dx.max())), max(0, -int(dx.min()))
-    padded = F.pad(images, (lft, rgt, top, bottom), mode="replicate")
-    hp, wp = padded.shape[-2:]
-    # Flat start of each (sample, tap) window in the padded batch; windows are the blocks
-    # of an overlapping strided view (see ``gather_windows``).
-    start = torch.arange(b).view(b, 1) * (c * hp * wp) + (top - dy) * wp + (lft - dx)
-    start = start.view(-1)
-    total = padded.numel() - ((c - 1) * hp * wp + (h - 1) * wp + w) + 1
-    view = padded.view(-1).as_strided((total, c, h, w), (1, hp * wp, wp, 1))
-    wts = weights.to(images.dtype).view(1, 1, n).expand(b, 1, n)
-    out = torch.empty(b, 1, c * h * w, dtype=images.dtype)
-    per = n * c * h * w
-    step = max(1, SNOW_TAPS_CHUNK * torch.get_num_threads() // per)
-    win = torch.empty(min(step, b) * n, c, h, w, dtype=images.dtype)
-    for s in range(0, b, step):
-        e = min(b, s + step)
-        chunk = win[: (e - s) * n]
-        torch.index_select(view, 0, start[s * n : e * n], out=chunk)
-        torch.bmm(wts[s:e], chunk.view(e - s, n, c * h * w), out=out[s:e])
-    return out.view(b, c, h, w)
-
-
 def snow(
     images: torch.Tensor, severity: int, *, generator: SampleGenerator, table: str = "cifar"
 ) -> torch.Tensor:
@@ -355,10 +319,7 @@ def snow(
     grain = grain * _mask(torch.ge, grain, thresh)  # below the threshold: 0
     # The reference round-trips the layer through 8-bit images around ImageMagick's blur.
     grain = grain.clamp_(0.0, 1.0).mul_(255.0).floor_().div_(255.0)
-    if small:
-        layer = _motion_small(grain, radius, sigma * scale, angles)
-    else:
-        layer = motion_filter(grain, radius, sigma * scale, angles)
+    layer = motion_filter(grain, radius, sigma * scale, angles)
     layer = layer.mul_(255.0).round_().clamp_(0, 255).div_(255.0)
     layer = layer.add_(torch.flip(layer, dims=(-2, -1)))
     # keep * x + (1 - keep) * max(x, 1.5 gray + 0.5), as one lerp from the brightened image.
