@@ -1,12 +1,26 @@
-"""The embedded default: the digits split and the tiny CLIP the project pretrains itself."""
+"""The embedded default: the digits split and the tiny CLIP the project pretrained itself
+and ships as a weights file (the same model on every machine)."""
 
 from __future__ import annotations
 
+import hashlib
+import json
+import warnings
+
 import numpy as np
+import pytest
 import torch
 
 from mura_plugin.datasets.digits import digits_arrays
-from mura_plugin.models.tiny_clip import TinyClipRecipe, _cache_path, load_or_pretrain
+from mura_plugin.models import tiny_clip
+from mura_plugin.models.tiny_clip import (
+    SHIPPED_WEIGHTS,
+    TinyClipRecipe,
+    load_shipped,
+    pretrain,
+    save_shippable,
+    trained_token_ids,
+)
 
 
 def test_digits_split_is_fixed_stratified_and_disjoint():
@@ -34,30 +48,70 @@ def test_clean_zero_shot_accuracy_is_at_least_95_percent(classifier, test_images
     assert acc >= 0.95, acc
 
 
-def test_pretraining_is_deterministic_and_cached(tmp_cache):
-    recipe = TinyClipRecipe(epochs=1, vision_layers=1, text_layers=1)
-    first = load_or_pretrain(recipe, progress=False)
-    path = _cache_path(recipe)
-    assert path.exists() and path.is_relative_to(tmp_cache)
-    stamp = path.stat().st_mtime_ns
-    again = load_or_pretrain(recipe, progress=False)  # from the cache, no training
-    assert path.stat().st_mtime_ns == stamp
-    path.unlink()
-    retrained = load_or_pretrain(recipe, progress=False)
-    for (k, a), b, c in zip(
-        first.state_dict().items(), again.state_dict().values(), retrained.state_dict().values()
-    ):
-        assert torch.equal(a, b) and torch.equal(a, c), k
+def test_the_default_model_is_the_shipped_file_and_records_its_hash(default_bundle):
+    digest = hashlib.sha256(SHIPPED_WEIGHTS.read_bytes()).hexdigest()
+    assert default_bundle.weights_sha256 == digest
+    assert SHIPPED_WEIGHTS.stat().st_size < 8 << 20  # a few MB, not the 12 MB fp32 table
 
 
-def test_a_truncated_cache_file_is_retrained_not_trusted(tmp_cache):
+def test_loading_the_default_model_never_pretrains(monkeypatch):
+    def refuse(*_a, **_k):
+        raise AssertionError("the default model must load, not train")
+
+    monkeypatch.setattr(tiny_clip, "pretrain", refuse)
+    bundle = tiny_clip.tiny_clip_digits()
+    assert bundle.name == "tiny-clip-digits"
+
+
+def test_shipped_file_round_trips_every_trained_tensor(tmp_path):
     recipe = TinyClipRecipe(epochs=1, vision_layers=1, text_layers=1)
-    path = _cache_path(recipe)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(b"\x80\x02truncated")
-    model = load_or_pretrain(recipe, progress=False)
-    assert sum(p.numel() for p in model.parameters()) > 0
-    assert torch.load(path, weights_only=True)  # replaced by a valid checkpoint
+    torch.manual_seed(0)
+    model = tiny_clip.build_tiny_clip(recipe)
+    path = tmp_path / "w.safetensors"
+    digest = save_shippable(model, path, recipe)
+    assert digest == hashlib.sha256(path.read_bytes()).hexdigest()
+    loaded, got_recipe = load_shipped(path)
+    assert got_recipe == recipe
+    ids = trained_token_ids()
+    for (k, a), b in zip(model.state_dict().items(), loaded.state_dict().values()):
+        if k == "token_embedding.weight":
+            assert torch.equal(a[ids], b[ids])
+            untrained = torch.ones(len(a), dtype=torch.bool)
+            untrained[ids] = False
+            assert not b[untrained].any()  # untrained rows are zeros
+        else:
+            assert torch.equal(a, b), k
+    # the same tensors give the same bytes (the hash is a function of the weights)
+    assert save_shippable(model, tmp_path / "again.safetensors", recipe) == digest
+
+
+def test_pretraining_is_deterministic_on_one_thread():
+    recipe = TinyClipRecipe(epochs=1, vision_layers=1, text_layers=1)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        first = pretrain(recipe, progress=False).state_dict()
+        second = pretrain(recipe, progress=False).state_dict()
+    finally:
+        torch.set_num_threads(threads)
+    for k in first:
+        assert torch.equal(first[k], second[k]), k
+
+
+def test_prompts_with_untrained_tokens_are_warned_about(default_bundle):
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        default_bundle.tokenizer(["a photo of the digit three."])  # trained tokens: silent
+    with pytest.warns(UserWarning, match="untrained token"):
+        default_bundle.tokenizer(["a spaceship made of cheese."])
+
+
+def test_the_shipped_recipe_is_the_default_recipe():
+    from safetensors import safe_open
+
+    with safe_open(str(SHIPPED_WEIGHTS), framework="pt") as fh:
+        recipe = json.loads(fh.metadata()["tiny-clip-digits"])["recipe"]
+    assert TinyClipRecipe(**recipe) == TinyClipRecipe()
 
 
 def test_recipe_fingerprint_tracks_every_field():

@@ -27,6 +27,29 @@ class NoConfig:
 
 
 OPTIMIZERS = ("adam", "adamw", "sgd")
+#: Compute precision on CUDA (autocast dtype); on the CPU every method runs in float32.
+PRECISIONS = ("fp32", "fp16", "bf16")
+_AUTOCAST_DTYPES = {"fp16": torch.float16, "bf16": torch.bfloat16}
+
+
+def check_precision(precision: str) -> None:
+    if precision not in PRECISIONS:
+        raise ValueError(f"unknown precision {precision!r}; available: {', '.join(PRECISIONS)}")
+
+
+def effective_precision(precision: str, device: torch.device) -> str:
+    """What a method configured with ``precision`` computes in on ``device`` (autocast is
+    applied on CUDA only; the CPU always runs float32)."""
+    check_precision(precision)
+    return precision if device.type == "cuda" else "fp32"
+
+
+def autocast_context(precision: str, device: torch.device) -> contextlib.AbstractContextManager:
+    """``torch.autocast`` for ``precision`` on CUDA, a no-op context otherwise."""
+    effective = effective_precision(precision, device)
+    if effective == "fp32":
+        return contextlib.nullcontext()
+    return torch.autocast("cuda", dtype=_AUTOCAST_DTYPES[effective])
 
 
 @dataclass
@@ -39,7 +62,9 @@ class GradientConfig:
     weight_decay: float = 0.0
     momentum: float = 0.9  # SGD only
     steps: int = 1
-    autocast: bool = True  # bf16 autocast when running on CUDA; ignored on CPU
+    #: Autocast precision on CUDA (``fp32`` = none); each method defaults to its official
+    #: code's precision. Ignored on the CPU (float32). Recorded in the results.
+    precision: str = "fp32"
 
 
 class Method(abc.ABC):
@@ -67,6 +92,21 @@ class Method(abc.ABC):
 
     def reset(self) -> None:  # noqa: B027 - stateless methods have nothing to reset
         """Return to exactly the state right after ``setup()``."""
+
+    def source_images_needed(self) -> int:
+        """How many clean, unlabeled source-domain images the method needs before
+        ``setup()`` (e.g. EATA's Fisher information); 0 = none. The runner hands them over
+        with ``set_source`` from the protocol's declared source split, or refuses the run
+        with a clear error when the protocol declares none."""
+        return 0
+
+    def set_source(self, images: torch.Tensor) -> None:
+        """Clean source images ``[N, C, H, W]`` in [0, 1] at the model's input size (no
+        labels), called once before ``setup()`` when ``source_images_needed() > 0``."""
+        self.source = images
+
+    #: Set by ``set_source``; None when the method asked for no source images.
+    source: torch.Tensor | None = None
 
     def reseed(self, seed: int) -> None:
         """Seed the method's own randomness (augmented views); the runner calls it per batch."""
@@ -165,6 +205,7 @@ class GradientMethod(Method):
 
     # -- lifecycle ---------------------------------------------------------------------
     def setup(self) -> None:
+        check_precision(self.config.precision)
         self.model.requires_grad_(False)
         self.configure(self.model)
         self.params = list(self.collect_params(self.model))
@@ -203,9 +244,7 @@ class GradientMethod(Method):
 
     # -- adaptation --------------------------------------------------------------------
     def autocast(self) -> contextlib.AbstractContextManager:
-        if self.config.autocast and self.device.type == "cuda":
-            return torch.autocast("cuda", dtype=torch.bfloat16)
-        return contextlib.nullcontext()
+        return autocast_context(self.config.precision, self.device)
 
     def adapt(self, images: torch.Tensor) -> torch.Tensor:
         """``config.steps`` optimisation steps; returns the logits of the last forward."""

@@ -33,7 +33,9 @@ class ModelBundle:
     tokenizer: Callable[[Sequence[str]], torch.Tensor]
     preprocess: Preprocess
     name: str
-    weights: str  # pretrained tag, checkpoint path or cache fingerprint
+    weights: str  # pretrained tag, checkpoint path or shipped file name
+    #: SHA-256 of the weights file the model was loaded from, when there is one.
+    weights_sha256: str | None = None
 
 
 def format_prompts(classnames: Sequence[str], templates: Sequence[str]) -> list[str]:
@@ -112,6 +114,19 @@ class ZeroShotClassifier(nn.Module):
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.logits_from_features(self.encode_image(images))
+
+
+def state_sha256(module: nn.Module) -> str:
+    """SHA-256 of a module's state (every tensor's name, dtype, shape and bytes, in
+    ``state_dict`` order): identical weights give the identical hash on any machine."""
+    import hashlib
+
+    h = hashlib.sha256()
+    for name, tensor in module.state_dict().items():
+        t = tensor.detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)};".encode())
+        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+    return h.hexdigest()
 
 
 def count_parameters(module: nn.Module, trainable_only: bool = False) -> int:

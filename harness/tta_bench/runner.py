@@ -29,8 +29,8 @@ from tta_bench import SCHEMA_VERSION, malloc, metrics, results
 from tta_bench.cost import PassCounter, PeakMemory, PhaseTimer, _rss_bytes
 from tta_bench.data import DomainStream, decode
 from tta_bench.loader import StreamBatches, make_loader, resolve_settings
-from tta_bench.method import Method, config_dict
-from tta_bench.model import ZeroShotClassifier, count_parameters
+from tta_bench.method import Method, config_dict, effective_precision
+from tta_bench.model import ZeroShotClassifier, count_parameters, state_sha256
 from tta_bench.protocol import Protocol
 from tta_bench.registry import provenance, registry
 from tta_bench.rng import GeneratorPool, SampleGenerator, stable_seed
@@ -765,7 +765,14 @@ class Evaluation:
             "method": spec.method,
             "method_config": config_dict(spec.method_config),
             "method_config_hash": method_config_hash(spec.method_config),
-            "model": {"name": spec.model, "weights": bundle.weights, "args": spec.model_args},
+            "model": {
+                "name": spec.model,
+                "weights": bundle.weights,
+                # what a number depends on: the exact weights (file and loaded state)
+                "weights_sha256": getattr(bundle, "weights_sha256", None),
+                "state_sha256": state_sha256(bundle.clip),
+                "args": spec.model_args,
+            },
             "suite": self.protocol.name,
             "protocol": {"id": self.protocol.id, **self.protocol.identity()},
             "seeds": list(spec.seeds),
@@ -799,9 +806,14 @@ def _flop_counter(counting: bool) -> Any:
 
 
 def _precision(method_config: Any, device: torch.device) -> dict[str, Any]:
-    """Parameter dtype and autocast as GradientMethod applies them (bf16 on CUDA only)."""
-    autocast = bool(getattr(method_config, "autocast", False)) and device.type == "cuda"
-    return {"dtype": "float32", "autocast": "bfloat16" if autocast else None}
+    """Parameter dtype, the configured precision and what it means on ``device`` (autocast
+    on CUDA only; float32 on the CPU)."""
+    configured = getattr(method_config, "precision", "fp32")
+    return {
+        "dtype": "float32",
+        "configured": configured,
+        "autocast": None if effective_precision(configured, device) == "fp32" else configured,
+    }
 
 
 def _log_batch(

@@ -60,6 +60,8 @@ class MultiViewConfig(GradientConfig):
     # Images per chunk of the batched forward/backward (whole samples, at least one): chunks
     # that fit the CPU caches run ~2x faster than one huge batch; gradients accumulate.
     chunk_views: int = 256
+    # TPT/TTL's official code runs CLIP under fp16 autocast on CUDA (CPU: float32).
+    precision: str = "fp16"
 
 
 def configured_views(images: torch.Tensor, cfg: Any, generator: torch.Generator) -> torch.Tensor:

@@ -25,7 +25,7 @@ from dataclasses import dataclass
 
 import torch
 
-from tta_bench.method import Method
+from tta_bench.method import Method, autocast_context, check_precision
 
 __all__ = ["TDA", "TDAConfig"]
 
@@ -43,7 +43,7 @@ class TDAConfig:
     neg_mask_lower: float = 0.03
     neg_mask_upper: float = 1.0
     scale_alpha: bool = True  # alphas are tuned for logit scale 100: rescale to the model's
-    autocast: bool = True  # bf16 on CUDA
+    precision: str = "fp16"  # autocast on CUDA, as the official code runs CLIP; CPU: fp32
 
 
 class _Cache:
@@ -77,6 +77,7 @@ class TDA(Method):
 
     def setup(self) -> None:
         cfg = self.config
+        check_precision(cfg.precision)
         if cfg.pos_shots < 1 or cfg.neg_shots < 1:
             raise ValueError(f"shots must be >= 1, got {cfg.pos_shots} and {cfg.neg_shots}")
         self.reset()
@@ -90,8 +91,7 @@ class TDA(Method):
     @torch.no_grad()
     def step(self, images: torch.Tensor) -> torch.Tensor:
         cfg = self.config
-        use_bf16 = cfg.autocast and self.device.type == "cuda"
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=use_bf16):
+        with autocast_context(cfg.precision, self.device):
             feats = self.model.encode_image(images)
         feats = feats.float()
         feats = feats / feats.norm(dim=-1, keepdim=True)

@@ -20,7 +20,7 @@ import torch
 
 from mura_plugin.losses import select_confident
 from mura_plugin.methods._views import configured_views
-from tta_bench.method import Method
+from tta_bench.method import Method, autocast_context, check_precision
 
 __all__ = ["Zero", "ZeroConfig"]
 
@@ -34,7 +34,7 @@ class ZeroConfig:
     selection: float = 0.3  # fraction of most confident views that vote
     tie_eps: float = 1e-3
     chunk_views: int = 256  # views per forward: cache-sized chunks run ~2x faster on CPU
-    autocast: bool = True  # bf16 on CUDA
+    precision: str = "fp16"  # autocast on CUDA, as the official code runs CLIP; CPU: fp32
 
 
 class Zero(Method):
@@ -42,6 +42,7 @@ class Zero(Method):
 
     def setup(self) -> None:
         cfg = self.config
+        check_precision(cfg.precision)
         if not 0.0 < cfg.selection <= 1.0:
             raise ValueError(f"selection must be in (0, 1], got {cfg.selection}")
         if cfg.chunk_views < 1:
@@ -56,8 +57,7 @@ class Zero(Method):
         v, b = views.shape[:2]
         flat = views.flatten(0, 1)
         chunk = cfg.chunk_views
-        use_bf16 = cfg.autocast and self.device.type == "cuda"
-        with torch.autocast("cuda", dtype=torch.bfloat16, enabled=use_bf16):
+        with autocast_context(cfg.precision, self.device):
             logits = torch.cat([self.model(flat[i : i + chunk]) for i in range(0, v * b, chunk)])
         kept = select_confident(logits.float().view(v, b, -1), cfg.selection)  # [k, B, C]
         c = kept.shape[-1]

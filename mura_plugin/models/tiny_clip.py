@@ -1,6 +1,25 @@
-"""The embedded default model: a tiny open_clip dual encoder that this project pretrains
-itself on the clean digits train split (no download), deterministically for a given recipe,
-and caches under the user cache directory keyed by a fingerprint of the recipe.
+"""The embedded default model: a tiny open_clip dual encoder that this project pretrained
+itself on the clean digits train split, shipped with the package as a safetensors file
+(``weights/tiny-clip-digits.safetensors``, ~4 MB), so every machine evaluates the same
+weights; its SHA-256 is recorded in every result.
+
+Why shipped rather than trained on first use: training is deterministic for a given
+machine and thread count only (1 vs 2 threads, or AVX-512 vs AVX2 kernels, give different
+weights after one epoch), so "the same recipe" was not the same model everywhere.
+
+The file stores every parameter except the untrained rows of the 49,408-token embedding
+table: only the rows of tokens that occur in the pretraining prompts (the digits class
+names x templates, plus the start, end and padding tokens) were ever trained, and only those
+are stored; the other rows are zeros when loaded. A prompt with tokens outside that
+vocabulary is warned about (``ShippedTokenizer``): the model has never seen them.
+
+Reproduce the file (single thread, fixed seed, ~1 minute on one core)::
+
+    python -m mura_plugin.models.tiny_clip pretrain [--out PATH]
+
+It prints the SHA-256 of what it produced and whether that equals the shipped file's.
+Float kernels differ between CPU instruction sets (AVX-512 vs AVX2), so another CPU can
+produce other weights; the shipped file is the reference.
 
 Recipe: ViT (patch 8 at 32 px, 4 blocks, width 128) + a 2-layer text transformer, trained
 with the CLIP objective restricted to class-name prompts (image features against the text
@@ -10,8 +29,11 @@ cosine decay, light translation augmentation. Clean zero-shot test accuracy is ~
 
 from __future__ import annotations
 
+import argparse
 import hashlib
 import json
+import sys
+import warnings
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -20,9 +42,23 @@ import torch.nn.functional as F
 
 from tta_bench.catalog import entry
 from tta_bench.model import ModelBundle, Preprocess, format_prompts
-from tta_bench.paths import atomic_path, cache_dir
+from tta_bench.paths import atomic_path
 
-__all__ = ["TinyClipRecipe", "tiny_clip_digits", "build_tiny_clip", "pretrain"]
+__all__ = [
+    "TinyClipRecipe",
+    "tiny_clip_digits",
+    "build_tiny_clip",
+    "pretrain",
+    "load_shipped",
+    "save_shippable",
+    "SHIPPED_WEIGHTS",
+]
+
+#: The shipped weights (produced by ``pretrain(TinyClipRecipe())`` on one thread).
+SHIPPED_WEIGHTS = Path(__file__).with_name("weights") / "tiny-clip-digits.safetensors"
+#: Name of the stored embedding rows and of their token ids in the file.
+_ROWS, _ROW_IDS = "token_embedding.rows", "token_embedding.row_ids"
+_INFO = "tiny-clip-digits"
 
 MEAN = (0.5, 0.5, 0.5)
 STD = (0.5, 0.5, 0.5)
@@ -116,7 +152,7 @@ def pretrain(recipe: TinyClipRecipe, progress: bool = True) -> torch.nn.Module:
     model.train()
     bar = tqdm(
         range(recipe.epochs),
-        desc="pretraining tiny-clip-digits (once, cached)",
+        desc="pretraining tiny-clip-digits",
         unit="epoch",
         disable=not progress,
     )
@@ -143,34 +179,147 @@ def pretrain(recipe: TinyClipRecipe, progress: bool = True) -> torch.nn.Module:
     return model
 
 
-def _cache_path(recipe: TinyClipRecipe) -> Path:
-    return cache_dir() / "models" / f"tiny-clip-digits-{recipe.fingerprint()}.pt"
+def trained_token_ids(tok=None) -> list[int]:
+    """Token ids whose embedding rows pretraining updates: those of the digits prompts,
+    plus the start/end-of-text and padding tokens."""
+    meta = entry("datasets", "digits")
+    tok = tok or tokenizer()
+    tokens = tok(format_prompts(list(meta["classnames"]), list(meta["templates"])))
+    ids = set(int(t) for t in tokens.unique())
+    ids |= {tok.sot_token_id, tok.eot_token_id, 0}
+    return sorted(ids)
 
 
-def load_or_pretrain(recipe: TinyClipRecipe, progress: bool = True) -> torch.nn.Module:
-    path = _cache_path(recipe)
-    model = build_tiny_clip(recipe)
-    if path.exists():
-        try:
-            model.load_state_dict(torch.load(path, map_location="cpu", weights_only=True))
-            model.eval()
-            return model
-        except Exception:  # truncated, corrupt or stale (torch raises many types): retrain
-            path.unlink(missing_ok=True)
-    model = pretrain(recipe, progress=progress)
+def save_shippable(model: torch.nn.Module, path: str | Path, recipe: TinyClipRecipe) -> str:
+    """Write ``model`` as the shipped safetensors file (every tensor but the untrained
+    embedding rows); returns the file's SHA-256."""
+    from safetensors.torch import save_file
+
+    state = {k: v.detach().contiguous().clone() for k, v in model.state_dict().items()}
+    table = state.pop("token_embedding.weight")
+    ids = torch.tensor(trained_token_ids(), dtype=torch.int64)
+    state[_ROWS] = table[ids].contiguous()
+    state[_ROW_IDS] = ids
+    # One metadata key: safetensors writes a several-key metadata map in hash order, so
+    # identical weights would not give identical bytes (and file hash).
+    info = {"format": "tiny-clip-digits/1", "recipe": asdict(recipe), "vocab_size": table.shape[0]}
+    metadata = {_INFO: json.dumps(info, sort_keys=True)}
     with atomic_path(path) as tmp:
-        torch.save(model.state_dict(), tmp)
-    return model
+        save_file(state, str(tmp), metadata=metadata)
+    return file_sha256(path)
 
 
-def tiny_clip_digits(*, epochs: int = TinyClipRecipe.epochs, seed: int = 0) -> ModelBundle:
-    """The default model, pretrained on first use (about a minute on 2 CPU cores)."""
-    recipe = TinyClipRecipe(epochs=epochs, seed=seed)
-    model = load_or_pretrain(recipe)
+def file_sha256(path: str | Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def load_shipped(path: str | Path = SHIPPED_WEIGHTS) -> tuple[torch.nn.Module, TinyClipRecipe]:
+    """The model stored at ``path`` (default: the shipped file) and its recipe."""
+    from safetensors import safe_open
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(
+            f"tiny-clip-digits weights {str(path)!r} are missing: the mura-plugin "
+            "installation is incomplete (reinstall it), or rebuild them with "
+            "`python -m mura_plugin.models.tiny_clip pretrain`"
+        )
+    with safe_open(str(path), framework="pt") as fh:
+        info = json.loads((fh.metadata() or {})[_INFO])
+    recipe = TinyClipRecipe(**info["recipe"])
+    state = load_file(str(path))
+    rows, ids = state.pop(_ROWS), state.pop(_ROW_IDS)
+    table = torch.zeros(int(info["vocab_size"]), rows.shape[1], dtype=rows.dtype)
+    table[ids] = rows
+    state["token_embedding.weight"] = table
+    model = build_tiny_clip(recipe)
+    model.load_state_dict(state, strict=True)
+    model.eval()
+    return model, recipe
+
+
+class ShippedTokenizer:
+    """open_clip's tokenizer that warns, once per prompt set, when prompts use tokens the
+    shipped model was never trained on (their embedding rows are zeros)."""
+
+    def __init__(self, known: set[int]):
+        self._tok = tokenizer()
+        self._known = known
+        self.sot_token_id = self._tok.sot_token_id
+        self.eot_token_id = self._tok.eot_token_id
+        self.context_length = self._tok.context_length
+
+    def encode(self, text: str) -> list[int]:
+        return self._tok.encode(text)
+
+    def decode(self, ids) -> str:
+        return self._tok.decode(ids)
+
+    def __getattr__(self, name: str):
+        return getattr(self._tok, name)
+
+    def __call__(self, texts, context_length: int | None = None) -> torch.Tensor:
+        out = self._tok(texts, context_length) if context_length else self._tok(texts)
+        unknown = sorted(set(int(t) for t in out.unique()) - self._known)
+        if unknown:
+            words = ", ".join(repr(self._tok.decode([t]).strip()) for t in unknown[:8])
+            warnings.warn(
+                f"tiny-clip-digits was pretrained on the digits prompts only; these prompts "
+                f"use {len(unknown)} untrained token(s) ({words}), whose embeddings are zeros",
+                stacklevel=2,
+            )
+        return out
+
+
+def tiny_clip_digits() -> ModelBundle:
+    """The default model, loaded from the shipped weights (no training, no download)."""
+    model, recipe = load_shipped(SHIPPED_WEIGHTS)
     return ModelBundle(
         clip=model,
-        tokenizer=tokenizer(),
+        tokenizer=ShippedTokenizer(set(trained_token_ids())),
         preprocess=Preprocess(image_size=recipe.image_size, mean=MEAN, std=STD),
         name="tiny-clip-digits",
-        weights=f"pretrained-by-tta-bench:{recipe.fingerprint()}",
+        weights=f"shipped:{SHIPPED_WEIGHTS.name}",
+        weights_sha256=file_sha256(SHIPPED_WEIGHTS),
     )
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(
+        prog="python -m mura_plugin.models.tiny_clip",
+        description="Reproduce the shipped tiny-clip-digits weights (one thread, fixed seed).",
+    )
+    sub = parser.add_subparsers(dest="command", required=True)
+    pt = sub.add_parser("pretrain", help="pretrain and compare with the shipped file")
+    pt.add_argument("--out", default=None, help="where to write (default: a temporary file)")
+    pt.add_argument("--epochs", type=int, default=TinyClipRecipe.epochs)
+    pt.add_argument("--seed", type=int, default=TinyClipRecipe.seed)
+    args = parser.parse_args(argv)
+    import tempfile
+
+    torch.set_num_threads(1)  # the shipped file was produced on one thread
+    recipe = TinyClipRecipe(epochs=args.epochs, seed=args.seed)
+    model = pretrain(recipe)
+    out = Path(args.out) if args.out else Path(tempfile.mkdtemp()) / SHIPPED_WEIGHTS.name
+    digest = save_shippable(model, out, recipe)
+    shipped = file_sha256(SHIPPED_WEIGHTS) if SHIPPED_WEIGHTS.is_file() else None
+    print(f"wrote {out}\nsha256 {digest}")
+    print(f"shipped {shipped}")
+    capability = torch.backends.cpu.get_cpu_capability()
+    if digest == shipped:
+        print("reproduces the shipped weights exactly")
+        return 0
+    print(
+        f"differs from the shipped weights (this CPU's kernels: {capability}; the shipped "
+        "file was produced on an AVX512 CPU with one thread)"
+    )
+    return 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
