@@ -50,6 +50,7 @@ class ZeroShotClassifier(nn.Module):
         bundle: ModelBundle,
         classnames: Sequence[str],
         templates: Sequence[str],
+        dataset: str | None = None,
     ):
         super().__init__()
         if not classnames:
@@ -62,7 +63,11 @@ class ZeroShotClassifier(nn.Module):
         self.model_name = bundle.name
         self.weights = bundle.weights
         self.classnames = list(classnames)
+        #: The protocol's text head: every method starts from these templates.
         self.templates = list(templates)
+        #: The registered dataset the classes come from (methods whose official code picks
+        #: settings per dataset read it); None outside a benchmark run.
+        self.dataset = dataset
         self.register_buffer("mean", torch.tensor(bundle.preprocess.mean).view(1, 3, 1, 1))
         self.register_buffer("std", torch.tensor(bundle.preprocess.std).view(1, 3, 1, 1))
         self.clip.eval()
@@ -84,12 +89,20 @@ class ZeroShotClassifier(nn.Module):
         return len(self.classnames)
 
     def build_class_embeddings(self) -> torch.Tensor:
-        """Normalised mean over templates of the normalised text embeddings: ``[C, D]``."""
+        """The protocol head: ``encode_templates(self.templates)``."""
+        return self.encode_templates(self.templates)
+
+    @torch.no_grad()
+    def encode_templates(self, templates: Sequence[str]) -> torch.Tensor:
+        """Class embeddings ``[C, D]`` of another template set (a method's official head),
+        without changing this classifier: the normalised mean over templates of the
+        normalised text embeddings of every class name."""
+        templates = list(templates)
         device = next(self.clip.parameters()).device
-        tokens = self.tokenizer(format_prompts(self.classnames, self.templates)).to(device)
+        tokens = self.tokenizer(format_prompts(self.classnames, templates)).to(device)
         feats = self.clip.encode_text(tokens)
         feats = feats / feats.norm(dim=-1, keepdim=True)
-        feats = feats.view(len(self.classnames), len(self.templates), -1).mean(dim=1)
+        feats = feats.view(len(self.classnames), len(templates), -1).mean(dim=1)
         return feats / feats.norm(dim=-1, keepdim=True)
 
     def normalize(self, images: torch.Tensor) -> torch.Tensor:
