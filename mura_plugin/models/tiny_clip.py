@@ -261,6 +261,10 @@ class ShippedTokenizer:
         return self._tok.decode(ids)
 
     def __getattr__(self, name: str):
+        # Only called for attributes this wrapper lacks; private and dunder names (copy,
+        # pickle protocols before __init__ ran) must not recurse into self._tok.
+        if name.startswith("_"):
+            raise AttributeError(name)
         return getattr(self._tok, name)
 
     def __call__(self, texts, context_length: int | None = None) -> torch.Tensor:
