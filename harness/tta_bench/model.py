@@ -15,6 +15,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from tta_bench import text_head
+
 
 @dataclass(frozen=True)
 class Preprocess:
@@ -51,6 +53,9 @@ class ZeroShotClassifier(nn.Module):
         classnames: Sequence[str],
         templates: Sequence[str],
         dataset: str | None = None,
+        *,
+        text_chunk_size: int = text_head.DEFAULT_CHUNK_PROMPTS,
+        text_cache: bool = True,
     ):
         super().__init__()
         if not classnames:
@@ -68,6 +73,10 @@ class ZeroShotClassifier(nn.Module):
         #: The registered dataset the classes come from (methods whose official code picks
         #: settings per dataset read it); None outside a benchmark run.
         self.dataset = dataset
+        #: Prompts per ``encode_text`` call when building heads, and whether heads go
+        #: through the on-disk cache (``tta_bench.text_head``).
+        self.text_chunk_size = text_chunk_size
+        self.text_cache = text_cache
         self.register_buffer("mean", torch.tensor(bundle.preprocess.mean).view(1, 3, 1, 1))
         self.register_buffer("std", torch.tensor(bundle.preprocess.std).view(1, 3, 1, 1))
         self.clip.eval()
@@ -92,18 +101,20 @@ class ZeroShotClassifier(nn.Module):
         """The protocol head: ``encode_templates(self.templates)``."""
         return self.encode_templates(self.templates)
 
-    @torch.no_grad()
     def encode_templates(self, templates: Sequence[str]) -> torch.Tensor:
         """Class embeddings ``[C, D]`` of another template set (a method's official head),
         without changing this classifier: the normalised mean over templates of the
-        normalised text embeddings of every class name."""
-        templates = list(templates)
-        device = next(self.clip.parameters()).device
-        tokens = self.tokenizer(format_prompts(self.classnames, templates)).to(device)
-        feats = self.clip.encode_text(tokens)
-        feats = feats / feats.norm(dim=-1, keepdim=True)
-        feats = feats.view(len(self.classnames), len(templates), -1).mean(dim=1)
-        return feats / feats.norm(dim=-1, keepdim=True)
+        normalised text embeddings of every class name, encoded in chunks of
+        ``text_chunk_size`` prompts and cached on disk (``tta_bench.text_head``)."""
+        return text_head.class_embeddings(
+            self.clip,
+            self.tokenizer,
+            self.classnames,
+            list(templates),
+            chunk_size=self.text_chunk_size,
+            cache=self.text_cache,
+            about={"model": self.model_name, "weights": self.weights},
+        )
 
     def normalize(self, images: torch.Tensor) -> torch.Tensor:
         return (images - self.mean) / self.std
