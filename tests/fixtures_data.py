@@ -50,3 +50,36 @@ def tree(
         for i in range(per_folder):
             out.append(jpeg(root / f / f"img{i}{ext}", size, value=(40 * k + 10 * i) % 256))
     return out
+
+
+def hf_parquet(
+    path: Path,
+    labels: Sequence[int],
+    value: int = 128,
+    image_column: str = "image",
+    label_column: str = "label",
+    extra: dict[str, Sequence[int]] | None = None,
+) -> Path:
+    """A parquet file as the hub stores it (written by ``datasets``: an ``Image`` column of
+    PNG bytes plus int label columns). Every pixel of every image holds ``value``, so the
+    split a stream drew its images from is checkable after decoding."""
+    import io
+
+    import datasets
+    from PIL import Image
+
+    buf = io.BytesIO()
+    Image.new("RGB", (32, 32), (value, value, value)).save(buf, format="PNG")
+    png = buf.getvalue()
+    columns: dict[str, list] = {
+        image_column: [{"bytes": png, "path": None} for _ in labels],
+        label_column: [int(y) for y in labels],
+    }
+    features = {image_column: datasets.Image(), label_column: datasets.Value("int64")}
+    for name, values in (extra or {}).items():
+        columns[name] = [int(v) for v in values]
+        features[name] = datasets.Value("int64")
+    path.parent.mkdir(parents=True, exist_ok=True)
+    ds = datasets.Dataset.from_dict(columns, features=datasets.Features(features))
+    ds.to_parquet(str(path))
+    return path

@@ -227,6 +227,245 @@ def test_imagefolder_and_parquet(tmp_path):
     assert decode(p, 32, use_cache=False).images.shape == (2, 32, 32, 3)
 
 
+# -- local HF copies: the requested split only, by the hub's file naming ------------------
+def pixel_values(stream):
+    """The distinct pixel values of a stream's images (each split's images hold one)."""
+    return sorted(set(decode(stream, 32, use_cache=False).images[:, 0, 0, 0].tolist()))
+
+
+def test_cifar10_hub_layout_loads_only_the_test_split(tmp_path):
+    # huggingface-cli download uoft-cs/cifar10 --repo-type dataset --local-dir <data>/cifar10
+    root = tmp_path / "cifar10" / "plain_text"
+    fx.hf_parquet(root / "train-00000-of-00001.parquet", [0, 1, 2], 200, image_column="img")
+    fx.hf_parquet(root / "test-00000-of-00001.parquet", [3, 4], 50, image_column="img")
+    s = factory("cifar10")(data_dir=str(tmp_path))
+    assert s.labels.tolist() == [3, 4] and pixel_values(s) == [50]
+    assert s.metadata["files"] == ["plain_text/test-00000-of-00001.parquet"]
+
+
+def test_cifar100_hub_layout_loads_only_the_test_split(tmp_path):
+    root = tmp_path / "cifar100" / "cifar100"
+    for split, fine, value in (("train", [7, 8, 9], 200), ("test", [99, 0], 60)):
+        fx.hf_parquet(
+            root / f"{split}-00000-of-00001.parquet",
+            fine,
+            value,
+            image_column="img",
+            label_column="fine_label",
+            extra={"coarse_label": [1] * len(fine)},
+        )
+    s = factory("cifar100")(data_dir=str(tmp_path))
+    assert s.labels.tolist() == [99, 0] and pixel_values(s) == [60]
+
+
+def test_imagenet_hub_layout_loads_only_validation(tmp_path):
+    # ILSVRC/imagenet-1k: data/{train,validation,test}-NNNNN-of-NNNNN.parquet; test is unlabeled
+    data = tmp_path / "imagenet-1k" / "data"
+    fx.hf_parquet(data / "train-00000-of-00002.parquet", [0, 1], 200)
+    fx.hf_parquet(data / "train-00001-of-00002.parquet", [2], 200)
+    fx.hf_parquet(data / "validation-00000-of-00001.parquet", [2, 999], 80)
+    fx.hf_parquet(data / "test-00000-of-00001.parquet", [-1, -1], 10)
+    s = factory("imagenet")(data_dir=str(tmp_path))
+    assert s.labels.tolist() == [2, 999] and pixel_values(s) == [80]
+    (data / "validation-00000-of-00001.parquet").unlink()
+    with pytest.raises(
+        DataUnavailableError,
+        match=r"split 'validation'.*identified: train \(2 files\), test \(1 file\).*"
+        r"data/test-00000-of-00001\.parquet",
+    ):
+        factory("imagenet")(data_dir=str(tmp_path))
+
+
+def test_split_folders_at_any_depth_never_by_substring(tmp_path):
+    root = tmp_path / "pq"
+    fx.hf_parquet(root / "export" / "test" / "part-0.parquet", [0], 10)
+    fx.hf_parquet(root / "export" / "val" / "part-0.parquet", [1], 20)
+    fx.hf_parquet(root / "trainval" / "part-0.parquet", [1], 30)
+    fx.hf_parquet(root / "pretrained" / "part-0.parquet", [0], 40)
+
+    def load(split):
+        return factory("parquet")(data_dir=str(root), classnames=["x", "y"], split=split)
+
+    assert pixel_values(load("test")) == [10]
+    assert pixel_values(load("validation")) == pixel_values(load("val")) == [20]
+    # 'train' is neither 'trainval/' nor 'pretrained/': no train split here
+    with pytest.raises(
+        DataUnavailableError,
+        match=r"split 'train'.*identified: validation \(1 file\), test \(1 file\).*"
+        r"files found \(4\):.*pretrained/part-0\.parquet.*trainval/part-0\.parquet",
+    ):
+        load("train")
+
+
+def test_split_named_files_and_no_split_given(tmp_path):
+    root = tmp_path / "pq"
+    fx.hf_parquet(root / "train.parquet", [0, 1, 0], 200)
+    fx.hf_parquet(root / "test.parquet", [1], 50)
+    p = factory("parquet")(data_dir=str(root), classnames=["x", "y"], split="test")
+    assert p.labels.tolist() == [1] and pixel_values(p) == [50]
+    with pytest.raises(ValueError, match=r"several splits \(train, test\).*split="):
+        factory("parquet")(data_dir=str(root), classnames=["x", "y"])
+    # a file named explicitly is used as is, unless its name says it is another split
+    one = factory("parquet")(data_dir=str(root / "train.parquet"), classnames=["x", "y"])
+    assert len(one) == 3
+    with pytest.raises(DataUnavailableError, match=r"train\.parquet.*split 'train'.*not 'test'"):
+        factory("parquet")(
+            data_dir=str(root / "train.parquet"), classnames=["x", "y"], split="test"
+        )
+
+
+def test_unnamed_parquet_and_save_to_disk_splits(tmp_path):
+    import datasets
+
+    fx.hf_parquet(tmp_path / "a" / "cifar10" / "cifar10.parquet", [1, 2], image_column="img")
+    with pytest.raises(
+        DataUnavailableError, match=r"split 'test'.*identified: none.*cifar10\.parquet.*test/"
+    ):
+        factory("cifar10")(data_dir=str(tmp_path / "a"))
+    src = fx.hf_parquet(tmp_path / "src.parquet", [5, 6], image_column="img")
+    train = datasets.Dataset.from_parquet(str(src))
+    test = train.select([1])
+    datasets.DatasetDict({"train": train, "test": test}).save_to_disk(str(tmp_path / "b/cifar10"))
+    assert factory("cifar10")(data_dir=str(tmp_path / "b")).labels.tolist() == [6]
+    # a saved Dataset names its split: another split's name is an error; 'train' (also
+    # what Dataset.from_* records by default) a warning
+    for saved in ("validation", "train"):
+        tagged = datasets.Dataset.from_dict(train.to_dict(), features=train.features, split=saved)
+        tagged.save_to_disk(str(tmp_path / saved / "cifar10"))
+    with pytest.raises(DataUnavailableError, match=r"saved split 'validation', not 'test'"):
+        factory("cifar10")(data_dir=str(tmp_path / "validation"))
+    with pytest.warns(UserWarning, match=r"saved split 'train', not 'test'"):
+        assert len(factory("cifar10")(data_dir=str(tmp_path / "train"))) == 2
+
+
+@pytest.mark.parametrize(
+    "layout",
+    [
+        ["plain_text/train-00000-of-00001.parquet", "plain_text/test-00000-of-00001.parquet"],
+        [
+            "data/train-00000-of-00002.parquet",
+            "data/train-00001-of-00002.parquet",
+            "data/validation-00000-of-00001.parquet",
+            "data/test-00000-of-00001.parquet",
+            "data/extra-00000-of-00001.parquet",
+        ],
+        ["train/a.parquet", "val/b.parquet", "test/c.parquet", "dev_set/d.parquet"],
+        ["x/y/testing/a.parquet", "x/training/b.parquet", "x/eval/c.parquet"],
+        ["train.parquet", "test.parquet", "cifar10_valid.parquet", "evaluation-2.parquet"],
+        ["test/a.parquet", "train-00000.parquet"],  # folder names win over file names
+        ["trainval.parquet", "pretrained/a.parquet", "contest.parquet", "latest/b.parquet"],
+        [".cache/test.parquet", "__pycache__/test.parquet", "train.parquet"],
+    ],
+)
+def test_split_inference_matches_datasets(tmp_path, layout):
+    """The split of each file is the one ``datasets`` itself infers from the names."""
+    from datasets.data_files import DataFilesDict, get_data_patterns
+
+    from mura_plugin.datasets import _common as c
+
+    for rel in layout:
+        (tmp_path / rel).parent.mkdir(parents=True, exist_ok=True)
+        (tmp_path / rel).write_bytes(b"")
+    patterns = get_data_patterns(str(tmp_path))
+    theirs = {
+        str(k): sorted(v) for k, v in DataFilesDict.from_patterns(patterns, str(tmp_path)).items()
+    }
+    if patterns == {"train": ["**"]}:  # their fallback: nothing is named, all is "train"
+        theirs = {}
+    ours = c.files_by_split(tmp_path, c.parquet_files(tmp_path))
+    assert {k: sorted(str(f) for f in v) for k, v in ours.items()} == theirs
+
+
+# -- labels must name classes --------------------------------------------------------------
+def test_labels_outside_the_class_range_are_errors(tmp_path):
+    import pickle
+
+    fx.hf_parquet(tmp_path / "a" / "cifar10" / "test.parquet", [0, 10, -1, 3], image_column="img")
+    with pytest.raises(ValueError, match=r"2 of 4 label\(s\) outside 0\.\.9.*row 1: 10.*row 2: -1"):
+        factory("cifar10")(data_dir=str(tmp_path / "a"))
+    # -1 (the unlabeled hub test split) must not wrap around to ImageNet class 999
+    fx.hf_parquet(tmp_path / "b" / "imagenet-1k" / "validation.parquet", [5, -1, -1])
+    with pytest.raises(
+        ValueError, match=r"2 of 3 label\(s\) outside 0\.\.999.*row 1: -1.*unlabeled"
+    ):
+        factory("imagenet")(data_dir=str(tmp_path / "b"))
+    fx.hf_parquet(tmp_path / "c" / "sketch" / "train.parquet", [1000, 3])
+    with pytest.raises(ValueError, match=r"1 of 2 label\(s\) outside 0\.\.999.*row 0: 1000"):
+        factory("imagenet_sketch")(data_dir=str(tmp_path / "c"))
+    # the published npy layout of CIFAR-10-C
+    d = fx.cifar_c(tmp_path / "d", n=2, corruptions=["fog"])
+    labels = np.load(d / "labels.npy")
+    labels[[3, 7]] = [10, 255]
+    np.save(d / "labels.npy", labels)
+    with pytest.raises(ValueError, match=r"labels\.npy: 2 of 10 label\(s\).*row 3: 10.*row 7: 255"):
+        factory("cifar10_c")(shift="fog", severity=1, data_dir=str(tmp_path / "d"))
+    np.save(d / "labels.npy", labels.astype(np.float32))
+    with pytest.raises(ValueError, match=r"labels\.npy.*integer.*float32"):
+        factory("cifar10_c")(shift="fog", severity=1, data_dir=str(tmp_path / "d"))
+    # the python pickle batches
+    e = tmp_path / "e" / "cifar-10-batches-py"
+    e.mkdir(parents=True)
+    with open(e / "test_batch", "wb") as fh:
+        pickle.dump({b"data": np.zeros((2, 3072), np.uint8), b"labels": [3, 12]}, fh)
+    with pytest.raises(
+        ValueError, match=r"test_batch: 1 of 2 label\(s\) outside 0\.\.9.*row 1: 12"
+    ):
+        factory("cifar10")(data_dir=str(tmp_path / "e"))
+    # any local parquet set: labels index the class names given
+    fx.hf_parquet(tmp_path / "f" / "x.parquet", [0, 2, 1, 2])
+    with pytest.raises(ValueError, match=r"2 of 4 label\(s\) outside 0\.\.1 \(2 classes"):
+        factory("parquet")(data_dir=str(tmp_path / "f"), classnames=["x", "y"])
+
+
+# -- check_args: the cheap pre-setup check the CLI runs --------------------------------------
+def test_dataset_check_args_take_the_factory_arguments():
+    import inspect
+
+    reg = registry("datasets")
+    checked = [n for n in reg.names() if hasattr(reg.get(n), "check_args")]
+    assert {"cifar10_c", "cifar100_c", "imagenet_c", "imagefolder", "parquet"} <= set(checked)
+    for n in checked:
+        ours = inspect.signature(reg.get(n).check_args).parameters
+        theirs = inspect.signature(reg.get(n)).parameters
+        assert ours.keys() == theirs.keys(), n
+        assert all(p.kind == p.KEYWORD_ONLY and p.default is not p.empty for p in ours.values())
+
+
+def test_dataset_check_args_fail_before_reading(tmp_path):
+    check = factory("cifar10_c").check_args
+    with pytest.raises(DataUnavailableError, match=r"zenodo.org/records/2535967.*--data-dir"):
+        check(shift="fog", severity=5, data_dir=str(tmp_path))
+    with pytest.raises(DataUnavailableError, match="no --data-dir given"):
+        check(templates="simple")
+    d = fx.cifar_c(tmp_path, n=2, corruptions=["fog"])
+    (d / "labels.npy").write_bytes(b"not read by the check")
+    assert check(shift="fog", severity=5, data_dir=str(tmp_path), templates="simple") is None
+    assert check(data_dir=str(tmp_path)) is None  # no domain named: the folder only
+    with pytest.raises(DataUnavailableError, match="snow.npy is missing"):
+        check(shift="snow", severity=5, data_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="unknown corruption 'fgo'"):
+        check(shift="fgo", severity=5, data_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="unknown template set 'simpel'"):
+        check(shift="fog", severity=5, data_dir=str(tmp_path), templates="simpel")
+    ic = factory("imagenet_c").check_args
+    fx.tree(tmp_path / "imagenet-c" / "fog" / "5", ["n01440764"], per_folder=1, size=(224, 224))
+    assert ic(shift="fog", severity=5, data_dir=str(tmp_path), subset=5000) is None
+    with pytest.raises(DataUnavailableError, match="imagenet-c/fog/3 is missing"):
+        ic(shift="fog", severity=3, data_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="multiple of 1000"):
+        ic(shift="fog", severity=5, data_dir=str(tmp_path), subset=500)
+    with pytest.raises(DataUnavailableError, match="needs --data-dir"):
+        factory("imagefolder").check_args()
+    with pytest.raises(ValueError, match="1 class names for 2 folders"):
+        fx.tree(tmp_path / "folder", ["cat", "dog"], per_folder=1)
+        factory("imagefolder").check_args(data_dir=str(tmp_path / "folder"), classnames=["x"])
+    (tmp_path / "pq" / "test.parquet").parent.mkdir()
+    (tmp_path / "pq" / "test.parquet").write_bytes(b"not read by the check")
+    assert factory("parquet").check_args(data_dir=str(tmp_path / "pq"), split="test") is None
+    with pytest.raises(DataUnavailableError, match=r"split 'validation'.*identified: test"):
+        factory("parquet").check_args(data_dir=str(tmp_path / "pq"), split="validation")
+
+
 # -- the decoded-image cache ---------------------------------------------------------------
 def test_decode_cache_reuse_and_bad_images(tmp_path, tmp_cache):
     files = fx.tree(tmp_path / "f", ["a", "b"], per_folder=3)
@@ -286,7 +525,7 @@ def test_cli_cifar10_c_on_fixture_and_missing_data(tmp_path, tmp_cache, monkeypa
         "openclip",
         "--quiet",
     ]
-    args = ["model.arch=ViT-S-32", "model.image_size=32", "device=cpu"]
+    args = ["model.arch=ViT-S-32", "model.image_size=32", "model.allow_random=true", "device=cpu"]
     rc = main([*common, "--data-dir", str(tmp_path / "data"), "--output", str(out), *args])
     assert rc == 0
     record = json.loads(out.read_text())
@@ -297,3 +536,14 @@ def test_cli_cifar10_c_on_fixture_and_missing_data(tmp_path, tmp_cache, monkeypa
     (tmp_path / "empty").mkdir()
     rc = main([*common, "--data-dir", str(tmp_path / "empty"), "--output", str(missing), *args])
     assert rc == 2 and not missing.exists()
+
+
+def test_cli_real_suite_without_weights_or_data_fails_fast(tmp_path, capsys):
+    """``tta-bench run --suite cifar10-c``: no weights, no data: exit 2 and what to pass."""
+    from tta_bench.cli import main
+
+    out = tmp_path / "r.json"
+    assert main(["run", "--suite", "cifar10-c", "--quiet", "--output", str(out)]) == 2
+    err = capsys.readouterr().err
+    assert "model.pretrained=<tag>" in err and "model.allow_random=true" in err
+    assert not out.exists()

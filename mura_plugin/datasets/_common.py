@@ -2,7 +2,8 @@
 
 Loading order for every hub-backed set: (1) ``data_dir``: local files in the published
 layout (found under one of the catalogue's ``local_dirs`` below ``data_dir``, or ``data_dir``
-itself), or a local HF copy (``save_to_disk`` directory or parquet files); (2) the HF hub id
+itself), or a local HF copy (a ``save_to_disk`` directory, or parquet files of which only
+those the hub's naming gives the requested split are read: ``select_split``); (2) the HF hub id
 through the ``datasets`` cache, which works offline only if the set is already cached.
 With neither, ``DataUnavailableError`` says what to download and where to point
 ``--data-dir``; nothing is written anywhere.
@@ -15,7 +16,9 @@ from __future__ import annotations
 
 import hashlib
 import os
-from collections.abc import Callable, Sequence
+import re
+import warnings
+from collections.abc import Callable, Iterator, Sequence
 from functools import lru_cache
 from pathlib import Path
 from typing import Any
@@ -89,18 +92,127 @@ def find_local(
     return None
 
 
+#: The split names ``datasets`` infers from file and folder names, with their aliases
+#: (``datasets.data_files.SPLIT_KEYWORDS``); other names only from ``data/<split>-NNNNN-of-NNNNN``.
+SPLIT_KEYWORDS = {
+    "train": ("train", "training"),
+    "validation": ("validation", "valid", "dev", "val"),
+    "test": ("test", "testing", "eval", "evaluation"),
+}
+_SEP = "[-._ 0-9]"  # what may border a split keyword in a name (datasets' NON_WORDS_CHARS)
+_SHARDED = re.compile(r"data/(?P<split>[^/]+?)-[0-9]{5}-of-[0-9]{5}[^/]*\.[^/]*")
+_SPLIT_NAME = re.compile(r"\w+(\.\w+)*")
+_IN_DIR = {
+    s: re.compile(f"(.*{_SEP})?({'|'.join(k)})({_SEP}.*)?") for s, k in SPLIT_KEYWORDS.items()
+}
+_IN_FILE = {s: re.compile(f"(.*{_SEP})?({'|'.join(k)}){_SEP}.*") for s, k in SPLIT_KEYWORDS.items()}
+
+
+def _split_order(split: str) -> tuple[int, str]:
+    """train, validation, test first (as ``datasets`` orders them), then by name."""
+    return (list(SPLIT_KEYWORDS).index(split) if split in SPLIT_KEYWORDS else 3, split)
+
+
+def canonical_split(split: str) -> str:
+    """``val`` -> ``validation``, ``eval`` -> ``test``, ...; other names as they are."""
+    return next((s for s, k in SPLIT_KEYWORDS.items() if split in k), split)
+
+
+def _iter_parquet(root: Path) -> Iterator[Path]:
+    for f in root.rglob("*.parquet"):
+        if not any(part.startswith((".", "__")) for part in f.relative_to(root).parts):
+            yield f
+
+
+def parquet_files(root: Path) -> list[Path]:
+    """The ``.parquet`` files under ``root``, sorted, without hidden or ``__*`` folders (as
+    ``datasets`` globs them: ``.cache/`` of a ``huggingface-cli download`` is not data)."""
+    return sorted(_iter_parquet(root))
+
+
+def files_by_split(root: Path, files: Sequence[Path]) -> dict[str, list[Path]]:
+    """The split each of ``files`` belongs to by the hub's naming convention, the rules
+    ``datasets`` infers splits with (``datasets.data_files``), first rule that names any file
+    wins: (1) ``data/<split>-NNNNN-of-NNNNN*.*`` (any split name); (2) a folder at any depth
+    named for a split keyword, alone or bordered by ``-._ 0-9`` (``test/``, ``val_2/``);
+    (3) a file name starting with, or bordering, a keyword (``test.parquet``,
+    ``cifar10_test-00000.parquet``). Never by substring: ``trainval``, ``pretrained/`` and
+    ``latest`` name no split. Files no rule names are left out; none named: ``{}``."""
+    rel = {f: f.relative_to(root).as_posix() for f in files}
+    sharded: dict[str, list[Path]] = {}
+    for f, r in rel.items():
+        m = _SHARDED.fullmatch(r)
+        if m and _SPLIT_NAME.fullmatch(m["split"]):
+            sharded.setdefault(m["split"], []).append(f)
+    if sharded:
+        return dict(sorted(sharded.items(), key=lambda kv: _split_order(kv[0])))
+    for rule, match in (
+        (_IN_DIR, lambda f, pat: any(pat.fullmatch(d) for d in f.relative_to(root).parts[:-1])),
+        (_IN_FILE, lambda f, pat: bool(pat.fullmatch(f.name))),
+    ):
+        found = {s: [f for f in files if match(f, pat)] for s, pat in rule.items()}
+        found = {s: fs for s, fs in found.items() if fs}
+        if found:
+            return found
+    return {}
+
+
+def select_split(root: Path, files: Sequence[Path], split: str | None, what: str) -> list[Path]:
+    """The files of ``split`` among ``files`` (all under the folder ``root``), by
+    ``files_by_split``. ``split=None``: all files if they name at most one split, else an
+    error; a split no file is named for is an error listing the files and named splits."""
+    by_split = files_by_split(root, files)
+    named = sorted({f for fs in by_split.values() for f in fs})
+
+    def found() -> str:
+        shown = ", ".join(f.relative_to(root).as_posix() for f in files[:8])
+        more = f" and {len(files) - 8} more" if len(files) > 8 else ""
+        counts = ", ".join(
+            f"{s} ({len(fs)} file{'s' * (len(fs) != 1)})" for s, fs in by_split.items()
+        )
+        return f"splits identified: {counts or 'none'}; files found ({len(files)}): {shown}{more}"
+
+    if split is None:
+        if not by_split or (len(by_split) == 1 and len(named) == len(files)):
+            return list(files)
+        raise DataUnavailableError(
+            f"{what}: {root} holds files of several splits ({', '.join(by_split)}) or files "
+            f"named for no split; choose one with split=<name> ({found()})"
+        )
+    aliases = "; ".join(f"{s}: {', '.join(k)}" for s, k in SPLIT_KEYWORDS.items())
+    want = canonical_split(split)
+    chosen = [fs for s, fs in by_split.items() if canonical_split(s) == want]
+    if not chosen:
+        raise DataUnavailableError(
+            f"{what}: no parquet file under {root} is named for split {split!r} ({found()}). "
+            f"Name them by the hub convention: data/{split}-00000-of-00001.parquet, "
+            f"{split}/*.parquet or {split}.parquet (at any depth; {split}-*.parquet or "
+            f"*_{split}.parquet too); split aliases: {aliases}"
+        )
+    picked = sorted({f for fs in chosen for f in fs})
+    twice = [f for f in picked if sum(f in fs for fs in by_split.values()) > 1]
+    if twice:
+        raise DataUnavailableError(
+            f"{what}: {twice[0].relative_to(root).as_posix()} is named for several splits "
+            f"({', '.join(s for s, fs in by_split.items() if twice[0] in fs)}); rename it"
+        )
+    return picked
+
+
 def is_hf_copy(path: Path) -> bool:
     """A ``save_to_disk`` directory (of a Dataset or DatasetDict) or a tree of parquet files."""
     return (
         (path / "state.json").exists()
         or (path / "dataset_dict.json").exists()
-        or next(path.rglob("*.parquet"), None) is not None
+        or next(_iter_parquet(path), None) is not None
     )
 
 
-def load_hf_copy(path: Path, split: str | None) -> Any:
-    """Load a local HF copy: ``save_to_disk`` output or parquet files (``<split>*.parquet``
-    or ``<split>/*.parquet`` when several splits are present)."""
+def load_hf_copy(path: Path, split: str | None, what: str) -> tuple[Any, list[Path]]:
+    """``(dataset, files)`` of a local HF copy: ``save_to_disk`` output (a DatasetDict's
+    ``split``; a Dataset saved from another split is an error) or the parquet files of
+    ``split`` by the hub's naming (``select_split``); ``files``: the files read (for
+    fingerprints and provenance)."""
     import datasets
 
     if (path / "state.json").exists() or (path / "dataset_dict.json").exists():
@@ -108,15 +220,24 @@ def load_hf_copy(path: Path, split: str | None) -> Any:
         if isinstance(ds, datasets.DatasetDict):
             if split not in ds:
                 raise DataUnavailableError(
-                    f"local copy {path} has splits {list(ds)}, not {split!r}"
+                    f"{what}: local copy {path} has splits {list(ds)}, not {split!r}"
                 )
-            ds = ds[split]
-        return ds
-    files = sorted(str(p) for p in path.rglob("*.parquet"))
-    if split is not None:
-        named = [f for f in files if split in Path(f).relative_to(path).parts[0]]
-        files = named or files
-    return datasets.Dataset.from_parquet(files)
+            return ds[split], sorted(Path(f["filename"]) for f in ds[split].cache_files)
+        # A saved Dataset records its split; "train" is also what every Dataset.from_* and
+        # .select() records by default, so only another split's name is proof of a mix-up.
+        saved = str(ds.split) if ds.split is not None else None
+        if split and saved and canonical_split(saved) != canonical_split(split):
+            msg = f"{what}: local copy {path} is the saved split {saved!r}, not {split!r}"
+            if canonical_split(saved) != "train":
+                raise DataUnavailableError(msg)
+            warnings.warn(
+                f"{msg} (or a Dataset built locally, which records 'train' by default): "
+                "check that it holds the right split",
+                stacklevel=3,
+            )
+        return ds, sorted(Path(f["filename"]) for f in ds.cache_files)
+    files = select_split(path, parquet_files(path), split, what)
+    return datasets.Dataset.from_parquet([str(f) for f in files]), files
 
 
 def load_hub(hub_id: str, split: str, revision: str | None, missing: str) -> Any:
@@ -165,32 +286,69 @@ def files_fingerprint(root: Path, files: Sequence[Path]) -> str:
     return h.hexdigest()[:16]
 
 
+def check_labels(labels: Any, num_classes: int, what: str) -> np.ndarray:
+    """``labels`` as int64, each a class index ``0 <= y < num_classes``; anything else (the
+    ``-1`` of an unlabeled split, an index past the class list, non-integers) is a
+    ``ValueError`` naming how many and which rows, never a wrap-around to the last class."""
+    arr = np.asarray(labels)
+    if arr.size and not np.issubdtype(arr.dtype, np.integer):
+        raise ValueError(f"{what}: labels must be integer class indices, got dtype {arr.dtype}")
+    arr = arr.astype(np.int64, copy=False).reshape(-1)
+    bad = np.flatnonzero((arr < 0) | (arr >= num_classes))
+    if bad.size:
+        shown = ", ".join(f"row {i}: {arr[i]}" for i in bad[:5])
+        more = f" and {bad.size - 5} more" if bad.size > 5 else ""
+        unlabeled = (
+            "; -1 marks an unlabeled split (e.g. the hub's ImageNet-1k test split): "
+            "evaluate a labeled split"
+            if (arr[bad] == -1).any()
+            else ""
+        )
+        raise ValueError(
+            f"{what}: {bad.size} of {arr.size} label(s) outside 0..{num_classes - 1} "
+            f"({num_classes} classes), e.g. {shown}{more}{unlabeled}"
+        )
+    return arr
+
+
 def normalize(
     ds: Any,
     image_column: str,
     label_column: str,
     label_kind: str,
+    *,
+    num_classes: int,
+    what: str,
     wnids: Sequence[str] | None = None,
 ) -> Any:
     """Keep the image and label columns, named ``image``/``label``, labels mapped to
-    0..C-1 in the order of ``wnids`` (``label_kind``: ``index`` = already 0..C-1;
-    ``imagenet_index`` = 0..999 ImageNet indices; ``wnid`` = WordNet id strings)."""
+    0..C-1 in the order of ``wnids`` (``label_kind``: ``index`` = already 0..C-1 with
+    C = ``num_classes``; ``imagenet_index`` = 0..999 ImageNet indices; ``wnid`` = WordNet id
+    strings). Labels that name no class are a ``ValueError`` (``check_labels``); ``what``
+    names the source in messages."""
     for col in (image_column, label_column):
         if col not in ds.column_names:
-            raise ValueError(f"column {col!r} not in the dataset; it has {ds.column_names}")
+            raise ValueError(f"{what}: column {col!r} not in the dataset; it has {ds.column_names}")
     if label_kind not in LABEL_KINDS:
         raise ValueError(f"unknown label_kind {label_kind!r}; available: {LABEL_KINDS}")
     raw = ds[label_column]
+    where = f"{what} (column {label_column!r})"
     if label_kind == "index":
-        labels = np.asarray(raw, dtype=np.int64)
+        labels = check_labels(raw, num_classes, where)
     else:
         if wnids is None:
             raise ValueError(f"label_kind {label_kind!r} needs the class wnids")
         pos = {w: i for i, w in enumerate(wnids)}
-        keys = [imagenet_wnids()[int(y)] for y in raw] if label_kind == "imagenet_index" else raw
+        if label_kind == "imagenet_index":
+            all_wnids = imagenet_wnids()
+            keys = [all_wnids[y] for y in check_labels(raw, len(all_wnids), where)]
+        else:
+            keys = raw
         unknown = sorted({k for k in keys if k not in pos})
         if unknown:
-            raise ValueError(f"{len(unknown)} label(s) outside the class list, e.g. {unknown[:5]}")
+            raise ValueError(
+                f"{where}: {len(unknown)} label(s) outside the class list, e.g. {unknown[:5]}"
+            )
         labels = np.asarray([pos[k] for k in keys], dtype=np.int64)
     ds = ds.select_columns([image_column])
     if image_column != "image":

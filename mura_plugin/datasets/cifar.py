@@ -79,30 +79,43 @@ def _clean(name: str, split: str, data_dir: Any, revision: str | None, tmpl: Any
     local = c.find_local(
         data_dir, meta["local_dirs"], lambda p: (p / pickle_name).exists() or c.is_hf_copy(p)
     )
+    num_classes = len(meta["classnames"])
+    metadata: dict[str, Any] = {"split": split}
     if local is not None and (local / pickle_name).exists():
         images, labels = _read_pickle(local / pickle_name, label_key)
+        labels = c.check_labels(labels, num_classes, str(local / pickle_name))
         ds = _array_dataset(images, labels)
         fingerprint = f"{name}/pickle/{c.files_fingerprint(local, [local / pickle_name])}"
         source = str(local / pickle_name)
     else:
         if local is not None:
-            raw = c.load_hf_copy(local, split)
+            raw, files = c.load_hf_copy(local, split, name)
             source = str(local)
+            fingerprint = f"{name}/local/{split}/{c.files_fingerprint(local, files)}"
+            metadata["files"] = [f.relative_to(local).as_posix() for f in files]
         else:
             missing = c.unavailable_message(
                 name, meta, data_dir, f"{meta['local_dirs'][0]}/{pickle_name} (python pickle)"
             )
             raw = c.load_hub(meta["hub_id"], split, revision, missing)
             source = f"hf:{meta['hub_id']}@{revision or 'cached'}"
-        ds = c.normalize(raw, meta["image_column"], meta["label_column"], "index")
-        fingerprint = f"{name}/{source}/{split}/{len(ds)}"
+            fingerprint = f"{name}/{source}/{split}"
+        ds = c.normalize(
+            raw,
+            meta["image_column"],
+            meta["label_column"],
+            "index",
+            num_classes=num_classes,
+            what=f"{name} {source}",
+        )
+        fingerprint += f"/{len(ds)}"
     return DomainStream(
         name=f"{name}-{split}",
         classnames=list(meta["classnames"]),
         templates=c.templates(tmpl or meta["templates"]),
         dataset=ds,
         fingerprint=fingerprint,
-        metadata={"source": source, "split": split},
+        metadata={"source": source, **metadata},
     )
 
 
@@ -128,22 +141,33 @@ def cifar100(
     return _clean("cifar100", split, data_dir, revision, templates)
 
 
-def _corrupted(
-    name: str, shift: str | None, severity: int | None, data_dir: Any, tmpl: Any
-) -> DomainStream:
+def _corrupted_files(
+    name: str, shift: str | None, severity: int | None, data_dir: Any
+) -> tuple[dict[str, Any], Path]:
+    """``(catalogue entry, local folder)`` of one -C domain, from names and file existence
+    only; ``shift`` / ``severity`` ``None``: not checked (``check_args`` before a run)."""
     meta = c.dataset_meta(name)
     known = CORRUPTIONS + EXTRA_CORRUPTIONS
-    if shift not in known:
+    if shift is not None and shift not in known:
         raise ValueError(f"{name}: unknown corruption {shift!r}; available: {', '.join(known)}")
-    if severity not in SEVERITIES:
+    if severity is not None and severity not in SEVERITIES:
         raise ValueError(f"{name}: severity must be one of {SEVERITIES}, got {severity!r}")
     local = c.find_local(data_dir, meta["local_dirs"], lambda p: (p / "labels.npy").exists())
-    if local is None or not (local / f"{shift}.npy").exists():
+    if local is None or (shift is not None and not (local / f"{shift}.npy").exists()):
         layout = f"{meta['local_dirs'][0]}/<corruption>.npy + labels.npy"
         msg = c.unavailable_message(name, meta, data_dir, layout)
         if local is not None:
             msg = f"{name}: {local / (shift + '.npy')} is missing. " + msg
         raise DataUnavailableError(msg)
+    return meta, local
+
+
+def _corrupted(
+    name: str, shift: str | None, severity: int | None, data_dir: Any, tmpl: Any
+) -> DomainStream:
+    if shift is None or severity is None:
+        raise ValueError(f"{name}: a domain needs shift=<corruption> and severity=<1..5>")
+    meta, local = _corrupted_files(name, shift, severity, data_dir)
     images = np.load(local / f"{shift}.npy", mmap_mode="r")
     labels = np.load(local / "labels.npy", mmap_mode="r")
     if images.ndim != 4 or images.shape[3] != 3 or images.dtype != np.uint8:
@@ -156,6 +180,8 @@ def _corrupted(
             f"{local}: {shift}.npy has {len(images)} rows and labels.npy {len(labels)}; both must "
             f"be equal and hold {len(SEVERITIES)} severities (published: 50000 = 5 x 10000)"
         )
+    # every row, not only this severity's: a labels file with a bad row is bad for all
+    labels = c.check_labels(labels, len(meta["classnames"]), str(local / "labels.npy"))
     per = len(images) // len(SEVERITIES)
     if per != meta["rows_per_severity"]:
         import warnings
@@ -166,7 +192,7 @@ def _corrupted(
             stacklevel=3,
         )
     rows = slice((severity - 1) * per, severity * per)
-    ds = _array_dataset(np.asarray(images[rows]), np.asarray(labels[rows]))
+    ds = _array_dataset(np.asarray(images[rows]), labels[rows])
     files = [local / f"{shift}.npy", local / "labels.npy"]
     return DomainStream(
         name=f"{name}/{shift}/{severity}",
@@ -176,6 +202,23 @@ def _corrupted(
         fingerprint=f"{name}/{shift}/{severity}/{c.files_fingerprint(local, files)}",
         metadata={"source": str(local), "rows": [rows.start, rows.stop]},
     )
+
+
+def _corrupted_check(name: str) -> Any:
+    def check_args(
+        *,
+        shift: str | None = None,
+        severity: int | None = None,
+        data_dir: str | None = None,
+        templates: str | Sequence[str] | None = None,
+    ) -> None:
+        """Before any setup: the corruption, severity and templates are known and the local
+        ``<corruption>.npy`` + ``labels.npy`` exist (nothing is read). Raises what the factory
+        would: ``ValueError`` / ``DataUnavailableError``."""
+        meta, _ = _corrupted_files(name, shift, severity, data_dir)
+        c.templates(templates or meta["templates"])
+
+    return check_args
 
 
 def cifar10_c(
@@ -198,3 +241,7 @@ def cifar100_c(
 ) -> DomainStream:
     """One (corruption, severity) domain of the pre-generated CIFAR-100-C."""
     return _corrupted("cifar100_c", shift, severity, data_dir, templates)
+
+
+cifar10_c.check_args = _corrupted_check("cifar10_c")  # type: ignore[attr-defined]
+cifar100_c.check_args = _corrupted_check("cifar100_c")  # type: ignore[attr-defined]

@@ -62,6 +62,24 @@ def imagefolder(
     )
 
 
+def _parquet_files(root: Path, split: str | None) -> tuple[Path, list[Path]]:
+    """``(folder the files are relative to, files of split)``: a file named explicitly is
+    used as is unless its name says it is another split; a folder's files are chosen by
+    the hub's naming (``select_split``)."""
+    if root.is_file():
+        named = c.files_by_split(root.parent, [root])
+        want = c.canonical_split(split) if split is not None else None
+        if want and named and all(c.canonical_split(s) != want for s in named):
+            raise DataUnavailableError(
+                f"parquet: {root} is named for split {', '.join(map(repr, named))}, not {split!r}"
+            )
+        return root.parent, [root]
+    files = c.parquet_files(root)
+    if not files:
+        raise DataUnavailableError(f"parquet: no .parquet files under {root}")
+    return root, c.select_split(root, files, split, "parquet")
+
+
 def parquet(
     *,
     data_dir: str | None = None,
@@ -72,30 +90,74 @@ def parquet(
     templates: str | Sequence[str] | None = None,
     name: str = "parquet",
 ) -> DomainStream:
-    """Local parquet file(s) (``data_dir`` = a file or a folder of them) as a stream."""
+    """Local parquet file(s) (``data_dir`` = a file or a folder of them) as a stream;
+    ``split`` picks the files named for it by the hub's convention (``train-00000-of-00001``,
+    ``test/``, ``validation.parquet``, ...); ``None``: all files, if they are of one split."""
     import datasets
 
-    root = _root(data_dir, "parquet")
-    files = [root] if root.is_file() else sorted(root.rglob("*.parquet"))
-    if split is not None and root.is_dir():
-        files = [f for f in files if split in f.relative_to(root).parts[0]] or files
-    if not files:
-        raise DataUnavailableError(f"parquet: no .parquet files under {root}")
+    base, files = _parquet_files(_root(data_dir, "parquet"), split)
     raw = datasets.Dataset.from_parquet([str(f) for f in files])
-    if not isinstance(raw.features.get(image_column), datasets.Image):
+    if image_column in raw.column_names and not isinstance(
+        raw.features[image_column], datasets.Image
+    ):
         raw = raw.cast_column(image_column, datasets.Image())
-    ds = c.normalize(raw, image_column, label_column, "index")
-    labels = ds["label"]
-    if labels and (min(labels) < 0 or max(labels) >= len(classnames)):
-        raise ValueError(
-            f"parquet: labels span {min(labels)}..{max(labels)} but {len(classnames)} class names"
-        )
-    fp_root = root.parent if root.is_file() else root
+    ds = c.normalize(
+        raw,
+        image_column,
+        label_column,
+        "index",
+        num_classes=len(classnames),
+        what=f"parquet {base} ({len(classnames)} class names)",
+    )
     return DomainStream(
         name=name,
         classnames=list(classnames),
         templates=c.templates(templates or c.dataset_meta("parquet")["templates"]),
         dataset=ds,
-        fingerprint=f"parquet/{c.files_fingerprint(fp_root, files)}/{image_column}/{label_column}",
-        metadata={"source": str(root)},
+        fingerprint=f"parquet/{c.files_fingerprint(base, files)}/{image_column}/{label_column}",
+        metadata={
+            "source": str(base),
+            "split": split,
+            "files": [f.relative_to(base).as_posix() for f in files],
+        },
     )
+
+
+def _imagefolder_check_args(
+    *,
+    data_dir: str | None = None,
+    classnames: Sequence[str] | None = None,
+    templates: str | Sequence[str] | None = None,
+    name: str = "imagefolder",
+) -> None:
+    """Before any setup: ``data_dir`` has class sub-folders, as many as ``classnames``, and
+    the templates are valid (no image is listed or read)."""
+    root = _root(data_dir, "imagefolder")
+    folders = c.class_folders(root) if root.is_dir() else []
+    if not folders:
+        raise DataUnavailableError(f"imagefolder: {root} has no class sub-folders")
+    if classnames is not None and len(classnames) != len(folders):
+        raise ValueError(
+            f"imagefolder: {len(classnames)} class names for {len(folders)} folders {folders[:10]}"
+        )
+    c.templates(templates or c.dataset_meta("imagefolder")["templates"])
+
+
+def _parquet_check_args(
+    *,
+    data_dir: str | None = None,
+    classnames: Sequence[str] | None = None,
+    image_column: str = "image",
+    label_column: str = "label",
+    split: str | None = None,
+    templates: str | Sequence[str] | None = None,
+    name: str = "parquet",
+) -> None:
+    """Before any setup: ``data_dir`` holds parquet files of ``split`` and the templates are
+    valid (no file is read)."""
+    _parquet_files(_root(data_dir, "parquet"), split)
+    c.templates(templates or c.dataset_meta("parquet")["templates"])
+
+
+imagefolder.check_args = _imagefolder_check_args  # type: ignore[attr-defined]
+parquet.check_args = _parquet_check_args  # type: ignore[attr-defined]

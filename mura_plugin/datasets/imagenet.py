@@ -122,8 +122,8 @@ def _hub_or_tree(
     revision: str | None,
     layout: str,
     per_class: int | None = None,
-) -> tuple[Any, str, str]:
-    """(dataset, fingerprint, source) of a wnid-folder / HF-copy / hub-backed set."""
+) -> tuple[Any, str, dict[str, Any]]:
+    """(dataset, fingerprint, metadata) of a wnid-folder / HF-copy / hub-backed set."""
     meta = c.dataset_meta(name)
     wnids = meta["wnids"]
     local = c.find_local(
@@ -132,15 +132,20 @@ def _hub_or_tree(
     if local is not None and not c.is_hf_copy(local):
         files, labels = _wnid_tree(local, wnids, per_class)
         fp = f"{name}/tree/{c.files_fingerprint(local, files)}"
-        return c.folder_dataset(files, labels), fp, str(local)
+        return c.folder_dataset(files, labels), fp, {"source": str(local)}
     if per_class is not None:
         raise ValueError(f"{name}: a per-class subset needs the local folder tree ({layout})")
+    split = meta.get("split")
     if local is not None:
-        raw, source = c.load_hf_copy(local, meta.get("split")), str(local)
+        raw, read = c.load_hf_copy(local, split, name)
+        source = str(local)
+        fp = f"{name}/local/{split}/{c.files_fingerprint(local, read)}"
+        metadata = {"source": source, "files": [f.relative_to(local).as_posix() for f in read]}
     elif meta.get("hub_id"):
         missing = c.unavailable_message(name, meta, data_dir, layout)
-        raw = c.load_hub(meta["hub_id"], meta["split"], revision, missing)
+        raw = c.load_hub(meta["hub_id"], split, revision, missing)
         source = f"hf:{meta['hub_id']}@{revision or 'cached'}"
+        fp, metadata = f"{name}/{source}/{split}", {"source": source}
     else:
         raise DataUnavailableError(c.unavailable_message(name, meta, data_dir, layout))
     ds = c.normalize(
@@ -148,9 +153,11 @@ def _hub_or_tree(
         meta.get("image_column", "image"),
         meta.get("label_column", "label"),
         meta.get("label_kind", "imagenet_index"),
-        wnids,
+        num_classes=len(wnids),
+        what=f"{name} {source}",
+        wnids=wnids,
     )
-    return ds, f"{name}/{source}/{meta.get('split')}/{len(ds)}", source
+    return ds, f"{fp}/{len(ds)}", metadata
 
 
 def imagenet(
@@ -166,10 +173,39 @@ def imagenet(
     if split != "validation":
         raise ValueError(f"imagenet: only the 'validation' split is a test domain; got {split!r}")
     meta = c.dataset_meta("imagenet")
-    ds, fp, source = _hub_or_tree(
+    ds, fp, metadata = _hub_or_tree(
         "imagenet", data_dir, revision, "val/<wnid>/*.JPEG", _per_class(subset)
     )
-    return _stream(f"imagenet-{split}", meta, ds, f"{fp}/subset={subset}", templates, source=source)
+    return _stream(f"imagenet-{split}", meta, ds, f"{fp}/subset={subset}", templates, **metadata)
+
+
+def _imagenet_c_domain(
+    shift: str | None, severity: int | None, data_dir: Any, subset: int | None
+) -> tuple[dict[str, Any], Path, Path | None]:
+    """``(catalogue entry, local root, domain folder)`` of one ImageNet-C domain from names
+    and folder existence only; ``shift`` / ``severity`` ``None``: not checked (domain None)."""
+    meta = c.dataset_meta("imagenet_c")
+    known = CORRUPTIONS + EXTRA_CORRUPTIONS
+    if shift is not None and shift not in known:
+        raise ValueError(f"imagenet_c: unknown corruption {shift!r}; available: {', '.join(known)}")
+    if severity is not None and severity not in SEVERITIES:
+        raise ValueError(f"imagenet_c: severity must be one of {SEVERITIES}, got {severity!r}")
+    _per_class(subset)
+    layout = "<corruption>/<severity>/<wnid>/*.JPEG"
+
+    def looks_like_c(p: Path) -> bool:
+        return any((p / k / "1").is_dir() or (p / k / "5").is_dir() for k in known)
+
+    local = c.find_local(data_dir, meta["local_dirs"], looks_like_c)
+    domain = None
+    if local is not None and shift is not None and severity is not None:
+        domain = local / shift / str(severity)
+    if local is None or (domain is not None and not domain.is_dir()):
+        msg = c.unavailable_message("imagenet_c", meta, data_dir, layout)
+        if local is not None:
+            msg = f"imagenet_c: {domain} is missing. " + msg
+        raise DataUnavailableError(msg)
+    return meta, local, domain
 
 
 def imagenet_c(
@@ -183,24 +219,10 @@ def imagenet_c(
     """One (corruption, severity) domain of the pre-generated ImageNet-C (224 px).
     ``subset``: a fixed stratified subset (5000 = 5 images per class, the same images in
     every domain); ``None`` = all 50,000."""
-    meta = c.dataset_meta("imagenet_c")
-    known = CORRUPTIONS + EXTRA_CORRUPTIONS
-    if shift not in known:
-        raise ValueError(f"imagenet_c: unknown corruption {shift!r}; available: {', '.join(known)}")
-    if severity not in SEVERITIES:
-        raise ValueError(f"imagenet_c: severity must be one of {SEVERITIES}, got {severity!r}")
-    layout = "<corruption>/<severity>/<wnid>/*.JPEG"
-
-    def looks_like_c(p: Path) -> bool:
-        return any((p / k / "1").is_dir() or (p / k / "5").is_dir() for k in known)
-
-    local = c.find_local(data_dir, meta["local_dirs"], looks_like_c)
-    domain = local / shift / str(severity) if local is not None else None
-    if domain is None or not domain.is_dir():
-        msg = c.unavailable_message("imagenet_c", meta, data_dir, layout)
-        if local is not None:
-            msg = f"imagenet_c: {domain} is missing. " + msg
-        raise DataUnavailableError(msg)
+    if shift is None or severity is None:
+        raise ValueError("imagenet_c: a domain needs shift=<corruption> and severity=<1..5>")
+    meta, local, domain = _imagenet_c_domain(shift, severity, data_dir, subset)
+    assert domain is not None
     files, labels = _wnid_tree(domain, meta["wnids"], _per_class(subset))
     fp = f"imagenet_c/{shift}/{severity}/subset={subset}/{c.files_fingerprint(local, files)}"
     return _stream(
@@ -214,10 +236,28 @@ def imagenet_c(
     )
 
 
+def _imagenet_c_check_args(
+    *,
+    shift: str | None = None,
+    severity: int | None = None,
+    data_dir: str | None = None,
+    subset: int | None = None,
+    templates: str | Sequence[str] | None = None,
+) -> None:
+    """Before any setup: names, subset and templates are valid and the domain folder
+    ``<corruption>/<severity>/`` exists (no image is listed or read)."""
+    meta, _, _ = _imagenet_c_domain(shift, severity, data_dir, subset)
+    c.templates(templates or meta["templates"])
+
+
+imagenet_c.check_args = _imagenet_c_check_args  # type: ignore[attr-defined]
+
+
 def _subset_set(name: str, data_dir: Any, revision: str | None, tmpl: Any) -> DomainStream:
     meta = c.dataset_meta(name)
-    ds, fp, source = _hub_or_tree(name, data_dir, revision, "<wnid>/*.jpg (200 class folders)")
-    return _stream(name, meta, ds, fp, tmpl, source=source, imagenet_indices=imagenet_indices(name))
+    ds, fp, metadata = _hub_or_tree(name, data_dir, revision, "<wnid>/*.jpg (200 class folders)")
+    indices = imagenet_indices(name)
+    return _stream(name, meta, ds, fp, tmpl, **metadata, imagenet_indices=indices)
 
 
 def imagenet_a(
@@ -283,8 +323,8 @@ def imagenet_sketch(
 ) -> DomainStream:
     """ImageNet-Sketch (50,889 sketches, 1000 classes)."""
     meta = c.dataset_meta("imagenet_sketch")
-    ds, fp, source = _hub_or_tree("imagenet_sketch", data_dir, revision, "<wnid>/*.JPEG")
-    return _stream("imagenet_sketch", meta, ds, fp, templates, source=source)
+    ds, fp, metadata = _hub_or_tree("imagenet_sketch", data_dir, revision, "<wnid>/*.JPEG")
+    return _stream("imagenet_sketch", meta, ds, fp, templates, **metadata)
 
 
 _OOD = {
