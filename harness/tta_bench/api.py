@@ -1,0 +1,108 @@
+"""The Python API of a benchmark run: ``tta_bench.evaluate(...)`` is ``tta-bench run``.
+
+    record = tta_bench.evaluate(method="mura", suite="digits-c",
+                                overrides=["method.lr=1e-3", "protocol.max_images=64"],
+                                seeds=[0, 1])
+
+The config is composed exactly as the CLI composes it (``tta_bench.config.compose``:
+Hydra overrides, unknown keys are errors), turned into a ``RunSpec``
+(``tta_bench.runner.spec_from_config``) and run (``tta_bench.runner.run``), so the record is
+the one ``tta-bench run`` writes for the same arguments. Bad input raises ``ValueError``
+(or ``tta_bench.registry.RegistryError`` for unknown names), naming the value and the options.
+
+For adapting your own model outside a suite, see ``tta_bench.adapter.Adapter``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import tempfile
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+__all__ = ["evaluate"]
+
+
+def evaluate(
+    method: str = "zeroshot",
+    suite: str = "digits-c",
+    model: str | None = None,
+    overrides: Sequence[str] = (),
+    seeds: Sequence[int] | None = None,
+    output: str | Path | None = None,
+    *,
+    device: str | None = None,
+    data_dir: str | Path | None = None,
+    progress: bool = False,
+) -> dict[str, Any]:
+    """Run ``method`` on ``suite`` and return the results record.
+
+    ``model``: a registered model (default: the suite's). ``overrides``: Hydra overrides as
+    on the command line (``method.lr=1e-3``, ``protocol.max_images=32``, ``model.arch=...``).
+    ``seeds``: default the config's (``[0]``). ``output``: the results JSON to write (and
+    resume from, as the CLI does); None runs into a temporary file that is removed after."""
+    from tta_bench import catalog
+    from tta_bench.config import compose
+    from tta_bench.registry import UnknownNameError, registry
+
+    overrides = [str(o) for o in overrides]
+    for key in ("method", "model", "suite"):
+        clash = [o for o in overrides if o.startswith(f"{key}=")]
+        if clash:
+            raise ValueError(f"pass {key} as the {key}= argument, not as the override {clash[0]!r}")
+    suites = catalog.catalog()["suites"]
+    if suite not in suites:
+        raise UnknownNameError("suites", suite, list(suites))
+    model = model or suites[suite].get("default_model") or "tiny-clip-digits"
+    registry("methods").origin(method)  # unknown names: "did you mean"
+    registry("models").origin(model)
+    extra = [f"suite={suite}"]
+    if seeds is not None:
+        seeds = [int(s) for s in seeds]
+        if not seeds:
+            raise ValueError("seeds must name at least one seed, got []")
+        extra.append(f"seeds=[{','.join(map(str, seeds))}]")
+    if device is not None:
+        extra.append(f"device={device}")
+    if data_dir is not None:
+        extra.append(f"data_dir={data_dir}")
+    if output is not None:
+        extra.append(f"output={output}")
+    try:
+        cfg = compose([*overrides, *extra], method=method, model=model)
+    except Exception as exc:  # Hydra's composition errors: unknown keys, bad types
+        if type(exc).__module__.startswith(("hydra", "omegaconf")):
+            raise ValueError(f"bad configuration override: {exc}") from exc
+        raise
+    from omegaconf import OmegaConf
+
+    from tta_bench import runner
+
+    OmegaConf.set_struct(cfg, True)
+    try:
+        spec = runner.spec_from_config(cfg, method, model)
+    except Exception as exc:  # the method config failed OmegaConf's validation
+        if type(exc).__module__.startswith("omegaconf"):
+            raise ValueError(f"bad method configuration: {exc}") from exc
+        raise
+    _check_components(spec)
+    spec = dataclasses.replace(spec, progress=bool(progress))
+    if output is not None:
+        return runner.run(spec, Path(output))
+    with tempfile.TemporaryDirectory(prefix="tta-bench-evaluate-") as tmp:
+        return runner.run(spec, Path(tmp) / "results.json")
+
+
+def _check_components(spec: Any) -> None:
+    """Fail before any work when the suite or config names unknown components."""
+    from tta_bench.registry import registry
+
+    protocol = spec.protocol
+    registry("datasets").origin(protocol.dataset)
+    if protocol.shift_source == "synthetic":
+        for s in protocol.shifts:
+            registry("shifts").origin(s)
+    loss = getattr(spec.method_config, "loss", None)
+    if isinstance(loss, str):
+        registry("losses").origin(loss)
