@@ -65,6 +65,8 @@ def test_same_results_with_0_and_2_workers(tmp_path, default_bundle, reset):
 
 
 def test_loader_yields_the_stream_in_order_and_memmaps_travel_as_paths(tmp_path, digits_stream):
+    from tta_bench.data import ArraySource
+
     images = np.lib.format.open_memmap(
         tmp_path / "x.npy", mode="w+", dtype=np.uint8, shape=(len(digits_stream), 4, 4, 3)
     )
@@ -74,9 +76,9 @@ def test_loader_yields_the_stream_in_order_and_memmaps_travel_as_paths(tmp_path,
     p = load_protocol("digits-c", reset="mixed_domains", shifts=["contrast"], max_images=40)
     labels = {d: digits_stream.labels for d in [("contrast", 5)]}
     stream = build_stream(p, 0, labels)
-    ds = StreamBatches(stream.batches, [mm], [0], [digits_stream.labels])
+    ds = StreamBatches(stream.batches, [ArraySource("x", mm)], [0], [digits_stream.labels])
     clone = pickle.loads(pickle.dumps(ds))
-    assert isinstance(clone.arrays[0], np.memmap)  # re-mapped, not copied
+    assert isinstance(clone.sources[0].images, np.memmap)  # re-mapped, not copied
     assert len(pickle.dumps(ds)) < mm.nbytes
     loader = make_loader(ds, resolve_settings({"num_workers": 2}, torch.device("cpu")))
     got = list(loader)
@@ -84,6 +86,56 @@ def test_loader_yields_the_stream_in_order_and_memmaps_travel_as_paths(tmp_path,
     for g, b in zip(got, stream.batches):
         assert g["images"][:, 0, 0, 0].tolist() == (b.indices % 256).tolist()
         assert g["labels"].tolist() == digits_stream.labels[b.indices].tolist()
+
+
+def protocol_classnames() -> list[str]:
+    from tta_bench.catalog import entry
+
+    return list(entry("datasets", "digits")["classnames"])
+
+
+@pytest.mark.parametrize("reset", ["reset_each_shift", "mixed_domains"])
+def test_results_are_identical_whichever_cache_policy(tmp_path, tmp_cache, reset):
+    """cache=always (decode the split into the cache first), never (decode on demand in
+    the loader) and auto give the same cells, bad images skipped alike."""
+    from PIL import Image
+
+    from mura_plugin.datasets.digits import digits_arrays
+
+    x, y = digits_arrays("test")
+    root = tmp_path / "digits"
+    for i in range(48):  # a real image folder at another size: decoding resizes it
+        folder = root / str(int(y[i]))
+        folder.mkdir(parents=True, exist_ok=True)
+        Image.fromarray(x[i]).resize((40, 40)).save(folder / f"{i:03d}.png")
+    bad = root / str(int(y[7])) / "007.png"
+    bad.write_bytes(bad.read_bytes()[:60])
+    protocol = load_protocol(
+        "digits-c",
+        reset=reset,
+        shifts=["gaussian_noise", "contrast"],
+        batch_size=16,
+    )
+    protocol = dataclasses.replace(
+        protocol,
+        dataset="imagefolder",
+        dataset_args={"data_dir": str(root), "classnames": list(protocol_classnames())},
+    )
+    out = {}
+    for policy in ("always", "never", "auto"):
+        spec = dataclasses.replace(
+            _spec(method="tent", reset=reset),
+            protocol=protocol,
+            seeds=[0],
+            cache=policy,
+            on_bad_image="skip",
+        )
+        record = runner.run(spec, tmp_path / f"{policy}.json")
+        assert record["skipped_images"], policy
+        out[policy] = [(c["shift"], c["n"], c["accuracy"], c["nll"]) for c in record["cells"]]
+        assert record["loop"]["sources"] == ["streamed" if policy == "never" else "decoded"]
+    assert out["always"] == out["never"] == out["auto"]
+    assert all(n == 47 for _, n, _, _ in out["always"])  # one unreadable image left out
 
 
 def test_profile_reports_the_split_and_a_recommendation(default_bundle):
@@ -124,80 +176,3 @@ def test_peak_memory_sees_a_transient_allocation(monkeypatch, high_water_mark):
         del buf
     assert mem.kind == "cpu_rss_growth"
     assert 150e6 < mem.peak_bytes < 400e6, mem.peak_bytes
-
-
-def test_peak_memory_is_right_when_the_heap_keeps_freed_blocks():
-    """Under ``tta_bench.malloc``'s keep policy (glibc keeps freed big blocks resident for
-    reuse; ``TTA_BENCH_MALLOC=keep``) a second context still sees its own transient buffer:
-    the retained pages are handed back before its baseline is read. Run in a fresh
-    process, so the policy does not leak into the other tests."""
-    code = """
-import torch
-from tta_bench import cost, malloc
-if not malloc.keep_freed_memory():
-    print("skip")
-    raise SystemExit
-peaks = []
-for n in (20_000_000, 20_000_000, 5_000_000):
-    with cost.PeakMemory(torch.device("cpu")) as mem:
-        buf = torch.ones(n)  # 80, 80, 20 MB, touched, freed inside the context
-        del buf
-    peaks.append(mem.peak_bytes)
-print(" ".join(str(p) for p in peaks), malloc.policy())
-"""
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr[-2000:]
-    if done.stdout.strip() == "skip":
-        pytest.skip("not glibc: the allocator policy does not apply")
-    *peaks, policy = done.stdout.split()
-    assert policy == "keep"
-    for peak, size in zip(map(int, peaks), (80e6, 80e6, 20e6)):
-        assert 0.9 * size < peak < 1.5 * size, peaks
-
-
-def test_malloc_policy_from_env(monkeypatch):
-    from tta_bench import malloc
-
-    monkeypatch.setitem(malloc._state, "tuned", False)
-    monkeypatch.setenv(malloc.ENV, "bogus")
-    with pytest.raises(ValueError, match="TTA_BENCH_MALLOC='bogus'.*'system'.*'keep'"):
-        malloc.from_env()
-    monkeypatch.setenv(malloc.ENV, "system")
-    assert malloc.from_env() is False and malloc.policy() == "system"
-
-
-@pytest.mark.parametrize("reset", ["reset_each_shift", "continual", "mixed_domains"])
-def test_chunked_corruption_feeds_the_same_batches(tmp_path, monkeypatch, default_bundle, reset):
-    """Consecutive batches of one cell are corrupted in one kernel call (``_chunk``); the
-    method still gets, batch by batch, exactly the tensors of one call per batch, and the
-    cells come out the same (jpeg through its uint8 entry, glass blur and noise drawing
-    per-sample randomness)."""
-
-    def run(chunk_pixels: int) -> tuple[list, list]:
-        monkeypatch.setattr(runner, "CHUNK_PIXELS", chunk_pixels)
-        seen: list = []
-        spec = dataclasses.replace(
-            _spec(method="zeroshot", reset=reset),
-            protocol=load_protocol(
-                "digits-c",
-                reset=reset,
-                shifts=["gaussian_noise", "jpeg_compression", "glass_blur"],
-                max_images=80,
-                batch_size=16,
-            ),
-        )
-        ev = runner.Evaluation(
-            spec,
-            tmp_path / f"{chunk_pixels}.json",
-            bundle=default_bundle,
-            observer=lambda s, b, x: seen.append((s, b.number, x.clone())),
-        )
-        return seen, ev.run()["cells"]
-
-    one_by_one, cells_a = run(0)
-    chunked, cells_b = run(1 << 20)
-    assert [(s, n) for s, n, _ in one_by_one] == [(s, n) for s, n, _ in chunked]
-    for (_, n, a), (_, _, b) in zip(one_by_one, chunked):
-        assert torch.equal(a, b), n
-    keep = ("shift", "severity", "seed", "n", "accuracy", "ece", "nll")
-    assert [{k: c[k] for k in keep} for c in cells_a] == [{k: c[k] for k in keep} for c in cells_b]

@@ -131,31 +131,3 @@ def test_resume_refuses_a_different_run(tmp_path, default_bundle):
     Path(out).write_text("{truncated")
     with pytest.raises(ValueError):
         runner.run(_spec("zeroshot", "reset_each_shift", [0]), out)
-
-
-def test_snapshot_writer_keeps_the_newest_complete_snapshot(tmp_path):
-    """The background writer: each snapshot is serialised when submitted (later edits do
-    not leak in), the file ends as the last snapshot, and a failed write is raised."""
-    from tta_bench.results import SnapshotWriter
-
-    out = tmp_path / "r.json"
-    writer = SnapshotWriter(out)
-    record = {"cells": []}
-    for i in range(50):
-        record["cells"].append({"i": i})
-        writer.submit(record)
-        if out.exists():  # whatever the reader sees is a whole earlier snapshot
-            seen = json.loads(out.read_text())["cells"]
-            assert seen == [{"i": j} for j in range(len(seen))]
-    record["cells"].append({"i": "not submitted"})
-    writer.close()
-    assert json.loads(out.read_text())["cells"] == [{"i": j} for j in range(50)]
-    assert not [p for p in tmp_path.iterdir() if p.name.endswith(".tmp")]
-    with pytest.raises(RuntimeError, match="closed"):
-        writer.submit(record)
-
-    (tmp_path / "a_file").write_text("x")
-    bad = SnapshotWriter(tmp_path / "a_file" / "r.json")  # its parent is a file
-    bad.submit({"cells": []})
-    with pytest.raises(OSError, match="could not write results file .*a_file"):
-        bad.close()

@@ -8,5 +8,20 @@ The public API lives in the submodules: ``tta_bench.method`` (Method, GradientMe
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
-SCHEMA_VERSION = 1
+__version__ = "0.2.0"
+SCHEMA_VERSION = 2
+
+__all__ = ["evaluate", "Adapter"]
+
+
+def __getattr__(name: str):
+    # Lazy: ``evaluate`` and ``Adapter`` import torch, and importing tta_bench must not.
+    if name == "evaluate":
+        from tta_bench.api import evaluate
+
+        return evaluate
+    if name == "Adapter":
+        from tta_bench.adapter import Adapter
+
+        return Adapter
+    raise AttributeError(f"module 'tta_bench' has no attribute {name!r}")

@@ -18,7 +18,7 @@ import yaml
 from tta_bench.registry import DISABLE_ENV, KINDS, RegistryError
 
 CATALOG_GROUP = "tta_bench.catalogs"
-SECTIONS = (*KINDS, "suites", "templates")
+SECTIONS = (*KINDS, "suites", "templates", "defaults")
 
 _CATALOG: dict[str, dict[str, Any]] | None = None
 _EXTRA: list[dict[str, Any]] = []

@@ -34,24 +34,46 @@ def _split_choice(overrides: list[str], key: str) -> tuple[str | None, list[str]
     return value, rest
 
 
+NO_PLUGINS = (
+    "no {kind} are installed: tta-bench is the harness only, and its methods, shifts, "
+    "datasets and models come from plugin distributions registered through the "
+    "'tta_bench.*' entry points. Install one, e.g. the MuRA plugin from a clone of the "
+    "tta-bench repository: pip install -e . (its root), then `tta-bench ls`"
+)
+
+
+def _require_plugins(kind: str) -> None:
+    if not registry(kind).names():
+        raise UsageError(NO_PLUGINS.format(kind=kind))
+
+
+def _default(name: str, fallback: str) -> str:
+    """A default choice (``suite``, ``method``) from the catalogues' ``defaults:`` section."""
+    return str((catalog.catalog().get("defaults") or {}).get(name) or fallback)
+
+
 def _resolve_run(args: argparse.Namespace) -> tuple[Any, Any]:
-    """``(composed config, RunSpec)`` of ``run``/``profile``; bad input raises UsageError."""
+    """``(composed config, RunSpec)`` of ``run``/``profile``; bad input raises UsageError,
+    before anything is built."""
     from omegaconf import OmegaConf
 
     from tta_bench.config import compose
 
+    _require_plugins("methods")
     overrides = list(args.overrides)
     method, overrides = _split_choice(overrides, "method")
     model, overrides = _split_choice(overrides, "model")
     suite, overrides = _split_choice(overrides, "suite")
-    method = args.method or method or "zeroshot"
-    suite = args.suite or suite or "digits-c"
+    method = args.method or method or _default("method", "zeroshot")
+    suite = args.suite or suite or _default("suite", "digits-c")
     catalog_suites = catalog.catalog()["suites"]
     if suite not in catalog_suites:
         from tta_bench.registry import UnknownNameError
 
         raise UnknownNameError("suites", suite, list(catalog_suites))
-    model = args.model or model or catalog_suites[suite].get("default_model") or "tiny-clip-digits"
+    model = args.model or model or catalog_suites[suite].get("default_model")
+    if not model:
+        raise UsageError(f"suite {suite!r} names no default model; pass --model")
     registry("methods").origin(method)  # unknown names: "did you mean"
     registry("models").origin(model)
     extra = [f"suite={suite}"]
@@ -66,6 +88,8 @@ def _resolve_run(args: argparse.Namespace) -> tuple[Any, Any]:
             raise UsageError(f"bad configuration override: {exc}") from exc
         raise
     OmegaConf.set_struct(cfg, True)
+    _check_keys("method", method, cfg.method, registry("methods").get(method).Config)
+    _check_keys("model", model, cfg.model, None, registry("models").get(model))
     from tta_bench.runner import spec_from_config
 
     try:
@@ -76,7 +100,110 @@ def _resolve_run(args: argparse.Namespace) -> tuple[Any, Any]:
         if type(exc).__module__.startswith("omegaconf"):
             raise UsageError(f"bad method configuration: {exc}") from exc
         raise
+    _check_spec(spec)
     return cfg, spec
+
+
+def _check_keys(kind: str, name: str, node: Any, config_cls: Any, factory: Any = None) -> None:
+    """Every key of a composed method/model node must be a field of its config (however it
+    was spelled: ``method.x=``, ``+method.x=``, ``++method.x=``)."""
+    import dataclasses
+    import difflib
+    import inspect
+
+    if config_cls is not None:
+        known = [f.name for f in dataclasses.fields(config_cls)]
+    else:
+        known = [
+            p.name
+            for p in inspect.signature(factory).parameters.values()
+            if p.kind == p.KEYWORD_ONLY and not p.name.startswith("_")
+        ]
+    unknown = [k for k in node if k not in known]
+    if unknown:
+        hints = []
+        for k in unknown:
+            close = difflib.get_close_matches(str(k), known, n=1)
+            hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+        raise UsageError(
+            f"unknown {kind} option(s) for {name}: {', '.join(hints)}; "
+            f"{name} takes: {', '.join(known) or 'no options'}"
+        )
+
+
+def _check_spec(spec: Any) -> None:
+    """Values Hydra's types cannot check, before any setup: seeds, device, cache policy,
+    components, model arguments, source images, the output path."""
+    from tta_bench.data import CACHE_POLICIES
+    from tta_bench.runner import resolve_device
+
+    if not spec.seeds:
+        raise UsageError("seeds=[] names no seed; give at least one, e.g. seeds=[0] or [0,1,2]")
+    if len(set(spec.seeds)) != len(spec.seeds):
+        raise UsageError(f"seeds={spec.seeds} repeats a seed")
+    try:
+        resolve_device(spec.device)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    if spec.cache not in CACHE_POLICIES:
+        raise UsageError(
+            f"unknown cache policy {spec.cache!r}; available: {', '.join(CACHE_POLICIES)}"
+        )
+    _check_components(spec.protocol, spec.method_config)
+    factory = registry("models").get(spec.model)
+    check = getattr(factory, "check_args", None)
+    if callable(check):
+        try:
+            check(**spec.model_args)
+        except ValueError as exc:
+            raise UsageError(f"model {spec.model}: {exc}") from exc
+    method = registry("methods").get(spec.method)(None, spec.method_config)
+    needed = method.source_images_needed()
+    if needed and spec.protocol.source is None:
+        raise UsageError(
+            f"method {spec.method!r} needs {needed} clean source-domain images, but suite "
+            f"{spec.protocol.name!r} declares no source split (`source:` in its registry.yaml)"
+        )
+
+
+def _check_output(path: Any, spec: Any) -> None:
+    """The results path must be writable, and an existing file must be this run's."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    from tta_bench import results
+    from tta_bench.resume import spec_key
+
+    path = Path(path)
+    if path.is_dir():
+        raise UsageError(f"--output {str(path)!r} is a directory; give a file path")
+    parent = path.parent
+    while not parent.exists():
+        parent = parent.parent
+    if not parent.is_dir():
+        raise UsageError(f"--output {str(path)!r}: {str(parent)!r} is a file, not a directory")
+    try:  # the real test: create the folder and a file in it (permissions, read-only mounts)
+        path.parent.mkdir(parents=True, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path.parent):
+            pass
+    except OSError as exc:
+        raise UsageError(
+            f"--output {str(path)!r}: cannot write in {str(path.parent)!r} ({exc.strerror or exc})"
+        ) from None
+    if path.exists():
+        if not os.access(path, os.W_OK):
+            raise UsageError(f"--output {str(path)!r} is not writable")
+        if spec.resume:
+            try:
+                old = results.load_results(path)
+            except ValueError as exc:
+                raise UsageError(f"--output holds no readable results to resume: {exc}") from exc
+            if results.record_key(old) != spec_key(spec):
+                raise UsageError(
+                    f"--output {str(path)!r} holds a different run ({results.record_key(old)}); "
+                    "choose another output or set resume=false"
+                )
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -88,7 +215,6 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(OmegaConf.to_yaml(OmegaConf.create(spec.config)), end="")
         print(f"# protocol: {protocol.id}")
         return 0
-    _check_components(protocol, spec.method_config)
 
     import dataclasses
     from pathlib import Path
@@ -100,6 +226,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         if cfg.output
         else results.default_output(cfg.results_dir, method, protocol.name)
     )
+    _check_output(output, spec)
     spec = dataclasses.replace(
         spec, progress=spec.progress and not args.quiet, on_bad_image=args.on_bad_image
     )
@@ -109,6 +236,9 @@ def cmd_run(args: argparse.Namespace) -> int:
         raise UsageError(str(exc)) from exc
     if record.get("skipped_cells"):
         print(f"resume: skipped {record['skipped_cells']} finished cell(s) already in {output}")
+    _print_skipped_images(record)
+    for event in record.get("events", []):
+        print(f"warning: {event}", file=sys.stderr)
     print(
         f"\n{method} on {protocol.name} ({protocol.id}), model {model}, "
         f"seeds {spec.seeds}: accuracy (%)"
@@ -121,6 +251,18 @@ def cmd_run(args: argparse.Namespace) -> int:
         f"\nmean accuracy {100 * mean:.2f}%  wall {record['wall_time_s']:.1f}s  results: {output}"
     )
     return 0
+
+
+def _print_skipped_images(record: dict[str, Any]) -> None:
+    """What ``--on-bad-image=skip`` left out: a count and the first paths, per domain."""
+    for name, bad in sorted((record.get("skipped_images") or {}).items()):
+        shown = ", ".join(str(b.get("path") or f"index {b['index']}") for b in bad[:3])
+        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+        print(
+            f"skipped {len(bad)} unreadable image(s) in {name}: {shown}{more} "
+            "(listed under 'skipped_images' in the results)",
+            file=sys.stderr,
+        )
 
 
 def _check_components(protocol: Any, mcfg: Any) -> None:
@@ -151,7 +293,6 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
     _, spec = _resolve_run(args)
     protocol, method, model = spec.protocol, spec.method, spec.model
-    _check_components(protocol, spec.method_config)
     # A slice of the first seed, measured, never written as results or logs.
     spec = dataclasses.replace(spec, seeds=spec.seeds[:1], batch_log=None, flops=False)
     try:
@@ -280,6 +421,25 @@ def cmd_leaderboard(args: argparse.Namespace) -> int:
     return 0
 
 
+# -- predict / serve (implemented in tta_bench.predict / tta_bench.serve) ---------------
+def cmd_predict(args: argparse.Namespace) -> int:
+    from tta_bench import predict
+
+    try:
+        return predict.main(args.config, quiet=args.quiet)
+    except ValueError as exc:  # the job file, its names and values, the folder layout
+        raise UsageError(str(exc)) from exc
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from tta_bench import serve
+
+    try:
+        return serve.main(args)
+    except ValueError as exc:  # names, limits, overrides; the missing 'serve' extra
+        raise UsageError(str(exc)) from exc
+
+
 # -- entry point -------------------------------------------------------------------------
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
@@ -369,17 +529,34 @@ def build_parser() -> argparse.ArgumentParser:
     lb.add_argument("--test", default="t", choices=("t", "bootstrap"), help="paired test")
     lb.add_argument("--no-plots", action="store_true", help="tables only")
     lb.set_defaults(func=cmd_leaderboard)
+
+    pd = sub.add_parser(
+        "predict",
+        help="adapt and predict over an image folder (a resumable batch job)",
+        description="Run a method over the images of a folder, batch by batch, as the "
+        "--config job.json describes (keys: tta_bench.predict). Writes <batch>_result.json "
+        "files, logs/ and summary.json into output_dir; a rerun skips finished batches.",
+    )
+    pd.add_argument("--config", required=True, help="the job's JSON file")
+    pd.add_argument("--quiet", action="store_true", help="no progress bar")
+    pd.set_defaults(func=cmd_predict)
+
+    from tta_bench.serve import add_arguments as serve_arguments  # argparse only, no torch
+
+    sv = sub.add_parser(
+        "serve",
+        help="serve a method over HTTP (pip install 'tta-bench[serve]')",
+        description="HTTP service: POST /predict, /sessions; GET /health, /info. Per-session "
+        "adaptation state over one shared frozen backbone. Ctrl-C stops it.",
+    )
+    serve_arguments(sv)
+    sv.set_defaults(func=cmd_serve)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     import os
 
-    # Transparent huge pages for torch's large CPU buffers (batches, activations), as numpy
-    # does by default: without them every fresh batch-sized tensor pays for 4 KiB page
-    # faults (a 224 px batch of 64: ~0.2 ms per image). Read once, before torch's first
-    # allocation, hence here; set THP_MEM_ALLOC_ENABLE=0 to opt out.
-    os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")
     parser = build_parser()
     args, unknown = parser.parse_known_args(argv)
     # Hydra overrides may come before, between or after options: collect them all.
@@ -398,6 +575,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("tta-bench: interrupted; finished cells are in the results file", file=sys.stderr)
         return 130
+    except OSError as exc:  # a failure inside a run (disk, lock): reported, not a traceback
+        print(f"tta-bench: run failed: {exc}", file=sys.stderr)
+        return 1
 
 
 if __name__ == "__main__":

@@ -23,6 +23,8 @@ from tta_bench.registry import registry
 class ProtocolOverrides:
     """Changes to the suite's protocol; each one changes the protocol id."""
 
+    #: The text head: a catalogue template set (``tta-bench ls templates``) or a list.
+    templates: Optional[Any] = None
     shifts: Optional[list[str]] = None
     severities: Optional[list[int]] = None
     batch_size: Optional[int] = None
@@ -77,6 +79,9 @@ class RunConfig:
     #: Skip the cells already in ``output`` when it exists and holds the same run
     #: (model, method + config hash, protocol id); false starts the file afresh.
     resume: bool = True
+    #: Decoded-image cache: auto (reuse entries; cache small splits, stream large ones),
+    #: always (decode whole splits into the cache first) or never (decode on demand).
+    cache: str = "auto"
 
 
 def _simple_type(default: Any) -> Any:

@@ -19,12 +19,10 @@ from collections.abc import Iterator
 import torch
 from torch import nn
 
-from tta_bench import malloc
-
 _PAGE_SIZE = os.sysconf("SC_PAGE_SIZE") if hasattr(os, "sysconf") else 4096
 
 
-def _rss_bytes() -> int:
+def rss_bytes() -> int:
     try:
         # One pread of /proc/self/statm (one syscall; its text is regenerated per read).
         fd = os.open("/proc/self/statm", os.O_RDONLY)
@@ -67,8 +65,7 @@ def _high_water_mark() -> int | None:
 class PeakMemory:
     """Peak memory while the context is open: CUDA allocator peak, or CPU RSS growth.
 
-    On the CPU the growth is ``peak RSS - RSS at entry`` (under ``tta_bench.malloc``'s keep
-    policy, after the heap's free pages are returned). On Linux the peak is the kernel's
+    On the CPU the growth is ``peak RSS - RSS at entry``. On Linux the peak is the kernel's
     own high-water mark, reset at entry: exact, and free (no thread competes with the
     model's intra-op threads). Elsewhere a background thread samples the RSS every
     ``interval_s``. Contexts must not nest on the CPU: entering one resets the mark the
@@ -89,11 +86,7 @@ class PeakMemory:
             torch.cuda.synchronize(self.device)
             torch.cuda.reset_peak_memory_stats(self.device)
             return self
-        # Free heap pages kept for reuse (``tta_bench.malloc``'s opt-in policy) would absorb
-        # this block's allocations without raising the RSS: hand them back first.
-        if malloc.policy() == "keep":
-            malloc.release_free_memory()
-        self._base = _rss_bytes()
+        self._base = rss_bytes()
         self._max = self._base
         if _reset_high_water_mark():
             return self
@@ -101,7 +94,7 @@ class PeakMemory:
 
         def poll() -> None:
             while not self._stop.wait(self.interval_s):
-                self._max = max(self._max, _rss_bytes())
+                self._max = max(self._max, rss_bytes())
 
         self._thread = threading.Thread(target=poll, daemon=True)
         self._thread.start()
@@ -118,7 +111,7 @@ class PeakMemory:
             self._thread = None
         else:
             self._max = max(self._max, _high_water_mark() or 0)
-        self._max = max(self._max, _rss_bytes())
+        self._max = max(self._max, rss_bytes())
         self.peak_bytes = int(self._max - self._base)
 
 

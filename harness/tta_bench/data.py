@@ -1,21 +1,36 @@
-"""Domain streams and the decoded-image cache (DESIGN §5).
+"""Domain streams, the decoded-image cache, and the sources the loader reads (DESIGN §5).
 
 A dataset factory returns a ``DomainStream``: a HuggingFace ``datasets.Dataset`` with an
-``image`` and a ``label`` column, plus the class names and prompt templates. The harness
-decodes and resizes every image once into a uint8 array ``[N, H, W, 3]`` stored as ``.npy``
-under the cache directory, keyed by a fingerprint of the data (dataset id, revision, split,
-subset) and the resize recipe, and memory-maps it on later runs, so methods, seeds and runs
-share one decode.
+``image`` and a ``label`` column, plus the class names and prompt templates.
 
-The cache is written incrementally into a temporary ``np.memmap`` ``.npy`` in the cache
-directory and renamed into place only when every image is decoded: a killed decode leaves
-no half-written cache entry. A corrupt or truncated image is reported by index and path;
-``on_bad_image="skip"`` zeroes its row instead and lists it in ``Decoded.skipped`` (and a
-sidecar ``.json``), so the runner can leave it out and record it.
+Images reach the loop through a ``Source`` per distinct split:
+
+* ``ArraySource``: a decoded uint8 array ``[N, H, W, 3]`` (in memory, or memory-mapped from
+  the decoded cache);
+* ``DecodingSource``: decodes the images a batch needs when it is asked for them (in
+  DataLoader workers), so the first batch reaches the model within seconds whatever the
+  dataset's size, and nothing is written to disk.
+
+``open_source`` picks one by the cache policy (``CACHE_POLICIES``): ``always`` decodes the
+whole split once into the cache and reads it from there; ``never`` decodes on demand;
+``auto`` (default) uses an existing cache entry, decodes small splits (up to
+``AUTO_DECODE_BYTES``) into the cache, where they are reused by every method and seed, and
+streams large ones. Both paths decode with the same function, so results are identical
+whichever policy (tested). The cache never grows beyond its disk budget
+(``TTA_BENCH_CACHE_BUDGET_GB``, default ``DEFAULT_BUDGET_GB``).
+
+Cache entries are keyed by the data's identity (the factory's fingerprint, the HF dataset
+fingerprint) *and* a signature of the image files' contents (size, mtime and ctime of every
+file: rewriting a file, even at the same size, invalidates the entry), plus the resize
+recipe. An entry is written beside its final name and renamed when whole, under a lock:
+a killed decode leaves nothing half-written, and two processes decoding the same entry do
+the work once. A corrupt or truncated image is reported by index and path; with
+``on_bad_image="skip"`` it is left out (and recorded), else the run stops naming it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import io
 import json
@@ -32,6 +47,11 @@ from tta_bench.paths import atomic_path, atomic_write_text, cache_dir
 
 RESIZE_RECIPE = "shorter-side-bicubic+center-crop/v1"
 ON_BAD_IMAGE = ("fail", "skip")
+CACHE_POLICIES = ("auto", "always", "never")
+#: ``auto`` decodes a split into the cache up front when its decoded size is at most this.
+AUTO_DECODE_BYTES = 256 << 20
+DEFAULT_BUDGET_GB = 50.0
+BUDGET_ENV = "TTA_BENCH_CACHE_BUDGET_GB"
 #: Images per decode task: large enough to amortise Arrow reads, small enough to balance.
 CHUNK = 256
 
@@ -124,8 +144,43 @@ def _open_raw(raw: Any) -> tuple[Any, str | None]:
     return raw, None
 
 
+def content_signature(stream: DomainStream) -> str:
+    """A cheap signature of the images' contents: for image files, the (path, size,
+    mtime_ns, ctime_ns) of each (ctime changes with every write and cannot be set back by
+    the user, so a file rewritten at the same size changes it); for images stored inside
+    the dataset's own files (parquet, arrow), the HF dataset fingerprint, which ``datasets``
+    derives from those files. Computed once per stream object."""
+    cached = getattr(stream, "_content_signature", None)
+    if cached is not None:
+        return cached
+    import datasets
+    import pyarrow.compute as pc
+
+    ds = stream.dataset
+    h = hashlib.sha256(str(getattr(ds, "_fingerprint", "")).encode())
+    if isinstance(ds.features.get("image"), datasets.Image):
+        # Arrow columns, not rows: the bytes of embedded images are never read here.
+        col = ds.select_columns(["image"]).with_format("arrow")[:]["image"]
+        paths = pc.struct_field(col, "path").to_pylist()
+        files = pc.is_null(pc.struct_field(col, "bytes")).to_pylist()
+        for path, is_file in zip(paths, files):
+            if not (is_file and path):
+                continue
+            try:
+                st = os.stat(path)
+                h.update(f"{path}|{st.st_size}|{st.st_mtime_ns}|{st.st_ctime_ns};".encode())
+            except OSError:
+                h.update(f"{path}|missing;".encode())
+    signature = h.hexdigest()[:16]
+    stream._content_signature = signature  # type: ignore[attr-defined]
+    return signature
+
+
 def cache_key(stream: DomainStream, size: int) -> str:
-    blob = f"{stream.fingerprint}|n={len(stream)}|{size}|{RESIZE_RECIPE}"
+    blob = (
+        f"{stream.fingerprint}|n={len(stream)}|{size}|{RESIZE_RECIPE}|"
+        f"content={content_signature(stream)}"
+    )
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
 
 
@@ -159,6 +214,41 @@ def _array_feature(stream: DomainStream) -> bool:
     return not isinstance(feature, datasets.Image)
 
 
+def _check_stored_size(stream: DomainStream, size: int) -> None:
+    if stream.native_size is not None and stream.native_size != size:
+        raise ValueError(
+            f"domain {stream.name!r} is stored at {stream.native_size}px and must not be "
+            f"resized, but the model expects {size}px; use a model with that input size"
+        )
+
+
+def _native_array(stream: DomainStream, size: int) -> np.ndarray | None:
+    """The images as stored, when they are a uint8 array column already at ``size`` px
+    (e.g. CIFAR-10-C's ``.npy``): nothing to decode, nothing to cache."""
+    if not _array_feature(stream):
+        return None
+    n = len(stream)
+    arr = _numpy_images(stream.dataset)[0:n]["image"]  # one bulk read
+    if arr.dtype == np.uint8 and arr.shape == (n, size, size, 3):
+        return np.asarray(arr)
+    return None
+
+
+def _read_entry(stream: DomainStream, size: int, path: Path) -> Decoded | None:
+    """The cache entry at ``path`` when it is whole and of the right shape, else None."""
+    if not path.exists():
+        return None
+    try:
+        arr = np.load(path, mmap_mode="r")
+        meta_path = path.with_suffix(".json")
+        meta = json.loads(meta_path.read_text()) if meta_path.exists() else {"bad": []}
+        if arr.shape != (len(stream), size, size, 3):
+            return None
+        return Decoded(arr, [b["index"] for b in meta["bad"]], meta["bad"], from_cache=True)
+    except (ValueError, OSError, KeyError, json.JSONDecodeError):
+        return None  # unreadable entry (an older format or a disk error): decode again
+
+
 def decode(
     stream: DomainStream,
     size: int,
@@ -172,71 +262,82 @@ def decode(
 
     ``workers`` threads decode chunks of ``CHUNK`` images (default: up to 8, one per CPU);
     PIL releases the GIL while decoding and resizing. Arrays already stored at ``size`` px
-    (an ``Array3D`` column, e.g. CIFAR-10-C) are returned without a cache entry."""
+    (an ``Array3D`` column, e.g. CIFAR-10-C) are returned without a cache entry. The entry
+    is built under a lock (``<entry>.lock``): a second process asking for the same entry
+    waits and then reads it instead of decoding it again."""
     if on_bad_image not in ON_BAD_IMAGE:
         raise ValueError(f"on_bad_image must be one of {ON_BAD_IMAGE}, got {on_bad_image!r}")
-    if stream.native_size is not None and stream.native_size != size:
-        raise ValueError(
-            f"domain {stream.name!r} is stored at {stream.native_size}px and must not be "
-            f"resized, but the model expects {size}px; use a model with that input size"
-        )
-    n = len(stream)
-    array_column = _array_feature(stream)
-    if array_column:
-        arr = _numpy_images(stream.dataset)[0:n]["image"]  # one bulk read
-        if arr.dtype == np.uint8 and arr.shape == (n, size, size, 3):
-            return Decoded(np.asarray(arr))
+    _check_stored_size(stream, size)
+    native = _native_array(stream, size)
+    if native is not None:
+        return Decoded(native)
+    if not use_cache:
+        out = np.empty((len(stream), size, size, 3), dtype=np.uint8)
+        bad = _decode_all(stream, _raw_dataset(stream), out, size, progress, on_bad_image, workers)
+        return Decoded(out, [b["index"] for b in bad], bad)
+    from filelock import FileLock
+
     path = cache_path(stream, size)
-    meta_path = path.with_suffix(".json")
-    if use_cache and path.exists():
-        try:
-            arr = np.load(path, mmap_mode="r")
-            meta = json.loads(meta_path.read_text()) if meta_path.exists() else {"bad": []}
-            if arr.shape == (n, size, size, 3):
-                _check_bad(stream, meta["bad"], on_bad_image)
-                skipped = [b["index"] for b in meta["bad"]]
-                return Decoded(arr, skipped, meta["bad"], from_cache=True)
-        except (ValueError, OSError, KeyError, json.JSONDecodeError):
-            pass  # unreadable entry (an older format or a disk error): decode again
-    return _decode_into_cache(
-        stream, size, path, meta_path, progress, use_cache, on_bad_image, workers
-    )
+    path.parent.mkdir(parents=True, exist_ok=True)
+    found = _read_entry(stream, size, path)
+    if found is None:
+        with FileLock(str(path) + ".lock"):
+            found = _read_entry(stream, size, path)  # another process may have built it
+            if found is None:
+                _check_budget(len(stream) * size * size * 3, f"decoding {stream.name!r}")
+                found = _decode_into_cache(stream, size, path, progress, workers)
+    _check_bad(stream, found.bad, on_bad_image)
+    return found
+
+
+def _raw_dataset(stream: DomainStream) -> Any:
+    """The dataset with undecoded images (``{"bytes", "path"}``: we decode, naming paths)
+    or, for an array column, uint8 numpy images."""
+    import datasets
+
+    if _array_feature(stream):
+        return _numpy_images(stream.dataset)
+    return stream.dataset.cast_column("image", datasets.Image(decode=False))
 
 
 def _decode_into_cache(
-    stream: DomainStream,
-    size: int,
-    path: Path,
-    meta_path: Path,
-    progress: bool,
-    use_cache: bool,
-    on_bad_image: str,
-    workers: int | None,
+    stream: DomainStream, size: int, path: Path, progress: bool, workers: int | None
 ) -> Decoded:
-    import datasets
-
-    ds = stream.dataset
-    if not _array_feature(stream):
-        ds = ds.cast_column("image", datasets.Image(decode=False))  # we decode, naming paths
-    else:
-        ds = _numpy_images(ds)
     shape = (len(stream), size, size, 3)
-    if not use_cache:
-        out = np.empty(shape, dtype=np.uint8)
-        bad = _decode_all(stream, ds, out, size, progress, on_bad_image, workers)
-        return Decoded(out, [b["index"] for b in bad], bad)
     # Written beside its final name and renamed when whole (metadata first), so a killed
-    # or failed decode leaves nothing half-written in the cache.
+    # or failed decode leaves nothing half-written in the cache. Bad images are recorded
+    # (their rows zeroed); whether they fail the run is the caller's policy.
     with atomic_path(path) as tmp:
         out = np.lib.format.open_memmap(tmp, mode="w+", dtype=np.uint8, shape=shape)
-        bad = _decode_all(stream, ds, out, size, progress, on_bad_image, workers)
+        bad = _decode_all(stream, _raw_dataset(stream), out, size, progress, "skip", workers)
         out.flush()
         del out
         atomic_write_text(
-            meta_path,
-            json.dumps({"name": stream.name, "fingerprint": stream.fingerprint, "bad": bad}),
+            path.with_suffix(".json"),
+            json.dumps(
+                {
+                    "name": stream.name,
+                    "fingerprint": stream.fingerprint,
+                    "size": size,
+                    "n": len(stream),
+                    "bad": bad,
+                }
+            ),
         )
     return Decoded(np.load(path, mmap_mode="r"), [b["index"] for b in bad], bad)
+
+
+def decode_one(raw: Any, size: int) -> np.ndarray:
+    """One undecoded image (``{"bytes", "path"}``, PIL image or array) as uint8
+    ``[size, size, 3]``; raises ``OSError``/``ValueError``/``SyntaxError`` (PIL's errors)
+    for a corrupt file. The single decoding function of every path (cache or stream)."""
+    img, _ = _open_raw(raw)
+    return _to_rgb_array(img, size)
+
+
+def _bad_entry(index: int, raw: Any, exc: BaseException) -> dict[str, Any]:
+    path = raw.get("path") if isinstance(raw, dict) else None
+    return {"index": int(index), "path": path, "error": f"{type(exc).__name__}: {exc}"}
 
 
 def _decode_all(
@@ -261,16 +362,12 @@ def _decode_all(
         raws = ds[start:stop]["image"]
         for offset, raw in enumerate(raws):
             i = start + offset
-            path_i = raw.get("path") if isinstance(raw, dict) else None
             try:
-                img, path_i = _open_raw(raw)
-                out[i] = _to_rgb_array(img, size)
+                out[i] = decode_one(raw, size)
             except (OSError, ValueError, SyntaxError) as exc:  # PIL's decode errors
                 out[i] = 0
                 with lock:
-                    bad.append(
-                        {"index": i, "path": path_i, "error": f"{type(exc).__name__}: {exc}"}
-                    )
+                    bad.append(_bad_entry(i, raw, exc))
         return stop - start
 
     n_workers = workers or min(8, os.cpu_count() or 1)
@@ -282,3 +379,204 @@ def _decode_all(
     bad.sort(key=lambda b: b["index"])
     _check_bad(stream, bad, on_bad_image)
     return bad
+
+
+# -- disk budget -------------------------------------------------------------------------
+def cache_budget_bytes() -> int:
+    """The decoded cache's disk budget: ``$TTA_BENCH_CACHE_BUDGET_GB`` (default
+    ``DEFAULT_BUDGET_GB``)."""
+    raw = os.environ.get(BUDGET_ENV)
+    try:
+        gb = float(raw) if raw else DEFAULT_BUDGET_GB
+    except ValueError:
+        raise ValueError(f"{BUDGET_ENV}={raw!r} is not a number of gigabytes") from None
+    if gb < 0:
+        raise ValueError(f"{BUDGET_ENV} must be >= 0, got {gb}")
+    return int(gb * (1 << 30))
+
+
+def cache_entries() -> list[dict[str, Any]]:
+    """The decoded cache's entries: ``{path, name, bytes, images}``, largest first."""
+    folder = cache_dir() / "decoded"
+    out = []
+    for npy in sorted(folder.glob("*.npy")) if folder.exists() else []:
+        meta: dict[str, Any] = {}
+        with contextlib.suppress(OSError, ValueError):
+            meta = json.loads(npy.with_suffix(".json").read_text())
+        size = npy.stat().st_size + (
+            npy.with_suffix(".json").stat().st_size if npy.with_suffix(".json").exists() else 0
+        )
+        out.append(
+            {
+                "path": str(npy),
+                "name": meta.get("name", "?"),
+                "bytes": size,
+                "images": meta.get("n"),
+            }
+        )
+    return sorted(out, key=lambda e: -e["bytes"])
+
+
+def cache_used_bytes() -> int:
+    return sum(e["bytes"] for e in cache_entries())
+
+
+def clear_cache(names: list[str] | None = None) -> list[dict[str, Any]]:
+    """Remove decoded-cache entries (all, or those whose domain name is in ``names``);
+    returns what was removed."""
+    removed = []
+    for e in cache_entries():
+        if names is None or e["name"] in names:
+            npy = Path(e["path"])
+            for p in (npy, npy.with_suffix(".json"), Path(str(npy) + ".lock")):
+                p.unlink(missing_ok=True)
+            removed.append(e)
+    return removed
+
+
+def _check_budget(needed: int, what: str) -> None:
+    budget, used = cache_budget_bytes(), cache_used_bytes()
+    if used + needed > budget:
+        raise CacheBudgetError(
+            f"{what} needs {needed / 2**30:.2f} GiB of decoded cache, but {used / 2**30:.2f} of "
+            f"{budget / 2**30:.2f} GiB are in use ({BUDGET_ENV}); clear entries with "
+            "`tta-bench cache clear`, raise the budget, or stream without caching (cache=never)"
+        )
+
+
+class CacheBudgetError(ValueError):
+    """The decoded cache would grow beyond its disk budget."""
+
+
+def fits_budget(needed: int) -> bool:
+    return cache_used_bytes() + needed <= cache_budget_bytes()
+
+
+# -- sources -------------------------------------------------------------------------------
+@dataclass
+class Fetched:
+    """A batch's images from one source: ``images[k]`` is row ``kept[k]`` of the request;
+    ``bad`` lists the requested images that could not be decoded (left out)."""
+
+    images: np.ndarray  # uint8 [len(kept), H, W, 3]
+    kept: np.ndarray  # int64 positions into the requested indices
+    bad: list[dict[str, Any]]
+
+
+class ArraySource:
+    """Images of one split from a decoded array (in memory or memory-mapped); the rows of
+    known bad images are left out of every batch."""
+
+    kind = "decoded"
+
+    def __init__(self, name: str, images: np.ndarray, bad: list[dict[str, Any]] | None = None):
+        self.name = name
+        self.images = images
+        self.bad = list(bad or [])
+        self._bad_index = np.asarray(sorted(b["index"] for b in self.bad), dtype=np.int64)
+
+    def __len__(self) -> int:
+        return len(self.images)
+
+    def fetch(self, indices: np.ndarray) -> Fetched:
+        indices = np.asarray(indices, dtype=np.int64)
+        keep = ~np.isin(indices, self._bad_index) if len(self._bad_index) else None
+        kept = np.arange(len(indices)) if keep is None else np.flatnonzero(keep)
+        rows = indices if keep is None else indices[keep]
+        return Fetched(np.ascontiguousarray(self.images[rows]), kept, [])
+
+    def __getstate__(self) -> dict[str, Any]:
+        state = dict(self.__dict__)
+        # Pickling a np.memmap copies its data; send the path and map it again instead.
+        if isinstance(self.images, np.memmap) and self.images.filename:
+            state["images"] = _Reopen(str(self.images.filename))
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        if isinstance(state["images"], _Reopen):
+            state["images"] = np.load(state["images"].filename, mmap_mode="r")
+        self.__dict__.update(state)
+
+
+class _Reopen:
+    """A memory-mapped ``.npy`` travelling to a worker as its path, not its bytes."""
+
+    def __init__(self, filename: str):
+        self.filename = filename
+
+
+class DecodingSource:
+    """Images of one split decoded when a batch asks for them (``decode_one``), in
+    whichever process calls ``fetch`` (DataLoader workers). Nothing is written."""
+
+    kind = "streamed"
+
+    def __init__(self, stream: DomainStream, size: int, on_bad_image: str = "fail"):
+        if on_bad_image not in ON_BAD_IMAGE:
+            raise ValueError(f"on_bad_image must be one of {ON_BAD_IMAGE}, got {on_bad_image!r}")
+        self.name = stream.name
+        self.size = size
+        self.on_bad_image = on_bad_image
+        self._stream = stream
+        self.dataset = _raw_dataset(stream)
+        self.bad: list[dict[str, Any]] = []
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def fetch(self, indices: np.ndarray) -> Fetched:
+        indices = np.asarray(indices, dtype=np.int64)
+        raws = self.dataset[indices.tolist()]["image"]
+        out = np.empty((len(indices), self.size, self.size, 3), dtype=np.uint8)
+        kept, bad = [], []
+        for pos, (i, raw) in enumerate(zip(indices.tolist(), raws)):
+            try:
+                out[len(kept)] = decode_one(raw, self.size)
+                kept.append(pos)
+            except (OSError, ValueError, SyntaxError) as exc:  # PIL's decode errors
+                bad.append(_bad_entry(i, raw, exc))
+        _check_bad(self._stream, bad, self.on_bad_image)
+        return Fetched(out[: len(kept)], np.asarray(kept, dtype=np.int64), bad)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return dict(self.__dict__)
+
+
+Source = ArraySource | DecodingSource
+
+
+def open_source(
+    stream: DomainStream,
+    size: int,
+    *,
+    cache: str = "auto",
+    progress: bool = False,
+    on_bad_image: str = "fail",
+) -> ArraySource | DecodingSource:
+    """The ``Source`` of one split under the cache policy (module docstring)."""
+    if cache not in CACHE_POLICIES:
+        raise ValueError(f"unknown cache policy {cache!r}; available: {', '.join(CACHE_POLICIES)}")
+    if on_bad_image not in ON_BAD_IMAGE:
+        raise ValueError(f"on_bad_image must be one of {ON_BAD_IMAGE}, got {on_bad_image!r}")
+    _check_stored_size(stream, size)
+    native = _native_array(stream, size)
+    if native is not None:
+        return ArraySource(stream.name, native)
+    if cache == "never":
+        return DecodingSource(stream, size, on_bad_image)
+    needed = len(stream) * size * size * 3
+    if cache == "auto":
+        found = _read_entry(stream, size, cache_path(stream, size))
+        if found is None and (needed > AUTO_DECODE_BYTES or not fits_budget(needed)):
+            return DecodingSource(stream, size, on_bad_image)
+    dec = decode(stream, size, progress=progress, on_bad_image=on_bad_image)
+    images = dec.images
+    # A small decoded array is read into memory once, here in setup: gathering batches
+    # from the memory map pays page faults inside the loop.
+    if isinstance(images, np.memmap) and images.nbytes <= IN_MEMORY_BYTES:
+        images = np.array(images)
+    return ArraySource(stream.name, images, dec.bad)
+
+
+#: Decoded arrays up to this size are read into memory (larger ones stay memory-mapped).
+IN_MEMORY_BYTES = 64 << 20

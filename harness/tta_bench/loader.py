@@ -1,9 +1,10 @@
 """Feeding the stream: a ``torch.utils.data.DataLoader`` over the decoded uint8 cache.
 
 One loader item is one whole batch of the stream (``batch_size=None``: the batching is the
-protocol's, done by ``tta_bench.stream``), gathered from the decoded ``[N, H, W, 3]``
-arrays in a worker process, pinned when the device is CUDA, and handed over in stream order.
-The main process moves it to the device once and applies the shift there.
+protocol's, done by ``tta_bench.stream``), gathered from a decoded array or decoded on
+demand (``tta_bench.data`` sources) in a worker process, pinned when the device is CUDA,
+and handed over in stream order. The main process moves it to the device once and applies
+the shift there.
 
 Determinism: nothing random happens in a worker. All randomness that touches a sample is
 drawn on the main side from generators keyed by ``(seed, shift, severity, index)``
@@ -46,16 +47,19 @@ class LoaderSettings:
         }
 
 
-def default_num_workers(device: torch.device) -> int:
-    """0 on the CPU: workers would compete with the model for the same cores while the
-    gather from the decoded cache is only a memory copy. On an accelerator: up to 4
-    processes (one per two cores), which keeps a uint8 gather ahead of the model."""
+def default_num_workers(device: torch.device, decoding: bool = False) -> int:
+    """On the CPU: 0 when batches are gathered from a decoded array (workers would compete
+    with the model for the same cores for a memory copy), and when images are decoded on
+    demand (``decoding``) one worker per two cores, at least one, so decoding overlaps the
+    model. On an accelerator: up to 8 processes (one per two cores) when decoding, up to 4
+    for a gather."""
+    cores = os.cpu_count() or 2
     if device.type == "cpu":
-        return 0
-    return max(1, min(4, (os.cpu_count() or 2) // 2))
+        return max(1, cores // 2) if decoding else 0
+    return max(1, min(8 if decoding else 4, cores // 2))
 
 
-def resolve_settings(config: Any, device: torch.device) -> LoaderSettings:
+def resolve_settings(config: Any, device: torch.device, decoding: bool = False) -> LoaderSettings:
     """Fill the ``None`` (auto) fields of a ``loader:`` config for ``device``.
 
     ``config`` has ``num_workers``, ``pin_memory``, ``prefetch_factor`` and
@@ -69,7 +73,7 @@ def resolve_settings(config: Any, device: torch.device) -> LoaderSettings:
         return config.get(name) if isinstance(config, dict) else getattr(config, name, None)
 
     workers = get("num_workers")
-    workers = default_num_workers(device) if workers is None else int(workers)
+    workers = default_num_workers(device, decoding) if workers is None else int(workers)
     if workers < 0:
         raise ValueError(f"loader.num_workers must be >= 0, got {workers}")
     pin = get("pin_memory")
@@ -88,73 +92,61 @@ def resolve_settings(config: Any, device: torch.device) -> LoaderSettings:
     return LoaderSettings(workers, pin, prefetch, persistent)
 
 
-class _Reopen:
-    """A memory-mapped ``.npy`` travelling to a worker as its path, not its bytes."""
-
-    def __init__(self, filename: str):
-        self.filename = filename
-
-
 class StreamBatches(torch.utils.data.Dataset):
     """Map-style dataset: item ``k`` is batch ``k`` of ``batches``.
 
-    ``arrays[a]`` is a decoded uint8 ``[N, H, W, 3]`` array; ``array_of_domain[d]`` names the
-    array holding domain ``d``; ``labels_of_domain[d]`` its labels ``[N]``. An item is
-    ``{"images": uint8 [B, H, W, 3], "labels": int64 [B], "number": int}``.
+    ``sources[a]`` serves the images of one split (``tta_bench.data``: a decoded array, or
+    on-demand decoding); ``source_of_domain[d]`` names the source of domain ``d``;
+    ``labels_of_domain[d]`` its labels ``[N]``. An item is ``{"images": uint8 [k, H, W, 3],
+    "labels": int64 [k], "kept": int64 [k], "bad": [...], "number": int}``: ``kept`` are the
+    batch rows whose images could be decoded (all of them unless bad images are skipped).
     """
 
     def __init__(
         self,
         batches: Sequence[Batch],
-        arrays: Sequence[np.ndarray],
-        array_of_domain: Sequence[int],
+        sources: Sequence[Any],
+        source_of_domain: Sequence[int],
         labels_of_domain: Sequence[np.ndarray],
     ):
         self.batches = list(batches)
-        self.arrays: list[Any] = list(arrays)
-        self.array_of_domain = np.asarray(array_of_domain, dtype=np.int64)
+        self.sources = list(sources)
+        self.source_of_domain = np.asarray(source_of_domain, dtype=np.int64)
         self.labels_of_domain = list(labels_of_domain)
 
     def __len__(self) -> int:
         return len(self.batches)
 
-    def __getstate__(self) -> dict[str, Any]:
-        state = dict(self.__dict__)
-        # Pickling a np.memmap copies its data; send the path and map it again instead.
-        state["arrays"] = [
-            _Reopen(a.filename) if isinstance(a, np.memmap) and a.filename else a
-            for a in self.arrays
-        ]
-        return state
-
-    def __setstate__(self, state: dict[str, Any]) -> None:
-        state["arrays"] = [
-            np.load(a.filename, mmap_mode="r") if isinstance(a, _Reopen) else a
-            for a in state["arrays"]
-        ]
-        self.__dict__.update(state)
-
     def __getitem__(self, k: int) -> dict[str, Any]:
         batch = self.batches[k]
         d = batch.single_domain()
         if d is not None:
-            a = self.arrays[self.array_of_domain[d]]
-            images = np.ascontiguousarray(a[np.asarray(batch.indices)])
-            labels = self.labels_of_domain[d][batch.indices]
-        else:  # a mixed batch: rows come from several domains (maybe several arrays)
-            rows_a = self.array_of_domain[batch.domains]
-            first = self.arrays[rows_a[0]]
-            images = np.empty((len(batch), *first.shape[1:]), dtype=first.dtype)
-            labels = np.empty(len(batch), dtype=np.int64)
-            for a in np.unique(rows_a):
-                sel = rows_a == a
-                images[sel] = self.arrays[a][batch.indices[sel]]
-            for dom in np.unique(batch.domains):
-                sel = batch.domains == dom
-                labels[sel] = self.labels_of_domain[dom][batch.indices[sel]]
+            got = self.sources[self.source_of_domain[d]].fetch(batch.indices)
+            images, kept, bad = got.images, got.kept, got.bad
+            labels = self.labels_of_domain[d][batch.indices[kept]]
+        else:  # a mixed batch: rows come from several domains (maybe several sources)
+            rows_src = self.source_of_domain[batch.domains]
+            parts, bad = [], []
+            for a in np.unique(rows_src):
+                rows = np.flatnonzero(rows_src == a)
+                got = self.sources[a].fetch(batch.indices[rows])
+                parts.append((rows[got.kept], got.images))
+                bad += got.bad
+            kept = np.sort(np.concatenate([r for r, _ in parts]))
+            first = parts[0][1]
+            images = np.empty((len(kept), *first.shape[1:]), dtype=first.dtype)
+            where = {int(r): i for i, r in enumerate(kept)}
+            for rows, imgs in parts:
+                images[[where[int(r)] for r in rows]] = imgs
+            labels = np.empty(len(kept), dtype=np.int64)
+            for dom in np.unique(batch.domains[kept]):
+                sel = batch.domains[kept] == dom
+                labels[sel] = self.labels_of_domain[dom][batch.indices[kept][sel]]
         return {
             "images": torch.from_numpy(images),
             "labels": torch.from_numpy(np.asarray(labels, dtype=np.int64)),
+            "kept": torch.from_numpy(np.asarray(kept, dtype=np.int64)),
+            "bad": bad,
             "number": batch.number,
         }
 

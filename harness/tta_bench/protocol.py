@@ -57,6 +57,13 @@ class Protocol:
     #: Concentration of the per-class Dirichlet over time slots (``non_iid`` only): small
     #: values put each class into few consecutive batches (strongly non-i.i.d.).
     dirichlet_delta: float | None = None
+    #: The text head every method starts from: prompt templates (one '{}' each), resolved
+    #: from the suite's ``templates`` (a catalogue template set or a list) or else the
+    #: dataset's catalogue entry. Part of the id.
+    templates: tuple[str, ...] | None = None
+    #: The clean source split that methods estimating source statistics draw unlabeled
+    #: images from (EATA's Fisher): ``{dataset, dataset_args}``; part of the id when set.
+    source: dict[str, Any] | None = None
     default_model: str | None = None
     description: str = field(default="", compare=False)
 
@@ -106,6 +113,12 @@ class Protocol:
         if data["dirichlet_delta"] is None:
             # Absent unless used, so the ids of protocols from before the field existed hold.
             data.pop("dirichlet_delta")
+        if data["source"] is None:
+            data.pop("source")
+        if data["templates"] is None:
+            data.pop("templates")
+        else:
+            data["templates"] = list(data["templates"])
         return data
 
     @property
@@ -122,6 +135,7 @@ class Protocol:
 PROTOCOL_FIELDS = {f.name for f in fields(Protocol)}
 #: Fields a run may override (the override changes the protocol id).
 OVERRIDABLE = (
+    "templates",
     "shifts",
     "severities",
     "batch_size",
@@ -159,4 +173,30 @@ def load_protocol(suite: str, **overrides: Any) -> Protocol:
         spec["dirichlet_delta"] = float(spec["dirichlet_delta"])
     if spec.get("reset") == "episodic_sample":
         spec["batch_size"] = 1
+    spec["templates"] = resolve_templates(spec.get("templates"), spec.get("dataset"), suite)
     return Protocol(**spec)
+
+
+def resolve_templates(value: Any, dataset: str | None, suite: str) -> tuple[str, ...] | None:
+    """The protocol's prompt templates: ``value`` (a catalogue template-set name or a list of
+    format strings), else the dataset's catalogue ``templates`` (same forms); None when
+    neither names any (the dataset's own stream then supplies them)."""
+    if value is None and dataset is not None:
+        value = catalog.entry("datasets", dataset).get("templates")
+    if value is None:
+        return None
+    if isinstance(value, str):
+        sets = catalog.catalog()["templates"]
+        if value not in sets:
+            raise ValueError(
+                f"unknown template set {value!r} for suite {suite!r}; available: "
+                f"{', '.join(sorted(sets))} (or a list of format strings with one '{{}}')"
+            )
+        value = sets[value]["templates"]
+    out = tuple(str(t) for t in value)
+    bad = [t for t in out if t.count("{}") != 1]
+    if not out or bad:
+        raise ValueError(
+            f"prompt templates of suite {suite!r} need exactly one '{{}}' each; got {bad or out}"
+        )
+    return out

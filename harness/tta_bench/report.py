@@ -203,7 +203,32 @@ def collect(results_dir: str | Path, suite: str, protocol_id: str | None = None)
                 (path.name, f"incomplete: {len(record['cells'])} of {n_expected} cells")
             )
             continue
+        bad = stats.diverged_cells(record)
+        if bad:
+            c = bad[0]
+            left_out.append(
+                (
+                    path.name,
+                    f"diverged in {len(bad)} cell(s), not ranked (first: {c['shift']} sev "
+                    f"{c['severity']} seed {c['seed']}, batch {c['diverged']['batch']}: "
+                    f"{c['diverged']['reason']})",
+                )
+            )
+            continue
         complete.append(Entry(path, record))
+    # Results of other model weights are another model: never ranked together.
+    hashes = Counter(stats.model_hash(e.record) for e in complete)
+    if len(hashes) > 1:
+        ranked = min(hashes, key=lambda h: (-hashes[h], str(h)))
+        for e in [e for e in complete if stats.model_hash(e.record) != ranked]:
+            left_out.append(
+                (
+                    e.path.name,
+                    f"model weights {str(stats.model_hash(e.record))[:12]} differ from the "
+                    f"ranked {str(ranked)[:12]} (another model: rank it separately)",
+                )
+            )
+        complete = [e for e in complete if stats.model_hash(e.record) == ranked]
     chosen: dict[tuple[str, str, str], Entry] = {}
     for entry in complete:  # sorted by name: on equal cells the later file wins
         best = chosen.get(entry.key)

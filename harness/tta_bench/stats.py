@@ -31,6 +31,15 @@ class ProtocolMismatchError(ValueError):
     """Two records were produced under different protocols and must not be compared."""
 
 
+class ModelMismatchError(ValueError):
+    """Two records were produced with different model weights and must not be compared."""
+
+
+def model_hash(record: dict[str, Any]) -> str | None:
+    """The SHA-256 of the loaded weights a record was produced with."""
+    return (record.get("model") or {}).get("state_sha256")
+
+
 @dataclass(frozen=True)
 class Estimate:
     """Mean of ``n`` replicates with the sample standard deviation (``ddof=1``) and a
@@ -104,11 +113,18 @@ def per_seed_means(values: dict[CellKey, float]) -> dict[int, float]:
     return {s: statistics.fmean(v) for s, v in sorted(by_seed.items())}
 
 
+def diverged_cells(record: dict[str, Any]) -> list[dict[str, Any]]:
+    """The cells of a record that diverged (reported, never scored)."""
+    return [c for c in record["cells"] if c.get("diverged")]
+
+
 def suite_estimate(
     record: dict[str, Any], key: str = "accuracy", confidence: float = 0.95
 ) -> Estimate | None:
     """The suite figure over seeds (each seed: mean over its cells); None if no cell has
-    ``key``."""
+    ``key``, or if any cell diverged (a mean without it would flatter the method)."""
+    if diverged_cells(record):
+        return None
     per_seed = per_seed_means(cell_values(record, key))
     return describe(per_seed.values(), confidence) if per_seed else None
 
@@ -124,9 +140,18 @@ def cell_estimates(
 
 
 def check_same_protocol(record: dict[str, Any], other: dict[str, Any]) -> None:
-    """Raise ``ProtocolMismatchError`` naming both ids and the fields that differ."""
+    """Raise ``ProtocolMismatchError`` naming both ids and the fields that differ, or
+    ``ModelMismatchError`` when the two were produced with different model weights (the
+    same model name with other weights is another model)."""
     a, b = record["protocol"], other["protocol"]
     if a["id"] == b["id"]:
+        ha, hb = model_hash(record), model_hash(other)
+        if ha != hb:
+            raise ModelMismatchError(
+                f"cannot compare {record['method']!r} with {other['method']!r}: their model "
+                f"weights differ ({record['model']['name']} {str(ha)[:12]} vs "
+                f"{other['model']['name']} {str(hb)[:12]}); rerun one with the other's weights"
+            )
         return
     fields = sorted(k for k in set(a) | set(b) if k != "id" and a.get(k) != b.get(k))
     diff = "; ".join(f"{k}: {a.get(k)!r} vs {b.get(k)!r}" for k in fields) or "unknown fields"

@@ -87,7 +87,7 @@ def build_spec(cfg: DictConfig, method: str, model: str) -> Any:
 
 def job_filename(spec: Any) -> str:
     """The results file name of a job: unique per cell key, stable across reruns."""
-    from tta_bench.runner import method_config_hash
+    from tta_bench.resume import method_config_hash
 
     seeds = "-".join(str(s) for s in spec.seeds)
     name = (
@@ -140,7 +140,7 @@ def merge(sweep_dir: str | Path) -> list[Path]:
     ``merged_from`` lists the job files. Returns the merged files, written atomically.
     """
     from tta_bench import results
-    from tta_bench.runner import record_key
+    from tta_bench.results import record_key
 
     root = Path(sweep_dir)
     groups: dict[str, list[dict[str, Any]]] = {}

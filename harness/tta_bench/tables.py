@@ -63,6 +63,16 @@ def render(rows: list[list[Any]], headers: list[str], fmt: str) -> str:
 _render = render  # the name the first tables used
 
 
+DIVERGED = "diverged"
+
+
+def _acc_text(cells: list[dict[str, Any]], key: str = "accuracy") -> str:
+    """``mean ± std`` over seeds of ``cells``, or ``diverged`` when any of them did."""
+    if any(c.get("diverged") for c in cells):
+        return DIVERGED
+    return _fmt(_per_seed_means(cells, key))
+
+
 def _per_seed_means(cells: list[dict[str, Any]], key: str) -> list[float]:
     by_seed: dict[int, list[float]] = defaultdict(list)
     for c in cells:
@@ -103,7 +113,7 @@ def shift_table(record: dict[str, Any], fmt: str = "plain") -> str:
     shifts = shift_order([record])
     severities = sorted({c["severity"] for c in cells})
     has_ref = record["method"] != "zeroshot" and all(
-        c.get("reference_accuracy") is not None for c in cells
+        c.get("reference_accuracy") is not None or c.get("diverged") for c in cells
     )
     headers = ["shift", *[f"sev {s}" for s in severities], "mean"]
     if has_ref:
@@ -113,13 +123,16 @@ def shift_table(record: dict[str, Any], fmt: str = "plain") -> str:
         sel = [c for c in cells if shift is None or c["shift"] == shift]
         row: list[Any] = [shift or "mean"]
         for s in severities:
-            row.append(_fmt(_per_seed_means([c for c in sel if c["severity"] == s], "accuracy")))
-        acc = _per_seed_means(sel, "accuracy")
-        row.append(_fmt(acc))
+            row.append(_acc_text([c for c in sel if c["severity"] == s]))
+        row.append(_acc_text(sel))
         if has_ref:
-            ref = _per_seed_means(sel, "reference_accuracy")
-            row.append(_fmt(ref))
-            row.append(f"{100 * (statistics.fmean(acc) - statistics.fmean(ref)):+.1f}")
+            if any(c.get("diverged") for c in sel):
+                row += [DIVERGED, DIVERGED]
+            else:
+                acc = _per_seed_means(sel, "accuracy")
+                ref = _per_seed_means(sel, "reference_accuracy")
+                row.append(_fmt(ref))
+                row.append(f"{100 * (statistics.fmean(acc) - statistics.fmean(ref)):+.1f}")
         rows.append(row)
     return render(rows, headers, fmt)
 
@@ -136,9 +149,8 @@ def method_shift_table(
     for name, rec in zip(names, records):
         row: list[Any] = [name]
         for shift in shifts:
-            sel = [c for c in rec["cells"] if c["shift"] == shift]
-            row.append(_fmt(_per_seed_means(sel, "accuracy")))
-        row.append(_fmt(_per_seed_means(rec["cells"], "accuracy")))
+            row.append(_acc_text([c for c in rec["cells"] if c["shift"] == shift]))
+        row.append(_acc_text(rec["cells"]))
         rows.append(row)
     return render(rows, ["method", *shifts, "mean"], fmt)
 
@@ -207,6 +219,8 @@ def compare_to_baseline(
     if baseline is None or record is baseline_record:
         return None
     if baseline_record is not None:
+        if stats.diverged_cells(baseline_record) or stats.diverged_cells(record):
+            return None  # nothing to pair: a diverged cell has no accuracy
         return stats.paired_comparison(record, baseline_record, test=test)
     if record["method"] == "zeroshot" or not any(
         c.get("reference_accuracy") is not None for c in record["cells"]
@@ -231,14 +245,15 @@ def summary_rows(
     headers += ["ECE %", "NLL"]
     rows = []
     for name, rec in zip(names, records):
+        bad = stats.diverged_cells(rec)
         row: list[Any] = [
             name,
             rec["model"]["name"],
             str(len({c["seed"] for c in rec["cells"]})),
-            _pct_ci(stats.suite_estimate(rec, "accuracy")),
+            f"{DIVERGED} ({len(bad)} cells)" if bad else _pct_ci(stats.suite_estimate(rec)),
         ]
         if base_label is not None:
-            cmp = compare_to_baseline(rec, base_rec, baseline, test)
+            cmp = None if bad else compare_to_baseline(rec, base_rec, baseline, test)
             row += [_delta(cmp), _p(cmp.p_value if cmp else None)]
         ece = stats.suite_estimate(rec, "ece")
         nll = stats.suite_estimate(rec, "nll")
