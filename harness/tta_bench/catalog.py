@@ -15,7 +15,7 @@ from typing import Any
 
 import yaml
 
-from tta_bench.registry import DISABLE_ENV, KINDS, RegistryError
+from tta_bench.registry import DISABLE_ENV, KINDS, RESET_HOOKS, RegistryError, distribution_allowed
 
 CATALOG_GROUP = "tta_bench.catalogs"
 SECTIONS = (*KINDS, "suites", "templates", "defaults")
@@ -46,7 +46,8 @@ def catalog() -> dict[str, dict[str, Any]]:
         if os.environ.get(DISABLE_ENV) != "1":
             for ep in md.entry_points(group=CATALOG_GROUP):
                 dist = ep.dist.metadata["Name"] if ep.dist is not None else ep.name
-                sources.append((dist, _load_file(Path(ep.load()), dist)))
+                if distribution_allowed(dist):
+                    sources.append((dist, _load_file(Path(ep.load()), dist)))
         sources.extend(("__local__", extra) for extra in _EXTRA)
         for dist, data in sources:
             for section in SECTIONS:
@@ -80,3 +81,6 @@ def add_catalog(data: dict[str, Any]) -> None:
 def reset_catalog() -> None:
     global _CATALOG
     _CATALOG = None
+
+
+RESET_HOOKS.append(reset_catalog)

@@ -157,6 +157,7 @@ def _check_spec(spec: Any) -> None:
             check(**spec.model_args)
         except ValueError as exc:
             raise UsageError(f"model {spec.model}: {exc}") from exc
+    _check_dataset_args(spec)
     method = registry("methods").get(spec.method)(None, spec.method_config)
     needed = method.source_images_needed()
     if needed and spec.protocol.source is None:
@@ -164,6 +165,30 @@ def _check_spec(spec: Any) -> None:
             f"method {spec.method!r} needs {needed} clean source-domain images, but suite "
             f"{spec.protocol.name!r} declares no source split (`source:` in its registry.yaml)"
         )
+
+
+def _check_dataset_args(spec: Any) -> None:
+    """The dataset factory's cheap ``check_args`` (files exist, arguments valid), when it
+    has one, for every domain the run needs: missing data fails before the model is built."""
+    import inspect
+
+    protocol = spec.protocol
+    factory = registry("datasets").get(protocol.dataset)
+    check = getattr(factory, "check_args", None)
+    if not callable(check):
+        return
+    kwargs = dict(protocol.dataset_args)
+    if spec.data_dir is not None and "data_dir" in inspect.signature(factory).parameters:
+        kwargs["data_dir"] = spec.data_dir
+    domains = [(None, None)]
+    if protocol.shift_source == "dataset":
+        domains = [(s, v) for s in protocol.shifts for v in protocol.severities]
+    try:
+        for shift, severity in domains:
+            extra = {} if shift is None else {"shift": shift, "severity": severity}
+            check(**kwargs, **extra)
+    except ValueError as exc:
+        raise UsageError(f"dataset {protocol.dataset}: {exc}") from exc
 
 
 def _check_output(path: Any, spec: Any) -> None:
@@ -336,6 +361,9 @@ def cmd_ls(args: argparse.Namespace) -> int:
             headers = [SINGULAR[kind], "from", "description"]
         if len(kinds) > 1:
             print(f"\n{kind}:")
+        if not rows:
+            print(NO_PLUGINS.format(kind=kind) + ".")
+            continue
         print(tabulate(rows, headers=headers, tablefmt="simple"))
     return 0
 
@@ -575,6 +603,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     except KeyboardInterrupt:
         print("tta-bench: interrupted; finished cells are in the results file", file=sys.stderr)
         return 130
+    except BrokenPipeError:  # output piped into `head`: not an error of ours
+        sys.stderr.close()
+        return 0
     except OSError as exc:  # a failure inside a run (disk, lock): reported, not a traceback
         print(f"tta-bench: run failed: {exc}", file=sys.stderr)
         return 1

@@ -88,6 +88,14 @@ class DomainStream:
                 f"dataset for domain {self.name!r} lacks column(s) {sorted(missing)}; "
                 f"it has {self.dataset.column_names}"
             )
+        labels = self.labels
+        bad = np.flatnonzero((labels < 0) | (labels >= len(self.classnames)))
+        if len(bad):  # -1 of unlabeled splits, or more classes than names: never wrap around
+            raise ValueError(
+                f"domain {self.name!r}: {len(bad)} label(s) outside 0..{len(self.classnames) - 1} "
+                f"(rows {bad[:5].tolist()}, values {labels[bad[:5]].tolist()}); an unlabeled "
+                "split cannot be scored"
+            )
 
     def __len__(self) -> int:
         return len(self.dataset)

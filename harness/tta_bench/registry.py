@@ -33,6 +33,17 @@ SINGULAR = {
 }
 #: Set to 1 to ignore every installed plugin (only explicitly added ones remain); tests use it.
 DISABLE_ENV = "TTA_BENCH_DISABLE_PLUGIN_AUTOLOAD"
+#: Comma-separated distribution names: load components of these distributions only (e.g.
+#: ``TTA_BENCH_PLUGINS=tta-bench,my-plugin``); unset: every installed one.
+ALLOW_ENV = "TTA_BENCH_PLUGINS"
+
+
+def distribution_allowed(name: str) -> bool:
+    """Whether components of distribution ``name`` are loaded (``TTA_BENCH_PLUGINS``)."""
+    allowed = os.environ.get(ALLOW_ENV)
+    if not allowed:
+        return True
+    return name in {a.strip() for a in allowed.split(",") if a.strip()}
 
 
 class RegistryError(LookupError):
@@ -108,6 +119,8 @@ class Registry(Generic[T]):
             entries: dict[str, tuple[Origin, Callable[[], Any]]] = {}
             for ep in _entry_points(self.group):
                 origin = _origin(self.group, ep)
+                if not distribution_allowed(origin.distribution):
+                    continue
                 if ep.name in entries:
                     first = entries[ep.name][0]
                     # The same distribution seen twice on sys.path (e.g. an editable install
@@ -177,9 +190,12 @@ class Registry(Generic[T]):
 
 # -- validators (shape checks at load time) ---------------------------------------------
 def _validate_method(obj: Any) -> str | None:
-    from tta_bench.method import Method  # deferred: importing torch only when loading
-
-    if not (inspect.isclass(obj) and issubclass(obj, Method)):
+    # The base class is recognised by name in the MRO: importing tta_bench.method here
+    # would make registry and method import each other (method resolves losses here).
+    is_method = inspect.isclass(obj) and any(
+        (c.__module__, c.__qualname__) == ("tta_bench.method", "Method") for c in obj.__mro__
+    )
+    if not is_method:
         return f"expected a subclass of tta_bench.method.Method, got {obj!r}"
     import dataclasses
 
@@ -249,12 +265,17 @@ def registry(kind: str) -> Registry[Any]:
     return _REGISTRIES[kind]
 
 
-def reset_registries() -> None:
-    """Forget every scanned and loaded component (tests that change sys.path use it)."""
-    _REGISTRIES.clear()
-    from tta_bench import catalog
+#: Called by ``reset_registries`` (the catalogue registers its own reset here, so that this
+#: module never imports it).
+RESET_HOOKS: list[Callable[[], None]] = []
 
-    catalog.reset_catalog()
+
+def reset_registries() -> None:
+    """Forget every scanned and loaded component and the merged catalogue (tests that
+    change sys.path use it)."""
+    _REGISTRIES.clear()
+    for hook in RESET_HOOKS:
+        hook()
 
 
 def provenance(kind: str, name: str) -> dict[str, str]:
