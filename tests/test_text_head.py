@@ -270,6 +270,15 @@ def test_text_hash_is_memoised_per_module(monkeypatch):
     assert text_head.text_state_sha256(model) != first and calls
 
 
+def test_text_hash_takes_zero_dim_tensors():
+    model = torch.nn.Module()
+    model.temperature = torch.nn.Parameter(torch.tensor(0.5))  # 0-d, text side
+    before = text_head.text_state_sha256(model)
+    with torch.no_grad():
+        model.temperature.fill_(0.25)
+    assert text_head.text_state_sha256(model) != before
+
+
 def corrupt_by(kind: str, path) -> None:
     data = bytearray(path.read_bytes())
     if kind == "truncated":

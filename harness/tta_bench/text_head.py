@@ -58,6 +58,8 @@ __all__ = [
     "encode_class_embeddings",
     "class_embeddings",
     "head_key",
+    "key_digest",
+    "entry_path",
     "text_state_sha256",
     "tokenizer_identity",
     "text_head_dir",
@@ -170,8 +172,8 @@ def text_state_sha256(clip: nn.Module) -> str:
     for name, tensor in tensors:
         t = tensor.detach().cpu().contiguous()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)};".encode())
-        if t.numel():
-            h.update(t.view(torch.uint8).numpy().tobytes())
+        if t.numel():  # reshape: a 0-d tensor cannot be viewed as bytes
+            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
     digest = h.hexdigest()
     _TEXT_HASHES[clip] = (fingerprint, digest)
     return digest
@@ -210,7 +212,7 @@ def tokenizer_identity(
         "vocab_sha256": vocab_sha,
         "probe_tokens_sha256": hashlib.sha256(
             f"{tokens.dtype}|{tuple(tokens.shape)};".encode()
-            + tokens.view(torch.uint8).numpy().tobytes()
+            + tokens.reshape(-1).view(torch.uint8).numpy().tobytes()
         ).hexdigest(),
     }
 
@@ -277,6 +279,11 @@ def text_head_dir() -> Path:
     return cache_dir() / "text-heads"
 
 
+def entry_path(key: dict[str, Any]) -> Path:
+    """The cache file of the head with ``key`` (``head_key``); it may not exist."""
+    return text_head_dir() / f"{key_digest(key)[:40]}{_SUFFIX}"
+
+
 def class_embeddings(
     clip: nn.Module,
     tokenizer: Callable[[Sequence[str]], torch.Tensor],
@@ -301,7 +308,7 @@ def class_embeddings(
         return compute()
     device = next(clip.parameters()).device
     key = head_key(clip, tokenizer, classnames, templates, chunk_size=chunk_size)
-    path = text_head_dir() / f"{key_digest(key)[:40]}{_SUFFIX}"
+    path = entry_path(key)
     found = _read_entry(path, key)
     if found is not None:
         return found.to(device)
@@ -330,7 +337,7 @@ def class_embeddings(
 def _tensor_bytes(t: torch.Tensor) -> bytes:
     import torch
 
-    return t.detach().cpu().contiguous().view(torch.uint8).numpy().tobytes()
+    return t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy().tobytes()
 
 
 def _write_entry(path: Path, key: dict[str, Any], emb: torch.Tensor, meta: dict[str, Any]) -> None:
