@@ -1,0 +1,172 @@
+"""benchmarks/gpu_check.py: its logic on the CPU (``--device cpu --quick --tiny``), and the
+real check on CUDA where there is one (``@pytest.mark.cuda``)."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
+
+needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+
+
+@pytest.fixture(scope="module")
+def gpu_check():
+    spec = importlib.util.spec_from_file_location("gpu_check", SCRIPT)
+    module = importlib.util.module_from_spec(spec)
+    sys.modules["gpu_check"] = module  # its dataclasses look their module up
+    spec.loader.exec_module(module)
+    yield module
+    sys.modules.pop("gpu_check", None)
+
+
+def test_cpu_smoke_runs_every_check_and_every_method(gpu_check, tmp_path, capsys):
+    from tta_bench.registry import registry
+
+    out = tmp_path / "report.json"
+    shifts = "gaussian_noise,shot_noise,jpeg_compression,snow,zoom_blur"
+    code = gpu_check.main(
+        ["--device", "cpu", "--quick", "--tiny", "--shifts", shifts, "--out", str(out)]
+    )
+    printed = capsys.readouterr().out
+    report = json.loads(out.read_text())
+    assert code == 0, json.dumps(report["checks"], indent=1)[:4000]
+    assert report["status"] == "pass" and "overall: pass" in printed
+    assert report["env"]["device"] == "cpu" and report["env"]["torch"] == torch.__version__
+    assert set(report["checks"]) == {"shifts", "text_head", "methods"}
+
+    per_shift = report["checks"]["shifts"]["per_shift"]
+    assert list(per_shift) == shifts.split(",")
+    assert per_shift["snow"]["kind"] == "thresholded" and per_shift["zoom_blur"]["kind"] == "float"
+    tables = report["checks"]["shifts"]["tables"]
+    assert {"cifar", "digits", "imagenet"} <= set(tables)
+    # the same device on both sides: bit-identical, every table that applies was run
+    for name, s in per_shift.items():
+        assert s["status"] == "pass" and s["max_abs"] == 0.0, name
+    uint8_cases = [c for c in per_shift["jpeg_compression"]["detail"] if c["input"] == "uint8"]
+    assert uint8_cases  # the kernel's from_uint8 entry is checked too
+
+    head = report["checks"]["text_head"]
+    assert head["cached_equals_built"] and not head["first_build_was_cached"]
+    assert head["prompts"] == 16 * 2 and head["cpu_max_abs_diff"] == 0.0
+
+    per_method = report["checks"]["methods"]["per_method"]
+    assert set(per_method) == set(registry("methods").names())
+    assert list(per_method)[0] == "zeroshot"
+    for name, r in per_method.items():
+        assert r["status"] == "pass", (name, r.get("error"))
+        assert r["images"] == 4 and r["batches"] == 2
+        assert r["images_per_s"] > 0 and r["images_per_s_after_first_batch"] > 0
+        assert 0.0 <= r["data_wait_share"] <= 1.0
+        assert r["peak_memory_kind"] == "cpu_rss_growth"
+
+
+def _uses_global_rng(images, severity, *, generator, table="cifar"):
+    """A kernel that ignores its generator: its output differs from call to call, as a
+    kernel drawing on the device (or from the global RNG) would differ between devices."""
+    del generator, table
+    return images + 0.01 * severity * torch.rand(images.shape, device=images.device)
+
+
+def _honest(images, severity, *, generator, table="cifar"):
+    del table
+    return images + 0.01 * severity * generator.normal(*images.shape[1:]).to(images.device)
+
+
+def test_shift_check_flags_a_kernel_that_differs_between_runs(gpu_check):
+    settings = gpu_check.TINY_QUICK
+    kernels = {"honest": _honest, "global_rng": _uses_global_rng}
+    result = gpu_check.check_shifts(torch.device("cpu"), settings, kernels=kernels)
+    assert result["per_shift"]["honest"]["status"] == "pass"
+    bad = result["per_shift"]["global_rng"]
+    assert bad["status"] == "fail" and bad["max_abs"] > gpu_check.FLOAT_TOL
+    assert result["status"] == "fail"
+    assert gpu_check.overall_status({"shifts": result}) == "fail"
+
+
+def test_unsupported_table_is_not_applicable_not_a_failure(gpu_check):
+    def imagenet_only(images, severity, *, generator, table="cifar"):
+        if table != "imagenet":
+            raise ValueError(f"shift 'x' has no severity table {table!r}; available: imagenet")
+        return images
+
+    result = gpu_check.check_shifts(
+        torch.device("cpu"),
+        gpu_check.TINY_QUICK,
+        kernels={"x": imagenet_only},
+        tables=["cifar", "imagenet"],
+    )
+    cases = result["per_shift"]["x"]["detail"]
+    assert [c["status"] for c in cases] == ["n/a", "pass"]
+    assert result["status"] == "pass"
+
+
+def test_tolerances_by_kernel_kind(gpu_check):
+    ref = torch.rand(4, 3, 224, 224, generator=torch.Generator().manual_seed(0))
+    one_flip = ref.clone()
+    one_flip.view(-1)[123] += 1 / 255  # a single 8-bit level: a thresholded kernel's flip
+    many = ref + 2e-3 * (torch.rand(ref.shape) < 0.05)  # 5% of the values off
+    rounding = ref + 1e-6
+    assert gpu_check.verdict("float", gpu_check.compare(ref, rounding))
+    assert not gpu_check.verdict("float", gpu_check.compare(ref, one_flip))
+    assert gpu_check.verdict("thresholded", gpu_check.compare(ref, one_flip))
+    assert not gpu_check.verdict("thresholded", gpu_check.compare(ref, many))
+    nan = ref.clone()
+    nan.view(-1)[0] = float("nan")
+    assert not gpu_check.verdict("thresholded", gpu_check.compare(ref, nan))
+
+
+def test_spent_budget_skips_methods_and_fails(gpu_check, tmp_path):
+    out = tmp_path / "r.json"
+    argv = [
+        "--device",
+        "cpu",
+        "--quick",
+        "--tiny",
+        "--checks",
+        "methods",
+        "--methods",
+        "zeroshot",
+        "--budget-s",
+        "0",
+        "--out",
+        str(out),
+    ]
+    assert gpu_check.main(argv) == 1
+    report = json.loads(out.read_text())
+    assert report["checks"]["methods"]["per_method"]["zeroshot"]["status"] == "skipped"
+    assert report["status"] == "fail"
+
+
+def test_unknown_names_are_errors_listing_the_options(gpu_check, tmp_path):
+    with pytest.raises(SystemExit, match="unknown methods.*available: .*zeroshot"):
+        gpu_check.main(["--device", "cpu", "--methods", "zeroshott", "--out", str(tmp_path / "r")])
+    with pytest.raises(SystemExit, match="unknown checks"):
+        gpu_check.main(["--device", "cpu", "--checks", "speed", "--out", str(tmp_path / "r")])
+
+
+@pytest.mark.cuda
+@needs_cuda
+def test_quick_check_passes_on_cuda(gpu_check, tmp_path):
+    out = tmp_path / "gpu.json"
+    argv = [
+        "--quick",
+        "--methods",
+        "zeroshot,tent,tda",
+        "--shifts",
+        "gaussian_noise,defocus_blur,snow,jpeg_compression",
+        "--out",
+        str(out),
+    ]
+    code = gpu_check.main(argv)
+    report = json.loads(out.read_text())
+    assert code == 0, json.dumps(report["checks"], indent=1)[:4000]
+    assert report["env"]["device"].startswith("cuda")
+    for r in report["checks"]["methods"]["per_method"].values():
+        assert r["peak_memory_kind"] == "cuda_max_allocated" and r["peak_memory_bytes"] > 0
