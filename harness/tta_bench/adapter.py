@@ -254,13 +254,12 @@ class SharedBackbone:
     def _build(self, model: ZeroShotClassifier) -> Method:
         method = self.method_cls(model, copy.deepcopy(self.config))
         needed = method.source_images_needed()
-        if needed:
+        if needed:  # e.g. EATA's Fisher information; fewer images than asked: all of them
             src = self.source_images
-            if src is None or len(src) < needed:
-                have = 0 if src is None else len(src)
+            if src is None or not len(src):
                 raise ValueError(
-                    f"method {self.method_name!r} needs {needed} clean, unlabeled source images "
-                    f"before setup (got {have}); pass source_images=[N, 3, H, W] in [0, 1]"
+                    f"method {self.method_name!r} needs clean, unlabeled source images before "
+                    f"setup (up to {needed}); pass source_images=[N, 3, H, W] in [0, 1]"
                 )
             method.set_source(src[:needed].to(self.device))
         cuda = [self.device] if self.device.type == "cuda" else []

@@ -16,6 +16,7 @@ For adapting your own model outside a suite, see ``tta_bench.adapter.Adapter``.
 from __future__ import annotations
 
 import dataclasses
+import json
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -89,9 +90,19 @@ def evaluate(
     _check_components(spec)
     spec = dataclasses.replace(spec, progress=bool(progress))
     if output is not None:
-        return runner.run(spec, Path(output))
+        return _run(runner, spec, Path(output))
     with tempfile.TemporaryDirectory(prefix="tta-bench-evaluate-") as tmp:
-        return runner.run(spec, Path(tmp) / "results.json")
+        return _run(runner, spec, Path(tmp) / "results.json")
+
+
+def _run(runner: Any, spec: Any, output: Path) -> dict[str, Any]:
+    """Run, then read the record back from the file: exactly what the CLI writes (strict
+    JSON: lists, not tuples), plus the run's ``skipped_cells`` when it resumed."""
+    record = runner.run(spec, output)
+    written = json.loads(output.read_text(encoding="utf-8"))
+    if "skipped_cells" in record:
+        written.setdefault("skipped_cells", record["skipped_cells"])
+    return written
 
 
 def _check_components(spec: Any) -> None:

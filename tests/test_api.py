@@ -1,0 +1,278 @@
+"""The Python API: ``tta_bench.evaluate`` (the record of ``tta-bench run``) and the
+standalone ``Adapter`` around a model, on the real default model and digits images."""
+
+from __future__ import annotations
+
+import copy
+import json
+
+import numpy as np
+import pytest
+import torch
+
+import tta_bench
+from tta_bench.adapter import Adapter, method_config
+from tta_bench.cli import main
+from tta_bench.registry import RegistryError, registry
+from tta_bench.rng import stable_seed
+
+METHODS = registry("methods").names()
+SMALL = ["protocol.shifts=[gaussian_noise,contrast]", "protocol.max_images=32"]
+#: Cell fields that are computed, not measured (times and memory differ run to run).
+CELL_KEYS = (
+    "shift",
+    "severity",
+    "seed",
+    "n",
+    "accuracy",
+    "error",
+    "ece",
+    "nll",
+    "reference_accuracy",
+    "batches",
+    "forward_passes_per_sample",
+    "backward_passes_per_sample",
+)
+
+
+# -- evaluate ------------------------------------------------------------------------------
+def test_evaluate_returns_the_record_the_cli_writes(tmp_path):
+    cli_out = tmp_path / "cli.json"
+    args = ["run", "--method", "tent", *SMALL, "method.steps=2", "seeds=[0,1]", "--quiet"]
+    assert main([*args, "--output", str(cli_out)]) == 0
+    cli = json.loads(cli_out.read_text())
+    api_out = tmp_path / "api.json"
+    record = tta_bench.evaluate(
+        method="tent", overrides=[*SMALL, "method.steps=2"], seeds=[0, 1], output=api_out
+    )
+    assert json.loads(api_out.read_text())["cells"] == record["cells"]
+    for key in ("method", "method_config", "method_config_hash", "suite", "protocol", "seeds"):
+        assert record[key] == cli[key], key
+    assert record["model"]["state_sha256"] == cli["model"]["state_sha256"]
+    assert len(record["cells"]) == len(cli["cells"]) == 4
+    by_key = {(c["shift"], c["severity"], c["seed"]): c for c in cli["cells"]}
+    for cell in record["cells"]:
+        other = by_key[(cell["shift"], cell["severity"], cell["seed"])]
+        for key in CELL_KEYS:
+            assert cell.get(key) == other.get(key), (key, cell["shift"], cell["seed"])
+
+
+def test_evaluate_without_output_leaves_no_file(tmp_path, monkeypatch):
+    monkeypatch.chdir(tmp_path)
+    record = tta_bench.evaluate(overrides=SMALL)
+    assert record["method"] == "zeroshot" and len(record["cells"]) == 2
+    assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "error", "message"),
+    [
+        ({"method": "mrua"}, RegistryError, "Did you mean 'mura'"),
+        ({"suite": "digits-cc"}, RegistryError, "Did you mean 'digits-c'"),
+        ({"overrides": ["method.bogus=1"]}, ValueError, "bogus"),
+        ({"overrides": ["method=tent"]}, ValueError, "pass method as the method= argument"),
+        ({"seeds": []}, ValueError, "at least one seed"),
+    ],
+)
+def test_evaluate_rejects_bad_input(kwargs, error, message):
+    with pytest.raises(error, match=message):
+        tta_bench.evaluate(**{"overrides": SMALL, **kwargs})
+
+
+def test_importing_tta_bench_stays_torch_free():
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, tta_bench\n"
+        "assert callable(tta_bench.__getattr__)\n"
+        "assert not [m for m in sys.modules if m.startswith('torch')]\n"
+        "tta_bench.evaluate, tta_bench.Adapter\n"
+        "assert 'torch' in sys.modules\n"
+    )
+    subprocess.run([sys.executable, "-c", code], check=True)
+
+
+# -- the adapter ------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def shifted(test_images):
+    """Two low-contrast batches (adaptation has something to do)."""
+    x, _ = test_images
+    mean = x.mean(dim=(1, 2, 3), keepdim=True)
+    x = (x - mean) * 0.3 + mean
+    return x[:6], x[6:12]
+
+
+@pytest.fixture(scope="module")
+def source_images():
+    """Clean digits train images: the source split methods like EATA ask for."""
+    from mura_plugin.datasets.digits import digits_arrays
+
+    x, _ = digits_arrays("train")
+    return torch.from_numpy(x[:128]).permute(0, 3, 1, 2).float() / 255
+
+
+def _adapter(name, bundle, source_images, **kw) -> Adapter:
+    return Adapter.from_bundle(
+        bundle, dataset="digits", method=name, device="cpu", source_images=source_images, **kw
+    )
+
+
+def _runner_method(name: str, classifier, source_images, seed: int = 0):
+    """The method as the runner builds it: a copy of the classifier, seeded setup."""
+    cls = registry("methods").get(name)
+    method = cls(copy.deepcopy(classifier), cls.Config())
+    if method.source_images_needed():
+        method.set_source(source_images[: method.source_images_needed()])
+    torch.manual_seed(stable_seed(name, "setup", seed) % 2**63)
+    method.setup()
+    return method
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_adapter_adapts_as_the_method_does(
+    name, default_bundle, classifier, shifted, source_images
+):
+    x, other = shifted
+    adapter = _adapter(name, default_bundle, source_images)
+    method = _runner_method(name, classifier, source_images)
+    for seed, batch in ((3, other), (4, x)):  # two calls: the adaptation state carries over
+        method.reseed(seed)
+        expected = method.step(batch).float()
+        got = adapter.step(batch, seed=seed)
+        torch.testing.assert_close(got, expected, rtol=0, atol=1e-6)
+    pred = adapter(x)
+    assert pred.logits.shape == (6, 10) and len(pred.labels) == 6
+    assert pred.labels == [adapter.classnames[int(i)] for i in pred.indices]
+    assert (pred.loss is not None) == registry("methods").get(name).adapts
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_reset_and_spawn_are_fresh_and_the_backbone_never_changes(
+    name, default_bundle, shifted, source_images
+):
+    x, other = shifted
+    user_state = {k: v.clone() for k, v in default_bundle.clip.state_dict().items()}
+    adapter = _adapter(name, default_bundle, source_images)
+    shared = adapter.backbone.model
+    shared_state = {k: v.clone() for k, v in shared.state_dict().items()}
+    fresh = adapter(x).logits
+    for _ in range(2):
+        adapter(other)
+    sibling = adapter.spawn()  # spawned from an adapted adapter: still starts from setup
+    torch.testing.assert_close(sibling(x).logits, fresh, rtol=0, atol=1e-6)
+    adapter.reset()
+    torch.testing.assert_close(adapter(x).logits, fresh, rtol=0, atol=1e-6)
+    for key, value in default_bundle.clip.state_dict().items():
+        assert torch.equal(user_state[key], value), key
+    for key, value in shared.state_dict().items():
+        assert torch.equal(shared_state[key], value), key
+    # the big frozen tensors are the backbone's own storage; adapted ones are copies
+    own = dict(adapter.method.model.named_parameters())
+    base = dict(shared.named_parameters())
+    adapted = set(adapter.backbone.adapted)
+    assert "clip.token_embedding.weight" not in adapted  # the largest tensor: always shared
+    for key in ("clip.token_embedding.weight", "clip.visual.conv1.weight"):
+        if key not in adapted:
+            assert own[key].data_ptr() == base[key].data_ptr(), key
+    for key in adapted:
+        if key in own and key in base:
+            assert own[key].data_ptr() != base[key].data_ptr(), key
+
+
+def test_only_what_the_method_adapts_is_copied(default_bundle):
+    tent = Adapter.from_bundle(default_bundle, dataset="digits", method="tent", device="cpu")
+    assert tent.backbone.adapted and all(".ln" in n or "ln_" in n for n in tent.backbone.adapted), (
+        tent.backbone.adapted
+    )
+    mura = Adapter.from_bundle(default_bundle, dataset="digits", method="mura", device="cpu")
+    assert mura.backbone.adapted == []  # adapters sit beside the frozen layers
+    for a in (tent, mura):
+        assert 0 < a.state_bytes() < a.backbone.model_bytes / 10
+
+
+def test_from_open_clip_equals_the_bundle_path(default_bundle, digits_stream, shifted):
+    x, _ = shifted
+    bundle = default_bundle
+    mine = Adapter.from_open_clip(
+        bundle.clip,
+        bundle.tokenizer,
+        digits_stream.classnames,
+        digits_stream.templates,
+        method="tent",
+        overrides={"steps": 2},
+        mean=bundle.preprocess.mean,
+        std=bundle.preprocess.std,
+    )
+    assert mine.image_size == 32  # read from the model's open_clip preprocess config
+    ref = Adapter.from_bundle(
+        bundle,
+        digits_stream.classnames,
+        digits_stream.templates,
+        method="tent",
+        overrides=["steps=2"],
+        device="cpu",
+    )
+    for _ in range(2):
+        torch.testing.assert_close(mine(x).logits, ref(x).logits, rtol=0, atol=1e-6)
+    assert mine.config.steps == 2
+
+
+def test_preprocess_resizes_and_crops_as_the_harness_decodes(tmp_path, default_bundle):
+    from PIL import Image
+
+    from tta_bench.data import _to_rgb_array
+
+    adapter = Adapter.from_bundle(default_bundle, dataset="digits", device="cpu")
+    rng = np.random.default_rng(0)
+    img = Image.fromarray(rng.integers(0, 256, (48, 40, 3), dtype=np.uint8))
+    img.save(tmp_path / "a.png")
+    want = torch.from_numpy(np.array(_to_rgb_array(img, 32))).permute(2, 0, 1).float() / 255
+    from_path = adapter.preprocess(tmp_path / "a.png")
+    from_pil = adapter.preprocess([img, img])
+    assert from_path.shape == (1, 3, 32, 32) and from_pil.shape == (2, 3, 32, 32)
+    torch.testing.assert_close(from_path[0], want, rtol=0, atol=0)
+    torch.testing.assert_close(from_pil[1], want, rtol=0, atol=0)
+    pred = adapter([tmp_path / "a.png", img])  # PIL images and paths go through preprocess
+    torch.testing.assert_close(pred.logits[0], pred.logits[1], rtol=0, atol=1e-6)
+
+
+@pytest.mark.parametrize(
+    ("images", "message"),
+    [
+        (torch.rand(2, 3, 40, 40), r"expected float images \[B, 3, 32, 32\].*preprocess"),
+        (torch.rand(2, 3, 32, 32) * 255, r"expected images in \[0, 1\]"),
+        (torch.zeros(2, 3, 32, 32, dtype=torch.uint8), "divide uint8 by 255"),
+    ],
+)
+def test_adapter_rejects_bad_images(default_bundle, images, message):
+    adapter = Adapter.from_bundle(default_bundle, dataset="digits", device="cpu")
+    with pytest.raises(ValueError, match=message):
+        adapter(images)
+
+
+def test_method_overrides_are_validated():
+    cfg = method_config("mura", {"ranks": [2, 4], "lr": 1e-3})
+    assert cfg.ranks == [2, 4] and cfg.lr == 1e-3
+    assert method_config("mura", ["method.ranks=[2,4]", "steps=3"]).steps == 3
+    with pytest.raises(ValueError, match="unknown mura option.*'rank'; known: .*ranks"):
+        method_config("mura", {"rank": 4})
+    with pytest.raises(ValueError, match="bad mura option.*steps"):
+        method_config("mura", {"steps": "many"})
+    with pytest.raises(ValueError, match="key=value"):
+        method_config("tent", ["steps"])
+    with pytest.raises(ValueError, match=r"\(none: the method has no options\)"):
+        method_config("zeroshot", {"lr": 1})
+
+
+def test_prediction_top_k_and_records(default_bundle, test_images):
+    x, y = test_images
+    adapter = Adapter.from_bundle(default_bundle, dataset="digits", device="cpu")
+    pred = adapter(x[:4])
+    tops = pred.top_k(3)
+    assert [len(t) for t in tops] == [3] * 4
+    rows = pred.records(30)  # capped at the number of classes
+    for row, top, label, score in zip(rows, tops, pred.labels, pred.scores):
+        assert row["label"] == label == top[0][0] and len(row["top_k"]) == 10
+        assert row["score"] == pytest.approx(float(score)) == pytest.approx(top[0][1])
+    assert (pred.indices == y[:4]).float().mean() >= 0.75
