@@ -17,31 +17,20 @@ Thread setting (printed): both sides run with ``--threads`` CPU threads (default
 limit for the reference (numpy, scipy, scikit-image, OpenCV, Pillow), so the comparison is
 per core. The reference is timed on the first ``--ref-images`` images of the batch.
 
-Memory parity: numpy (the reference) backs large arrays with transparent huge pages by
-default (``madvise(MADV_HUGEPAGE)``, numpy >= 1.20 on Linux); torch does so only when
-``THP_MEM_ALLOC_ENABLE=1`` is set before its first allocation, so this script sets it
-(unless already set; printed) to give both sides the same page size for batch-sized buffers.
-Allocator parity: the process keeps freed big blocks for reuse (``tta_bench.malloc``, as a
-caching allocator does; printed): the reference's per-image buffers are reused by glibc
-anyway, ours (a 38.5 MB batch at 224 px) would otherwise be mapped and zeroed afresh on
-every call. ``tta-bench run`` does the same with ``TTA_BENCH_MALLOC=keep``.
+Allocator: both sides run with the default allocator and page size (no tuning on either side).
 """
 
 from __future__ import annotations
 
 import argparse
-import os
 import time
-
-os.environ.setdefault("THP_MEM_ALLOC_ENABLE", "1")  # before torch allocates (see above)
 
 import numpy as np
 import torch
 
-from tta_bench import malloc
+from tta_bench.inputs import uint8_entry
 from tta_bench.registry import registry
 from tta_bench.rng import SampleGenerator
-from tta_bench.runner import uint8_entry
 
 TABLE_FOR_SIZE = {224: "imagenet", 32: "cifar"}
 ORDER = [
@@ -115,13 +104,7 @@ def set_threads(n: int) -> str:
     torch.set_num_threads(n)
     cv2.setNumThreads(n)
     threadpool_limits(n)
-    thp = os.environ.get("THP_MEM_ALLOC_ENABLE")
-    malloc.keep_freed_memory()
-    return (
-        f"{n} CPU thread(s) for both sides (torch, OpenCV, BLAS/OpenMP); "
-        f"THP_MEM_ALLOC_ENABLE={thp} (huge pages for big buffers, as numpy's default); "
-        f"malloc policy {malloc.policy()!r} (freed big blocks reused, both sides)"
-    )
+    return f"{n} CPU thread(s) for both sides (torch, OpenCV, BLAS/OpenMP)"
 
 
 def main() -> None:
