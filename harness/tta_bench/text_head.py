@@ -34,6 +34,7 @@ torch (``tta-bench env`` / ``tta-bench cache``).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import os
@@ -198,23 +199,43 @@ def tokenizer_identity(
         warnings.simplefilter("ignore")
         tokens = tokenizer(probe)
     tokens = torch.as_tensor(tokens).detach().cpu().contiguous()
-    vocab = getattr(tokenizer, "encoder", None)
-    if not isinstance(vocab, dict):
-        get_vocab = getattr(getattr(tokenizer, "tokenizer", None), "get_vocab", None)
-        vocab = get_vocab() if callable(get_vocab) else None
-    vocab_sha = None
-    if isinstance(vocab, dict):
-        blob = json.dumps(sorted(vocab.items(), key=lambda kv: str(kv[0])), default=str)
-        vocab_sha = hashlib.sha256(blob.encode()).hexdigest()
     return {
         "type": f"{cls.__module__}.{cls.__qualname__}",
         "context_length": getattr(tokenizer, "context_length", None),
-        "vocab_sha256": vocab_sha,
+        "vocab_sha256": _vocab_sha256(tokenizer),
         "probe_tokens_sha256": hashlib.sha256(
             f"{tokens.dtype}|{tuple(tokens.shape)};".encode()
             + tokens.reshape(-1).view(torch.uint8).numpy().tobytes()
         ).hexdigest(),
     }
+
+
+#: tokenizer -> (id and size of its vocabulary, the vocabulary's SHA-256)
+_VOCAB_HASHES: weakref.WeakKeyDictionary[Any, tuple[tuple[int, int], str | None]] = (
+    weakref.WeakKeyDictionary()
+)
+
+
+def _vocab_sha256(tokenizer: Any) -> str | None:
+    """SHA-256 of the tokenizer's vocabulary (``encoder``, or a wrapped HF tokenizer's
+    ``get_vocab()``), None when it exposes none; memoised per tokenizer (~0.1 s for CLIP's
+    49,408 entries, and methods build several heads per cell)."""
+    vocab = getattr(tokenizer, "encoder", None)
+    if not isinstance(vocab, dict):
+        get_vocab = getattr(getattr(tokenizer, "tokenizer", None), "get_vocab", None)
+        vocab = get_vocab() if callable(get_vocab) else None
+    if not isinstance(vocab, dict):
+        return None
+    stamp = (id(vocab), len(vocab))
+    with contextlib.suppress(TypeError):  # not weak-referenceable: no memo
+        memo = _VOCAB_HASHES.get(tokenizer)
+        if memo is not None and memo[0] == stamp:
+            return memo[1]
+    blob = json.dumps(sorted(vocab.items(), key=lambda kv: str(kv[0])), default=str)
+    digest = hashlib.sha256(blob.encode()).hexdigest()
+    with contextlib.suppress(TypeError):
+        _VOCAB_HASHES[tokenizer] = (stamp, digest)
+    return digest
 
 
 def _compute_identity(clip: nn.Module, chunk_size: int) -> dict[str, Any]:
