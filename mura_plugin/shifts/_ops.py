@@ -3,9 +3,7 @@
 Everything here is device-agnostic torch on ``[B, C, H, W]`` float batches. Separable
 filters are applied as two dense matrix products (``M_h @ X @ M_w^T``): the boundary rule is
 folded into the matrices, so the cost does not grow with the filter's width and big blurs
-stay cheap; narrow Gaussians on CPU use shifted multiply-adds on padded, cache-sized chunks
-instead (``separable_taps``, cheaper below ``SHIFTED_MAX_RADIUS``), and wider ones on large
-CPU images the same products cut into bands (``banded_separable``). Non-separable kernels
+stay cheap, on every device. Non-separable kernels
 (disks) use FFT convolution after padding; on small images any fixed linear map can be
 tabulated once as a (sparse) pixel-space matrix (``pixel_operator``). Per-sample sparse
 kernels (motion lines) are weighted sums of windows of a padded batch (``shifted_taps``,
@@ -19,7 +17,6 @@ import threading
 import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
-from functools import lru_cache
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -32,8 +29,6 @@ __all__ = [
     "fold_index",
     "gaussian_matrix",
     "apply_separable",
-    "separable_taps",
-    "banded_separable",
     "gaussian_filter",
     "fft_correlate",
     "fft_size",
@@ -47,7 +42,6 @@ __all__ = [
     "correlation_taps",
     "apply_pixel_operator",
     "draw_batch",
-    "gaussian_filter_cached",
     "shifted_taps_rows",
 ]
 
@@ -58,6 +52,27 @@ __all__ = [
 CHUNK_ELEMENTS = 1 << 17
 
 BOUNDARY_MODES = ("nearest", "reflect", "reflect101")
+
+
+class BoundedCache:
+    """A least-recently-used map of at most ``size`` entries, for values built from
+    unhashable inputs (tensors) under a key the caller names (``functools.lru_cache``
+    needs hashable arguments)."""
+
+    def __init__(self, size: int):
+        self.size = size
+        self._entries: OrderedDict[Hashable, Any] = OrderedDict()
+
+    def get(self, key: Hashable, build: Callable[[], Any]) -> Any:
+        """The value under ``key``; ``build()`` makes (and stores) it on a miss."""
+        if key in self._entries:
+            self._entries.move_to_end(key)
+            return self._entries[key]
+        value = build()
+        self._entries[key] = value
+        while len(self._entries) > self.size:
+            self._entries.popitem(last=False)
+        return value
 
 
 def fold_index(idx: torch.Tensor, n: int, mode: str) -> torch.Tensor:
@@ -125,128 +140,31 @@ def apply_separable(images: torch.Tensor, mh: torch.Tensor, mw: torch.Tensor) ->
     return torch.matmul(mh, out)
 
 
-#: Up to this radius (taps on each side) ``gaussian_filter`` on CPU applies the taps as
-#: shifted multiply-adds on cache-sized chunks; wider filters use the two matrix products
-#: (their cost does not grow with the width). Measured at 224 px on one thread: radius 4,
-#: ~1.6x faster; radius 8, on par.
-SHIFTED_MAX_RADIUS = 7
-
-
-def _pad_edges(x: torch.Tensor, r: int, mode: str) -> torch.Tensor:
-    """Pad the last two dims of ``x [N, H, W]`` by ``r`` with ``mode`` (``r`` < H, W)."""
-    if mode == "nearest":
-        return F.pad(x, (r, r, r, r), mode="replicate")
-    if mode == "reflect101":
-        return F.pad(x, (r, r, r, r), mode="reflect")
-    if mode == "reflect":  # scipy's half-sample mirror (torch has no such padding mode)
-        x = torch.cat((x[:, :r].flip(1), x, x[:, -r:].flip(1)), 1)
-        return torch.cat((x[..., :r].flip(2), x, x[..., -r:].flip(2)), 2)
-    raise ValueError(f"unknown boundary mode {mode!r}; expected one of {BOUNDARY_MODES}")
-
-
-def separable_taps(images: torch.Tensor, weights: torch.Tensor, mode: str) -> torch.Tensor:
-    """Correlate ``images [..., H, W]`` with the centred odd 1-D ``weights`` along both
-    axes (same result as ``apply_separable`` with ``_filter_matrix`` matrices, up to float
-    summation order) by shifted multiply-adds on a padded copy, a few images at a time so
-    every pass stays in cache. Needs a radius below H and W."""
-    *lead, h, w = images.shape
-    r = (weights.numel() - 1) // 2
-    taps = weights.tolist()
-    flat = images.reshape(-1, h, w)
-    out = torch.empty(flat.shape, dtype=images.dtype, device=images.device)
-    step = max(1, CHUNK_ELEMENTS // (h * w)) if images.device.type == "cpu" else len(flat)
-    for s in range(0, flat.shape[0], step):
-        p = _pad_edges(flat[s : s + step], r, mode)
-        # Rows first: each tap is a shift by whole rows of the padded image.
-        v = p[:, :h] * taps[0]
-        for k in range(1, len(taps)):
-            v.add_(p[:, k : k + h], alpha=taps[k])
-        dst = out[s : s + step]
-        torch.mul(v[..., :w], taps[0], out=dst)
-        for k in range(1, len(taps)):
-            dst.add_(v[..., k : k + w], alpha=taps[k])
-    return out.view(images.shape)
-
-
-#: Output columns (rows) per block of ``banded_separable``, and the smallest image side
-#: from which it beats the two dense matrix products on CPU (measured at 224 px, one
-#: thread, radius 8-12: ~2x faster; at 32 px the dense products are cheaper).
-BAND_BLOCK = 32
-BANDED_MIN_SIDE = 128
-
-
-@lru_cache(maxsize=16)
-def _toeplitz_block(
-    weights: tuple[float, ...], blk: int, device: torch.device, dtype: torch.dtype
-) -> torch.Tensor:
-    """``[blk + 2 r, blk]``: column ``j`` holds the centred taps ``weights`` at rows
-    ``j .. j + 2 r`` (output ``j`` of a block from its ``blk + 2 r`` inputs)."""
-    taps = torch.tensor(weights, dtype=torch.float64)
-    span = blk + taps.numel() - 1
-    block = torch.zeros(span, blk, dtype=torch.float64)
-    for j in range(blk):
-        block[j : j + taps.numel(), j] = taps
-    return block.to(device, dtype)
-
-
-def banded_separable(images: torch.Tensor, weights: torch.Tensor, mode: str) -> torch.Tensor:
-    """``separable_taps`` for wide filters on large images: the same correlation as the
-    dense ``M_h @ X @ M_w^T``, with the (banded) matrices cut into blocks.
-
-    Output columns come in blocks of ``BAND_BLOCK``; block ``j`` reads only the
-    ``BAND_BLOCK + 2 r`` padded columns from ``j * BAND_BLOCK`` (an overlapping strided
-    view, no copy), so one batched product with a single shared Toeplitz block does the
-    whole horizontal pass, and the vertical pass likewise per image: ``(2 r + BAND_BLOCK)``
-    instead of ``W`` multiply-adds per value. A few images at a time (cache-sized). Needs
-    a radius below H and W."""
-    *lead, h, w = images.shape
-    r = (weights.numel() - 1) // 2
-    blk, span = BAND_BLOCK, BAND_BLOCK + 2 * r
-    kern = _toeplitz_block(tuple(weights.tolist()), blk, images.device, images.dtype)
-    nbh, nbw = -(-h // blk), -(-w // blk)
-    # Zero rows/columns past the padded image so the last block's window exists (they
-    # only feed outputs beyond H, W, which are dropped).
-    extra_h, extra_w = nbh * blk - h, nbw * blk - w
-    flat = images.reshape(-1, h, w)
-    out = torch.empty(flat.shape, dtype=images.dtype, device=images.device)
-    step = max(1, CHUNK_ELEMENTS // (h * w))
-    for s in range(0, flat.shape[0], step):
-        p = _pad_edges(flat[s : s + step], r, mode)
-        if extra_h or extra_w:
-            p = F.pad(p, (0, extra_w, 0, extra_h))
-        n, hp, wp = p.shape
-        view = p.as_strided((nbw, n * hp, span), (blk, wp, 1))
-        rows = torch.empty(n * hp, nbw, blk, dtype=images.dtype, device=images.device)
-        torch.bmm(view, kern.expand(nbw, span, blk), out=rows.transpose(0, 1))
-        rows = rows.view(n, hp, nbw * blk)
-        left = kern.t().expand(nbh, blk, span)
-        for i in range(n):
-            cols = rows[i].as_strided((nbh, span, nbw * blk), (blk * nbw * blk, nbw * blk, 1))
-            if extra_h or extra_w:
-                res = torch.bmm(left, cols)
-                out[s + i] = res.view(nbh * blk, nbw * blk)[:h, :w]
-            else:  # whole blocks: the product lands in place
-                torch.bmm(left, cols, out=out[s + i].view(nbh, blk, w))
-    return out.view(images.shape)
+#: Dense 1-D Gaussian matrices of ``gaussian_filter`` by (side, sigma, truncate, mode, device,
+#: dtype).
+_GAUSSIAN_MATRICES = BoundedCache(16)
 
 
 def gaussian_filter(
     images: torch.Tensor, sigma: float, *, truncate: float = 4.0, mode: str = "nearest"
 ) -> torch.Tensor:
-    """Isotropic Gaussian blur of ``images [..., H, W]`` (skimage ``gaussian`` per channel)."""
+    """Isotropic Gaussian blur of ``images [..., H, W]`` (skimage ``gaussian`` per channel):
+    ``M_h X M_w^T`` with the dense 1-D filter matrices (``gaussian_matrix``), cached by
+    ``(side, sigma, truncate, mode, device, dtype)`` (building them costs more than applying
+    them to a batch of small images)."""
     h, w = images.shape[-2:]
-    radius = int(truncate * sigma + 0.5) if sigma > 0 else 0
-    if 0 < radius <= SHIFTED_MAX_RADIUS and radius < min(h, w) and images.device.type == "cpu":
-        taps = gaussian_weights(sigma, truncate, images.device, torch.float64)
-        return separable_taps(images, taps, mode)
-    if radius > SHIFTED_MAX_RADIUS and min(h, w) >= BANDED_MIN_SIDE and images.device.type == "cpu":
-        taps = gaussian_weights(sigma, truncate, images.device, torch.float64)
-        if radius < min(h, w):
-            return banded_separable(images, taps, mode)
-    kw = {"truncate": truncate, "mode": mode, "device": images.device, "dtype": images.dtype}
-    mh = gaussian_matrix(h, sigma, **kw)
-    mw = mh if w == h else gaussian_matrix(w, sigma, **kw)
-    return apply_separable(images, mh, mw)
+
+    def matrix(n: int) -> torch.Tensor:
+        key = (n, float(sigma), float(truncate), mode, str(images.device), images.dtype)
+        return _GAUSSIAN_MATRICES.get(
+            key,
+            lambda: gaussian_matrix(
+                n, sigma, truncate=truncate, mode=mode, device=images.device, dtype=images.dtype
+            ),
+        )
+
+    mh = matrix(h)
+    return apply_separable(images, mh, mh if w == h else matrix(w))
 
 
 def fft_size(n: int) -> int:
@@ -264,27 +182,6 @@ def fft_size(n: int) -> int:
 
 #: Spectra of fixed kernels by (cache key, FFT size, device, dtype); a few entries suffice
 #: (one per corruption, severity and image size in use).
-class BoundedCache:
-    """A least-recently-used map of at most ``size`` entries, for values built from
-    unhashable inputs (tensors) under a key the caller names (``functools.lru_cache``
-    needs hashable arguments)."""
-
-    def __init__(self, size: int):
-        self.size = size
-        self._entries: OrderedDict[Hashable, Any] = OrderedDict()
-
-    def get(self, key: Hashable, build: Callable[[], Any]) -> Any:
-        """The value under ``key``; ``build()`` makes (and stores) it on a miss."""
-        if key in self._entries:
-            self._entries.move_to_end(key)
-            return self._entries[key]
-        value = build()
-        self._entries[key] = value
-        while len(self._entries) > self.size:
-            self._entries.popitem(last=False)
-        return value
-
-
 _SPECTRA = BoundedCache(16)
 
 
@@ -551,39 +448,6 @@ def draw_batch(
     for row, g in zip(out, generator.generators):
         fill(row, generator=g)
     return out
-
-
-_GAUSSIAN_MATRICES = BoundedCache(16)
-
-
-def gaussian_filter_cached(
-    images: torch.Tensor, sigma: float, *, truncate: float = 4.0, mode: str = "nearest"
-) -> torch.Tensor:
-    """``gaussian_filter`` (same result, same code paths) with the dense matrices of its
-    matrix-product path cached by ``(side, sigma, truncate, mode, device, dtype)``: building
-    them costs more than applying them to a batch of small images (~0.1 ms vs ~0.2 ms at
-    32 px, batch 64). The tap-based CPU paths, which build no matrix, are taken under the
-    same conditions as in ``gaussian_filter``."""
-    h, w = images.shape[-2:]
-    radius = int(truncate * sigma + 0.5) if sigma > 0 else 0
-    if (
-        images.device.type == "cpu"
-        and 0 < radius < min(h, w)
-        and (radius <= SHIFTED_MAX_RADIUS or min(h, w) >= BANDED_MIN_SIDE)
-    ):
-        return gaussian_filter(images, sigma, truncate=truncate, mode=mode)
-
-    def matrix(n: int) -> torch.Tensor:
-        key = (n, float(sigma), float(truncate), mode, str(images.device), images.dtype)
-        return _GAUSSIAN_MATRICES.get(
-            key,
-            lambda: gaussian_matrix(
-                n, sigma, truncate=truncate, mode=mode, device=images.device, dtype=images.dtype
-            ),
-        )
-
-    mh = matrix(h)
-    return apply_separable(images, mh, mh if w == h else matrix(w))
 
 
 #: Values per thread in each chunk of the tap stacks in ``shifted_taps_rows`` (two samples'

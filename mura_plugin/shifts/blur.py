@@ -20,7 +20,6 @@ from mura_plugin.shifts._ops import (
     apply_pixel_operator,
     correlation_taps,
     fft_correlate,
-    gaussian_filter_cached,
     low_rank_correlate,
     low_rank_factors,
     pixel_operator,
@@ -193,7 +192,7 @@ def glass_blur(
     scale = spatial_scale(table, images)
     sigma, delta = sigma * scale, max(1, int(round(delta * scale)))
     b, c, h, w = images.shape
-    x = gaussian_filter_cached(images, sigma).mul_(255.0).floor_().div_(255.0)
+    x = gaussian_filter(images, sigma).mul_(255.0).floor_().div_(255.0)
     # One 31-bit draw per pixel and iteration from the sample's generator picks the
     # displacement (see ``_glass_tables``).
     draws = torch.empty(b, iterations, h * w, dtype=torch.int32)
@@ -217,7 +216,7 @@ def glass_blur(
         index = torch.gather(src[:, it], 1, index).long()
     flat = x.view(b, c, h * w)
     x = torch.gather(flat, 2, index.view(b, 1, h * w).expand(b, c, h * w)).view(b, c, h, w)
-    return gaussian_filter_cached(x, sigma).clamp_(0.0, 1.0)
+    return gaussian_filter(x, sigma).clamp_(0.0, 1.0)
 
 
 _GLASS_TABLES = BoundedCache(16)

@@ -9,7 +9,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from mura_plugin.shifts._ops import draw_batch, gaussian_filter, gaussian_matrix
+from mura_plugin.shifts._ops import draw_batch, gaussian_filter
 from mura_plugin.shifts._params import check_images, severity_param, spatial_scale
 from tta_bench.rng import SampleGenerator
 
@@ -48,12 +48,6 @@ ROTATION = {
 }
 
 
-#: Up to this many pixels per image, ``elastic_transform`` on CPU smooths the displacement
-#: field by two small dense matrix products (at 32 px ~10x cheaper than the shifted taps
-#: of ``gaussian_filter``, which win on large images; equal up to float rounding).
-ELASTIC_DENSE_PIXELS = 64 * 64
-
-
 @lru_cache(maxsize=16)
 def _corner_grid(h: int, w: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """``affine_grid``'s corner-aligned homogeneous base grid ``[H W, 3]`` (x, y, 1)."""
@@ -68,17 +62,6 @@ def _centre_grid(h: int, w: int, device: torch.device, dtype: torch.dtype) -> to
     eye = torch.tensor([[[1.0, 0.0, 0.0], [0.0, 1.0, 0.0]]], device=device, dtype=dtype)
     grid = F.affine_grid(eye, [1, 1, h, w], align_corners=False)
     return grid.permute(0, 3, 1, 2).contiguous()
-
-
-@lru_cache(maxsize=16)
-def _dense_smoothing(
-    h: int, w: int, sigma: float, device: torch.device, dtype: torch.dtype
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """The displacement smoothing of small images as matrices: ``(Mh [H, H], Mw^T [W, W])``
-    (scipy ``gaussian_filter``, truncate 3, half-sample reflection)."""
-    kw = {"truncate": 3.0, "mode": "reflect", "device": device, "dtype": dtype}
-    mw_t = gaussian_matrix(w, sigma, **kw).t().contiguous()
-    return gaussian_matrix(h, sigma, **kw), mw_t
 
 
 @lru_cache(maxsize=16)
@@ -149,11 +132,7 @@ def elastic_transform(
     if alpha == 0:
         return warped.clamp_(0.0, 1.0)
     fields = fields.mul_(2).sub_(1)
-    if h * w <= ELASTIC_DENSE_PIXELS and dev.type == "cpu":
-        mh, mw_t = _dense_smoothing(h, w, sigma, dev, dt)
-        smooth = torch.matmul(mh, torch.matmul(fields, mw_t))
-    else:
-        smooth = gaussian_filter(fields, sigma, truncate=3.0, mode="reflect")
+    smooth = gaussian_filter(fields, sigma, truncate=3.0, mode="reflect")
     # Pixel-centre grid ((2 x + 1) / n - 1) plus the displacement, in grid units, built
     # planar ([B, 2, H, W]: contiguous, ~9x cheaper than writing through the permutation)
     # and handed to grid_sample as a permuted view (it takes any grid strides).
