@@ -74,7 +74,12 @@ def _resolve_run(args: argparse.Namespace) -> tuple[Any, Any]:
     model = args.model or model or catalog_suites[suite].get("default_model")
     if not model:
         raise UsageError(f"suite {suite!r} names no default model; pass --model")
-    registry("methods").origin(method)  # unknown names: "did you mean"
+    from tta_bench.config import resolve_method
+
+    try:
+        method, preset = resolve_method(method)  # unknown names: "did you mean"
+    except ValueError as exc:  # a broken preset file
+        raise UsageError(str(exc)) from exc
     registry("models").origin(model)
     extra = [f"suite={suite}"]
     if args.output:
@@ -82,7 +87,7 @@ def _resolve_run(args: argparse.Namespace) -> tuple[Any, Any]:
     if args.data_dir:
         extra.append(f"data_dir={args.data_dir}")
     try:
-        cfg = compose([*overrides, *extra], method=method, model=model)
+        cfg = compose([*overrides, *extra], method=method, model=model, preset=preset)
     except Exception as exc:  # Hydra's composition errors: unknown keys, bad types
         if type(exc).__module__.startswith(("hydra", "omegaconf")):
             raise UsageError(f"bad configuration override: {exc}") from exc
@@ -94,6 +99,7 @@ def _resolve_run(args: argparse.Namespace) -> tuple[Any, Any]:
 
     try:
         spec = spec_from_config(cfg, method, model)
+        spec.method_preset = preset
     except ValueError as exc:  # protocol values (reset policy, severities, ...)
         raise UsageError(str(exc)) from exc
     except Exception as exc:  # the method config failed OmegaConf's validation
@@ -341,6 +347,19 @@ def cmd_ls(args: argparse.Namespace) -> int:
 
     kinds = [args.kind] if args.kind else [k for k in LIST_KINDS if k != "configs"]
     for kind in kinds:
+        if kind == "configs":
+            from tta_bench.config import presets
+
+            found = presets()
+            rows = [
+                [f"method={p.name}", p.method, p.distribution, p.description]
+                for p in sorted(found.values(), key=lambda p: p.name)
+            ]
+            headers = ["preset", "method", "from", "description"]
+            if len(kinds) > 1:
+                print(f"\n{kind}:")
+            print(tabulate(rows, headers=headers, tablefmt="simple") if rows else "no presets")
+            continue
         if kind == "suites":
             rows = []
             for name, meta in sorted(catalog.catalog()["suites"].items()):

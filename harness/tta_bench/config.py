@@ -119,6 +119,74 @@ def _register(method_names: list[str], model_names: list[str]) -> None:
         cs.store(group="model", name=name, node=factory_config(name, factory))
 
 
+@dataclasses.dataclass(frozen=True)
+class Preset:
+    """A named method preset: a YAML file ``method/<name>.yaml`` in a plugin's Hydra config
+    package whose defaults list starts with the method it configures, e.g.::
+
+        # tent-digits: tent with info-max, Adam 2e-2, 5 steps (tuned on digits-c-extra)
+        defaults:
+          - tent
+          - _self_
+        loss: info_max
+
+    The first comment line (after ``<name>:``) is its description."""
+
+    name: str
+    method: str
+    description: str
+    package: str
+    distribution: str
+
+
+def presets() -> dict[str, Preset]:
+    """Every method preset of the installed config packages (reads YAML only: no torch)."""
+    import importlib.util
+    from pathlib import Path
+
+    import yaml
+
+    out: dict[str, Preset] = {}
+    configs = registry("configs")
+    for name in configs.names():
+        origin = configs.origin(name)
+        package = origin.value.split(":")[0]
+        spec = importlib.util.find_spec(package)
+        if spec is None or not spec.submodule_search_locations:
+            continue
+        for folder in spec.submodule_search_locations:
+            for path in sorted(Path(folder, "method").glob("*.yaml")):
+                text = path.read_text(encoding="utf-8")
+                data = yaml.safe_load(text) or {}
+                defaults = data.get("defaults") or []
+                base = next((d for d in defaults if isinstance(d, str) and d != "_self_"), None)
+                if base is None:
+                    raise ValueError(
+                        f"preset {path} must start its defaults list with the method it "
+                        "configures (e.g. `defaults: [tent, _self_]`)"
+                    )
+                first = next((ln for ln in text.splitlines() if ln.startswith("#")), "#")
+                desc = first.lstrip("# ").split(":", 1)[-1].strip()
+                out[path.stem] = Preset(path.stem, base, desc, package, origin.distribution)
+    return out
+
+
+def resolve_method(choice: str) -> tuple[str, str | None]:
+    """``(registered method, preset or None)`` for a ``method=`` choice; an unknown name
+    is an error listing the methods and presets."""
+    from tta_bench.registry import UnknownNameError
+
+    methods = registry("methods")
+    if choice in methods:
+        return choice, None
+    found = presets()
+    if choice in found:
+        base = found[choice].method
+        methods.origin(base)  # the preset's method must be installed
+        return base, choice
+    raise UnknownNameError("methods", choice, [*methods.names(), *found])
+
+
 def _search_path_overrides() -> list[str]:
     configs = registry("configs")
     paths = [f"pkg://{configs.origin(n).value.split(':')[0]}" for n in configs.names()]
@@ -127,8 +195,11 @@ def _search_path_overrides() -> list[str]:
     return [f"hydra.searchpath=[{','.join(paths)}]"]
 
 
-def compose(overrides: list[str], method: str, model: str) -> DictConfig:
-    """Compose the run config for ``method`` and ``model`` (both already validated)."""
+def compose(
+    overrides: list[str], method: str, model: str, preset: str | None = None
+) -> DictConfig:
+    """Compose the run config for ``method`` (with its ``preset``, when given) and
+    ``model`` (both already validated)."""
     from hydra import compose as hydra_compose
     from hydra import initialize
 
@@ -139,7 +210,7 @@ def compose(overrides: list[str], method: str, model: str) -> DictConfig:
             overrides=[
                 *_search_path_overrides(),
                 *overrides,
-                f"method={method}",
+                f"method={preset or method}",
                 f"model={model}",
             ],
         )

@@ -48,6 +48,7 @@ def new_record(spec: Any, bundle: Any, device: torch.device, *, from_registry: b
         "schema_version": SCHEMA_VERSION,
         "created": results.now_iso(),
         "method": spec.method,
+        "method_preset": getattr(spec, "method_preset", None),
         "method_config": config_dict(spec.method_config),
         "method_config_hash": method_config_hash(spec.method_config),
         "model": {

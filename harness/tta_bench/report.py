@@ -147,11 +147,16 @@ def _labels(records: Sequence[dict[str, Any]]) -> list[str]:
     configurations."""
     configs: dict[str, set[str]] = {}
     for r in records:
-        configs.setdefault(r["method"], set()).add(_config_hash(r))
+        configs.setdefault(_name(r), set()).add(_config_hash(r))
     return [
-        f"{r['method']} [cfg {_config_hash(r)}]" if len(configs[r["method"]]) > 1 else r["method"]
+        f"{_name(r)} [cfg {_config_hash(r)}]" if len(configs[_name(r)]) > 1 else _name(r)
         for r in records
     ]
+
+
+def _name(record: dict[str, Any]) -> str:
+    """A run's name: its preset (``tent-digits``) when it came from one, else its method."""
+    return record.get("method_preset") or record["method"]
 
 
 def _expected_protocol(suite: str, candidates: list[tuple[Path, dict[str, Any]]]) -> str:

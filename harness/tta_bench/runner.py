@@ -76,6 +76,8 @@ class RunSpec:
     flops: bool = False
     #: Decoded-image cache policy (``tta_bench.data.CACHE_POLICIES``).
     cache: str = "auto"
+    #: The named preset the method config came from (``method=tent-digits``), if any.
+    method_preset: str | None = None
 
 
 def spec_from_config(cfg: Any, method: str, model: str) -> RunSpec:

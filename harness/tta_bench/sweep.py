@@ -90,8 +90,9 @@ def job_filename(spec: Any) -> str:
     from tta_bench.resume import method_config_hash
 
     seeds = "-".join(str(s) for s in spec.seeds)
+    label = getattr(spec, "method_preset", None) or spec.method
     name = (
-        f"{spec.method}-{method_config_hash(spec.method_config)}_{spec.model}_"
+        f"{label}-{method_config_hash(spec.method_config)}_{spec.model}_"
         f"{spec.protocol.id}_seeds{seeds}.json"
     )
     return re.sub(r"[^A-Za-z0-9@._+-]", "_", name)
@@ -116,8 +117,12 @@ def job(cfg: DictConfig) -> str:
     threads = _threads_per_job(hc)
     if threads is not None:
         torch.set_num_threads(threads)
+    from tta_bench.config import resolve_method
+
     method, model = hc.runtime.choices["method"], hc.runtime.choices["model"]
+    method, preset = resolve_method(method)
     spec = build_spec(cfg, method, model)
+    spec.method_preset = preset
     # Never cfg.output: parallel jobs would share one file.
     output = Path(hc.sweep.dir) / RUNS / job_filename(spec)
     record = runner.run(spec, output)

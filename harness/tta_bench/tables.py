@@ -83,7 +83,7 @@ def _per_seed_means(cells: list[dict[str, Any]], key: str) -> list[float]:
 
 def _labels(records: Sequence[dict[str, Any]], labels: Sequence[str] | None) -> list[str]:
     if labels is None:
-        return [r["method"] for r in records]
+        return [r.get("method_preset") or r["method"] for r in records]
     if len(labels) != len(records):
         raise ValueError(f"{len(labels)} labels for {len(records)} records")
     return list(labels)
