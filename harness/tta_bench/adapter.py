@@ -70,13 +70,15 @@ _SETUP_LOCK = threading.Lock()
 # -- configuration -------------------------------------------------------------------------
 def method_config(method: str, overrides: Mapping[str, Any] | Sequence[str] | None = None) -> Any:
     """The ``Config`` dataclass of registered ``method`` with ``overrides`` applied: a mapping
-    (``{"lr": 1e-3, "ranks": [4, 8]}``) or ``key=value`` strings (``"ranks=[4,8]"``; a
-    leading ``method.`` is accepted). Unknown keys and values of the wrong type raise
-    ``ValueError`` naming them and listing the known keys."""
+    (``{"lr": 1e-3, "ranks": [4, 8]}``), ``key=value`` strings (``"ranks=[4,8]"``; a
+    leading ``method.`` is accepted) or a ``Config`` instance (returned as is). Unknown
+    keys and values of the wrong type raise ``ValueError`` naming them and the known keys."""
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
     cls = registry("methods").get(method)
+    if isinstance(overrides, cls.Config):
+        return overrides  # already a validated config of this method
     known = [f.name for f in dataclasses.fields(cls.Config)]
     if overrides is None:
         items: dict[str, Any] = {}
@@ -434,8 +436,11 @@ class Adapter:
         model_args: Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> Adapter:
-        """Around a registered model (``tta-bench ls models``); ``kwargs`` as ``from_bundle``."""
+        """Around a registered model (``tta-bench ls models``); ``kwargs`` as ``from_bundle``.
+        The method and its overrides are checked before the model is built."""
         factory = registry("models").get(model)
+        method = kwargs.get("method", "zeroshot")
+        kwargs["overrides"] = method_config(method, kwargs.get("overrides"))
         torch_state = torch.random.get_rng_state()
         torch.manual_seed(0)  # model construction must not depend on ambient state
         try:
