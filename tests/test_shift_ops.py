@@ -40,11 +40,15 @@ def test_fft_size_is_smooth_and_minimal():
     assert [fft_size(n) for n in (1, 7, 17, 240, 241, 284)] == [1, 8, 18, 240, 243, 288]
 
 
-def test_motion_taps_equal_the_kernel_correlation(rgb):
+@pytest.mark.parametrize("radius,sigma", [(3, 1.5), (12, 6.0)])
+def test_motion_filter_equals_the_kernel_correlation(rgb, radius, sigma):
+    """The tap line equals the correlation with its kernels, edges replicated (lines
+    longer than the image included)."""
     angles = torch.tensor([-40.0, 5.0, 33.0])
-    kernels = blur.motion_kernels(3, 1.5, angles, rgb.device)
+    kernels = blur.motion_kernels(radius, sigma, angles, rgb.device)
     ref = fft_correlate(rgb.double(), kernels, "replicate").float()
-    torch.testing.assert_close(blur.motion_filter(rgb, 3, 1.5, angles), ref, atol=1e-5, rtol=0)
+    out = blur.motion_filter(rgb, radius, sigma, angles)
+    torch.testing.assert_close(out, ref, atol=1e-5, rtol=0)
 
 
 def test_fast_spatter_parts_equal_convolutions():
@@ -219,21 +223,6 @@ def test_canny_equals_opencv(monkeypatch, sparse_limit):
             ref = cv2.Canny(u8[i, 0].numpy().astype("uint8"), 50, 150) > 0
             assert ref.sum() > 50
             assert torch.equal(ours[i, 0] > 0, torch.from_numpy(ref))
-
-
-@pytest.mark.parametrize("channels", [1, 3])
-def test_row_taps_equal_shifted_taps(channels):
-    from mura_plugin.shifts._ops import shifted_taps, shifted_taps_rows
-
-    gen = torch.Generator().manual_seed(5)
-    x = torch.rand(5, channels, 9, 11, generator=gen)
-    # Shifts of both signs, some past the image (edge replication all the way).
-    dy = torch.randint(-14, 15, (5, 7), generator=gen)
-    dx = torch.randint(-20, 3, (5, 7), generator=gen)
-    for weights in (torch.rand(7, generator=gen), torch.rand(5, 7, generator=gen)):
-        out = shifted_taps_rows(x, dy, dx, weights)
-        assert out.is_contiguous() and out.shape == x.shape
-        torch.testing.assert_close(out, shifted_taps(x, dy, dx, weights), atol=1e-6, rtol=0)
 
 
 def _glass_blur_per_iteration(x, severity, seeds, table):

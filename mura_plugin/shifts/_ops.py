@@ -42,7 +42,6 @@ __all__ = [
     "correlation_taps",
     "apply_pixel_operator",
     "draw_batch",
-    "shifted_taps_rows",
 ]
 
 #: Elements (values) per chunk in ``chunk_rows``: big enough to amortise per-op overhead,
@@ -317,9 +316,9 @@ def gather_windows(
     return view.index_select(0, start.to(sources.device))
 
 
-#: Values per chunk of the window stacks in ``shifted_taps`` (a few images' taps: measured
-#: fastest at 32 px; the stack is reduced right after it is written, while still cached).
-TAPS_CHUNK = 1 << 19
+#: Values per chunk of the window stacks in ``shifted_taps``: bounds the stack's memory
+#: (256 MiB of float32) on any device; each chunk is reduced right after it is gathered.
+TAPS_CHUNK = 1 << 26
 
 
 def shifted_taps(
@@ -331,8 +330,8 @@ def shifted_taps(
     ``[B, n]`` (any shift size: the padding is what the shifts need).
 
     Each sample's shifted copies are windows of one padded batch (``gather_windows``) and
-    their weighted sum is one batched product, a few samples at a time (a cache-sized stack
-    of windows on CPU, a bounded one on other devices)."""
+    their weighted sum is one batched product, a few samples at a time (at most
+    ``TAPS_CHUNK`` values of windows)."""
     b, c, h, w = images.shape
     n = dy.shape[1]
     dy, dx = dy.long().cpu(), dx.long().cpu()
@@ -344,7 +343,7 @@ def shifted_taps(
     wts = weights.to(images.device, images.dtype).reshape(-1, 1, n).expand(b, 1, n)
     out = torch.empty(b, 1, c * h * w, device=images.device, dtype=images.dtype)
     per = n * c * h * w
-    step = max(1, (TAPS_CHUNK if images.device.type == "cpu" else 1 << 26) // per)
+    step = max(1, TAPS_CHUNK // per)
     for s in range(0, b, step):
         e = min(b, s + step)
         win = gather_windows(
@@ -447,60 +446,6 @@ def draw_batch(
     out = torch.empty(len(generator), *shape, dtype=dtype)
     for row, g in zip(out, generator.generators):
         fill(row, generator=g)
-    return out
-
-
-#: Values per thread in each chunk of the tap stacks in ``shifted_taps_rows`` (two samples'
-#: taps at 32 px, radius 20: measured fastest on one thread; the stack is reduced right
-#: after it is gathered, while still in the core's cache).
-TAPS_ROWS_CHUNK = 1 << 18
-
-
-def shifted_taps_rows(
-    images: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor, weights: torch.Tensor
-) -> torch.Tensor:
-    """``shifted_taps`` (same contract, same values) for small CPU batches:
-    ``out[b, c, y, x] = sum_j weights[j] * images[b, c, clamp(y - dy[b, j]), clamp(x - dx[b, j])]``
-    for ``images [B, C, H, W]``, integer shifts ``dy, dx [B, n]`` and ``weights [n]`` or
-    ``[B, n]``.
-
-    The batch is padded (edges replicated) along the width only; the vertical edge rule
-    goes into the row indices (clamped) instead. Each tap's shifted copy is then ``C * H``
-    rows of ``W`` values, gathered by row index (int32: half the index traffic) for a few
-    samples at a time into one reused buffer and reduced by one batched product while still
-    in cache. Against ``shifted_taps`` (4 samples per chunk, a fresh stack per chunk, a
-    batch padded on all four sides) about 2x faster at 32 px, radius 20, one thread."""
-    b, c, h, w = images.shape
-    n = dy.shape[1]
-    dy, dx = dy.cpu().int(), dx.cpu().int()
-    lft, rgt = max(0, int(dx.max())), max(0, -int(dx.min()))
-    wp = w + lft + rgt
-    padded = images.new_empty(b, c, h, wp)
-    padded[..., lft : lft + w] = images
-    if lft:
-        padded[..., :lft] = padded[..., lft : lft + 1]
-    if rgt:
-        padded[..., lft + w :] = padded[..., lft + w - 1 : lft + w]
-    # One row per padded position: the W values from it (rows never cross a padded image
-    # row, since every start column is at most lft + rgt).
-    rows = padded.view(-1).as_strided((padded.numel() - w + 1, w), (1, 1))
-    i32 = torch.int32
-    src_row = (torch.arange(h, dtype=i32).view(1, 1, h) - dy.view(b, n, 1)).clamp_(0, h - 1)
-    first = (torch.arange(b, dtype=i32) * (c * h * wp)).view(b, 1, 1) + (lft - dx).view(b, n, 1)
-    start = src_row.mul_(wp).add_(first).view(b, n, 1, h)
-    start = (start + (torch.arange(c, dtype=i32) * (h * wp)).view(1, 1, c, 1)).view(-1)
-    wts = weights.to(images.dtype).reshape(-1, 1, n).expand(b, 1, n)
-    out = torch.empty_like(images, memory_format=torch.contiguous_format)
-    flat_out = out.view(b, 1, c * h * w)
-    per = n * c * h * w
-    step = max(1, TAPS_ROWS_CHUNK * torch.get_num_threads() // per)
-    rows_per = n * c * h
-    buf = images.new_empty(min(step, b) * rows_per, w)
-    for s in range(0, b, step):
-        e = min(b, s + step)
-        taps = buf[: (e - s) * rows_per]
-        torch.index_select(rows, 0, start[s * rows_per : e * rows_per], out=taps)
-        torch.bmm(wts[s:e], taps.view(e - s, n, c * h * w), out=flat_out[s:e])
     return out
 
 

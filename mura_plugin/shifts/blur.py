@@ -19,12 +19,12 @@ from mura_plugin.shifts._ops import (
     _filter_matrix,
     apply_pixel_operator,
     correlation_taps,
+    draw_batch,
     fft_correlate,
     low_rank_correlate,
     low_rank_factors,
     pixel_operator,
     shifted_taps,
-    shifted_taps_rows,
     zoom_axis,
 )
 from mura_plugin.shifts._ops import gaussian_filter as _gaussian_filter
@@ -281,56 +281,15 @@ def motion_kernels(
     return kern.view(-1, k, k).to(device)
 
 
-def motion_taps(radius: int, sigma: float, angles: torch.Tensor) -> list[dict[tuple, float]]:
-    """Per angle, the motion line's taps ``{(dy, dx): weight}`` (coinciding offsets merged):
-    ``out[y, x] = sum weight * image[y - dy, x - dx]`` is the correlation with
-    ``motion_kernels``."""
-    g, dy, dx = motion_offsets(radius, sigma, angles)
-    g, dys, dxs = g.tolist(), dy.tolist(), dx.tolist()
-    taps = []
-    for dy_row, dx_row in zip(dys, dxs):
-        merged: dict[tuple, float] = {}
-        for dy, dx, wt in zip(dy_row, dx_row, g):
-            merged[(dy, dx)] = merged.get((dy, dx), 0.0) + wt
-        taps.append(merged)
-    return taps
-
-
-#: Up to this many pixels per image, ``motion_filter`` gathers all taps of a few samples at
-#: once (``shifted_taps``); larger images take per-sample shifted adds (see there).
-SMALL_MOTION_PIXELS = 64 * 64
-
-
 def motion_filter(
     images: torch.Tensor, radius: int, sigma: float, angles: torch.Tensor
 ) -> torch.Tensor:
     """Per-sample motion blur of ``images [B, C, H, W]`` at ``angles [B]`` (degrees), edges
     replicated. The line has only ``2 * radius + 1`` taps, so it is applied directly as
-    weighted shifted copies (far cheaper than a per-sample FFT of the whole image)."""
-    b, c, h, w = images.shape
-    if h * w <= SMALL_MOTION_PIXELS or images.device.type != "cpu":
-        # Small images (and GPUs): windows of a padded batch, a few samples at a time, and
-        # one batched product; the Python loop of shifted adds per sample and tap below
-        # would be dominated by per-op overhead (at 32 px, radius 20: ~10x faster than it,
-        # ~7x faster than a batched FFT correlation with the line kernels).
-        g, dy, dx = motion_offsets(radius, sigma, angles)
-        if images.device.type == "cpu":
-            # The same values, ~2x faster on CPU (see there).
-            return shifted_taps_rows(images, dy, dx, g)
-        return shifted_taps(images, dy, dx, g)
-    taps = motion_taps(radius, sigma, angles)
-    pad = max(max(abs(dy), abs(dx)) for t in taps for dy, dx in t)
-    padded = F.pad(images, (pad, pad, pad, pad), mode="replicate") if pad else images
-    out = torch.empty_like(images)
-    for k, sample_taps in enumerate(taps):
-        dst, src = out[k], padded[k]
-        for j, ((dy, dx), wt) in enumerate(sample_taps.items()):
-            view = src[:, pad - dy : pad - dy + h, pad - dx : pad - dx + w]
-            if j == 0:
-                torch.mul(view, wt, out=dst)
-            else:
-                dst.add_(view, alpha=wt)
-    return out
+    weighted shifted copies (``shifted_taps``; far cheaper than a per-sample FFT of the
+    whole image)."""
+    g, dy, dx = motion_offsets(radius, sigma, angles)
+    return shifted_taps(images, dy, dx, g)
 
 
 def motion_blur(
@@ -340,12 +299,7 @@ def motion_blur(
     check_images("motion_blur", images)
     radius, sigma = severity_param("motion_blur", MOTION_BLUR, table, severity)
     scale = spatial_scale(table, images)
-    # generator.uniform(1)'s draws (rand fills with uniform_), each sample's generator
-    # filling its own entry in place: a tensor per sample and a stack cost ~8x more.
-    u = torch.empty(len(generator))
-    for row, g in zip(u.unbind(0), generator.generators):
-        row.uniform_(generator=g)
-    angles = u * 90.0 - 45.0
+    angles = draw_batch(generator, "uniform", 1)[:, 0] * 90.0 - 45.0
     radius = max(1, int(round(radius * scale)))
     return motion_filter(images, radius, sigma * scale, angles).clamp_(0.0, 1.0)
 
