@@ -345,6 +345,37 @@ def test_batclip_adapts_both_towers_online_and_predicts_from_its_forward(classif
     assert not torch.allclose(method.step(x), first, atol=1e-4)  # no reset of its own
 
 
+def test_batclip_two_pass_text_gradient_equals_one_pass(classifier, batch):
+    """adapt() pushes the class features' gradient through the text tower chunk by chunk;
+    the gradients equal those of one differentiable pass (here 3 classes per chunk)."""
+    x = batch[:8]
+    small = copy.deepcopy(classifier)
+    small.text_chunk_size = 3 * len(classifier.templates)
+    method = _build(BATCLIP, small)
+    assert len(method._class_chunks()) == 4
+    method.optimizer.zero_grad(set_to_none=True)
+    method.compute_loss(x)[0].mean().backward()
+    one_pass = [p.grad.clone() for p in method.params]
+
+    method.optimizer.zero_grad(set_to_none=True)
+    with torch.no_grad():
+        text = method.class_text_features()
+    text.requires_grad_(True)
+    method.batch_loss(x, text)[0].mean().backward()
+    method._text_backward(text.grad)
+    for a, b in zip(one_pass, method.params):
+        torch.testing.assert_close(b.grad, a, rtol=1e-4, atol=1e-6)
+    assert any(float(g.abs().sum()) > 0 for g in one_pass)
+
+
+def test_chunked_prompt_features_equal_one_forward(classifier):
+    small = copy.deepcopy(classifier)
+    small.text_chunk_size = 5  # one class (4 templates) per text forward
+    with torch.no_grad():
+        chunked = prompt_features(small, classifier.classnames, classifier.templates)
+    torch.testing.assert_close(chunked, classifier.class_embeddings, rtol=0, atol=1e-6)
+
+
 def test_batclip_official_defaults():
     cfg = BATCLIP.Config()
     assert (cfg.loss, cfg.optimizer, cfg.lr, cfg.weight_decay, cfg.steps) == (

@@ -24,7 +24,10 @@ __all__ = [
     "TEXT_HEADS",
     "check_text_head",
     "encode_text",
+    "ensemble_features",
+    "names_per_chunk",
     "prompt_features",
+    "prompt_tokens",
     "text_layer_norm_parameters",
     "vision_layer_norm_parameters",
 ]
@@ -114,17 +117,44 @@ def encode_text(clip: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def prompt_tokens(
+    model: ZeroShotClassifier, names: Sequence[str], templates: Sequence[str]
+) -> torch.Tensor:
+    """Token ids ``[N * T, L]`` of ``template.format(name)``, name-major (the T prompts of a
+    name are consecutive), on the model's device."""
+    device = next(model.clip.parameters()).device
+    return model.tokenizer([t.format(n) for n in names for t in templates]).to(device)
+
+
+def ensemble_features(clip: nn.Module, tokens: torch.Tensor, n_templates: int) -> torch.Tensor:
+    """Template-ensemble features ``[N, D]`` of name-major prompt tokens ``[N * T, L]``: per
+    name, the normalised mean over its T prompts of their normalised features, the rule the
+    protocol head is built with. Differentiable; one text forward."""
+    feats = F.normalize(encode_text(clip, tokens), dim=-1)
+    feats = feats.view(-1, n_templates, feats.shape[-1]).mean(dim=1)
+    return F.normalize(feats, dim=-1)
+
+
+def names_per_chunk(model: ZeroShotClassifier, n_templates: int) -> int:
+    """How many names' prompts fit one text forward of at most ``model.text_chunk_size``
+    prompts (at least one name: its templates are ensembled together)."""
+    return max(1, int(getattr(model, "text_chunk_size", 256)) // n_templates)
+
+
 def prompt_features(
     model: ZeroShotClassifier, names: Sequence[str], templates: Sequence[str]
 ) -> torch.Tensor:
     """Template-ensemble text features ``[N, D]`` of ``names`` (class names, or CLIPArTT's
-    joined pseudo-label names): for each name, the normalised mean over ``templates`` of the
-    normalised features of ``template.format(name)``, the rule ``encode_templates`` builds the
-    protocol head with. Differentiable (no ``no_grad`` here); one text forward."""
+    joined pseudo-label names) under ``templates`` (``ensemble_features``), encoded in chunks
+    of whole names of at most ``model.text_chunk_size`` prompts: under ``no_grad`` the peak
+    memory is one chunk's. Differentiable when called with gradients enabled."""
     names, templates = list(names), list(templates)
-    device = next(model.clip.parameters()).device
-    prompts = [t.format(n) for n in names for t in templates]
-    tokens = model.tokenizer(prompts).to(device)
-    feats = F.normalize(encode_text(model.clip, tokens), dim=-1)
-    feats = feats.view(len(names), len(templates), -1).mean(dim=1)
-    return F.normalize(feats, dim=-1)
+    step = names_per_chunk(model, len(templates))
+    return torch.cat(
+        [
+            ensemble_features(
+                model.clip, prompt_tokens(model, names[i : i + step], templates), len(templates)
+            )
+            for i in range(0, len(names), step)
+        ]
+    )

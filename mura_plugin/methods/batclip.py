@@ -44,7 +44,11 @@ What differs from the official code and why:
 * The loss terms are computed in float32 from the (autocast) features, the prototypes by one
   scatter-add instead of a Python loop over classes (same sums, another summation order).
 * The text prompts are cut after the longest end token before the text transformer (exact
-  for causal text towers, see ``_clip_text.encode_text``).
+  for causal text towers, see ``_clip_text.encode_text``), and the text tower's gradient is
+  computed in two passes (class features without gradients, then the tower re-run in chunks
+  of ``model.text_chunk_size`` prompts to push their gradient through): the same gradient
+  with one chunk's activations alive, so a 1,000-class x 80-template protocol head fits;
+  the text tower runs twice per step.
 * LayerNorm only: the official code also adapts BatchNorm/GroupNorm layers (ResNet CLIPs,
   BatchNorm2d with batch statistics); a tower without LayerNorm is a ValueError here.
 
@@ -62,7 +66,9 @@ from torch import nn
 
 from mura_plugin.methods._clip_text import (
     check_text_head,
-    encode_text,
+    ensemble_features,
+    names_per_chunk,
+    prompt_tokens,
     text_layer_norm_parameters,
     vision_layer_norm_parameters,
 )
@@ -141,23 +147,48 @@ class BATCLIP(GradientMethod):
             self.templates = [BATCLIP_TEMPLATE]
         else:
             self.templates = list(model.templates)
-        prompts = [t.format(c) for c in model.classnames for t in self.templates]
-        device = next(model.clip.parameters()).device
-        self.tokens = model.tokenizer(prompts).to(device)
+        self.tokens = prompt_tokens(model, model.classnames, self.templates)
+        self._classes_per_chunk = names_per_chunk(model, len(self.templates))
 
     def collect_params(self, model: ZeroShotClassifier) -> list[nn.Parameter]:
         return vision_layer_norm_parameters(model, "batclip") + text_layer_norm_parameters(
             model, "batclip"
         )
 
+    # -- text side -----------------------------------------------------------------------
+    def _class_chunks(self) -> list[tuple[slice, torch.Tensor]]:
+        """``(classes, their prompt tokens)`` per text forward of at most
+        ``model.text_chunk_size`` prompts (whole classes)."""
+        n_t, step = len(self.templates), self._classes_per_chunk
+        return [
+            (slice(c, c + step), self.tokens[c * n_t : (c + step) * n_t])
+            for c in range(0, self.model.num_classes, step)
+        ]
+
     def class_text_features(self) -> torch.Tensor:
         """Normalised class features ``[C, D]`` from the current text tower: the template
-        ensemble (normalised mean of normalised prompt features), with gradients."""
-        feats = F.normalize(encode_text(self.model.clip, self.tokens), dim=-1)
-        feats = feats.view(self.model.num_classes, len(self.templates), -1).mean(dim=1)
-        return F.normalize(feats, dim=-1)
+        ensemble (normalised mean of normalised prompt features); differentiable."""
+        n_t = len(self.templates)
+        return torch.cat(
+            [ensemble_features(self.model.clip, tokens, n_t) for _, tokens in self._class_chunks()]
+        )
 
-    def compute_loss(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    def _text_backward(self, grad: torch.Tensor) -> None:
+        """Accumulate into the text tower's parameters the gradient of the loss whose
+        gradient with respect to the class features is ``grad [C, D]``, re-encoding the
+        classes chunk by chunk: exact, with one chunk's activations alive at a time."""
+        n_t = len(self.templates)
+        for classes, tokens in self._class_chunks():
+            with torch.enable_grad(), self.autocast():
+                feats = ensemble_features(self.model.clip, tokens, n_t)
+            torch.autograd.backward(feats, grad[classes].to(feats.dtype))
+
+    # -- adaptation ----------------------------------------------------------------------
+    def batch_loss(
+        self, images: torch.Tensor, text: torch.Tensor
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``(per-sample loss [B], logits [B, C])`` given class features ``text [C, D]``; the
+        mean of the loss is the official ``entropy - i2t - inter``."""
         size = self.model.preprocess.image_size
         if tuple(images.shape[-2:]) != (size, size):
             raise ValueError(
@@ -165,15 +196,38 @@ class BATCLIP(GradientMethod):
                 f"{tuple(images.shape[-2:])}: the data pipeline must resize to the model's size"
             )
         raw = self.model.clip.encode_image(self.model.normalize(images))  # before normalising
-        text = self.class_text_features()
         logits = self.model.logit_scale * F.normalize(raw, dim=-1) @ text.t().to(raw.dtype)
         labels = logits.detach().argmax(dim=-1)
         cfg = self.config
         batch_terms = cfg.i2t_weight * prototype_text_alignment(raw, text, labels)
         batch_terms = batch_terms + cfg.inter_weight * inter_class_separation(raw, labels)
-        # the batch terms are shared: subtracted from every sample, the mean is the official
-        # loss entropy - i2t - inter
+        # the batch terms are shared: subtracted from every sample, so the mean is the
+        # official loss
         return self.loss_fn(logits) - batch_terms, logits
+
+    def compute_loss(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.batch_loss(images, self.class_text_features())
+
+    def adapt(self, images: torch.Tensor) -> torch.Tensor:
+        """``steps`` optimiser steps on ``compute_loss``'s objective, with the text tower's
+        gradient computed in two passes: class features without gradients first (a leaf
+        the loss differentiates), then the text tower re-run chunk by chunk to push that
+        leaf's gradient through it. Same gradients as one pass; memory bounded by a chunk
+        (1,000 classes x 80 templates would not fit with all activations kept)."""
+        logits = None
+        for _ in range(self.config.steps):
+            with torch.no_grad(), self.autocast():
+                text = self.class_text_features()
+            text.requires_grad_(True)
+            with torch.enable_grad(), self.autocast():
+                loss, logits = self.batch_loss(images, text)
+                loss = loss.mean()
+            self.optimizer.zero_grad(set_to_none=True)
+            loss.backward()
+            self._text_backward(text.grad)
+            self.optimizer.step()
+            self.last_loss = loss.detach()
+        return logits
 
     @torch.no_grad()
     def predict(self, images: torch.Tensor) -> torch.Tensor:
