@@ -4,8 +4,7 @@ Everything here is device-agnostic torch on ``[B, C, H, W]`` float batches. Sepa
 filters are applied as two dense matrix products (``M_h @ X @ M_w^T``): the boundary rule is
 folded into the matrices, so the cost does not grow with the filter's width and big blurs
 stay cheap, on every device. Non-separable kernels
-(disks) use FFT convolution after padding; on small images any fixed linear map can be
-tabulated once as a (sparse) pixel-space matrix (``pixel_operator``). Per-sample sparse
+(disks) use FFT convolution after padding. Per-sample sparse
 kernels (motion lines) are weighted sums of windows of a padded batch (``shifted_taps``,
 built on ``gather_windows``).
 """
@@ -14,7 +13,6 @@ from __future__ import annotations
 
 import math
 import threading
-import warnings
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any
@@ -38,9 +36,6 @@ __all__ = [
     "chunk_rows",
     "gather_windows",
     "shifted_taps",
-    "pixel_operator",
-    "correlation_taps",
-    "apply_pixel_operator",
     "draw_batch",
 ]
 
@@ -51,6 +46,11 @@ __all__ = [
 CHUNK_ELEMENTS = 1 << 17
 
 BOUNDARY_MODES = ("nearest", "reflect", "reflect101")
+
+#: The most values a kernel's stack of shifted or zoomed copies holds at once (256 MiB of
+#: float32), on any device: ``shifted_taps`` and zoom_blur build such stacks a few samples
+#: at a time and reduce each right after it is written.
+STACK_ELEMENTS = 1 << 26
 
 
 class BoundedCache:
@@ -203,7 +203,7 @@ def fft_correlate(
     reflect-101) so the circular FFT product equals the bounded correlation inside the
     image (the FFT length is then rounded up to a 5-smooth size; the extra zeros never wrap
     into the kept region). A hashable ``cache_key`` naming a fixed kernel caches its
-    spectrum. Big CPU batches are transformed a few images at a time.
+    spectrum.
     """
     b, c, h, w = images.shape
     kh, kw = kernels.shape[-2:]
@@ -217,24 +217,17 @@ def fft_correlate(
         spec_k = spectrum()
     else:
         spec_k = _SPECTRA.get((cache_key, fh, fw, str(images.device), images.dtype), spectrum)
-    shared = spec_k.shape[0] == 1
-    out = torch.empty_like(images)
-    step = max(1, (1 << 20) // (c * fh * fw)) if images.device.type == "cpu" and shared else b
-    for s in range(0, b, step):
-        x = images[s : s + step]
-        if mode == "reflect" and (ry >= h or rx >= w):
-            # torch's reflect padding needs pad < size; fold indices ourselves instead.
-            iy = fold_index(torch.arange(-ry, h + ry, device=images.device), h, "reflect101")
-            ix = fold_index(torch.arange(-rx, w + rx, device=images.device), w, "reflect101")
-            padded = x[:, :, iy][:, :, :, ix]
-        else:
-            padded = F.pad(x, (rx, rx, ry, ry), mode=mode)
-        k = spec_k if shared else spec_k[s : s + step]
-        spec = torch.fft.rfft2(padded, s=(fh, fw))
-        spec.mul_(k[:, None])
-        res = torch.fft.irfft2(spec, s=(fh, fw))
-        out[s : s + step] = res[:, :, ry : ry + h, rx : rx + w]
-    return out
+    if mode == "reflect" and (ry >= h or rx >= w):
+        # torch's reflect padding needs pad < size; fold the indices instead.
+        iy = fold_index(torch.arange(-ry, h + ry, device=images.device), h, "reflect101")
+        ix = fold_index(torch.arange(-rx, w + rx, device=images.device), w, "reflect101")
+        padded = images[:, :, iy][:, :, :, ix]
+    else:
+        padded = F.pad(images, (rx, rx, ry, ry), mode=mode)
+    spec = torch.fft.rfft2(padded, s=(fh, fw))
+    spec.mul_(spec_k[:, None])
+    res = torch.fft.irfft2(spec, s=(fh, fw))
+    return res[:, :, ry : ry + h, rx : rx + w].contiguous()
 
 
 def zoom_axis(n: int, factor: float, device: torch.device) -> tuple[torch.Tensor, ...]:
@@ -316,11 +309,6 @@ def gather_windows(
     return view.index_select(0, start.to(sources.device))
 
 
-#: Values per chunk of the window stacks in ``shifted_taps``: bounds the stack's memory
-#: (256 MiB of float32) on any device; each chunk is reduced right after it is gathered.
-TAPS_CHUNK = 1 << 26
-
-
 def shifted_taps(
     images: torch.Tensor, dy: torch.Tensor, dx: torch.Tensor, weights: torch.Tensor
 ) -> torch.Tensor:
@@ -331,7 +319,7 @@ def shifted_taps(
 
     Each sample's shifted copies are windows of one padded batch (``gather_windows``) and
     their weighted sum is one batched product, a few samples at a time (at most
-    ``TAPS_CHUNK`` values of windows)."""
+    ``STACK_ELEMENTS`` values of windows)."""
     b, c, h, w = images.shape
     n = dy.shape[1]
     dy, dx = dy.long().cpu(), dx.long().cpu()
@@ -343,7 +331,7 @@ def shifted_taps(
     wts = weights.to(images.device, images.dtype).reshape(-1, 1, n).expand(b, 1, n)
     out = torch.empty(b, 1, c * h * w, device=images.device, dtype=images.dtype)
     per = n * c * h * w
-    step = max(1, TAPS_CHUNK // per)
+    step = max(1, STACK_ELEMENTS // per)
     for s in range(0, b, step):
         e = min(b, s + step)
         win = gather_windows(
@@ -351,84 +339,6 @@ def shifted_taps(
         )
         torch.bmm(wts[s:e], win.view(e - s, n, c * h * w), out=out[s:e])
     return out.view(b, c, h, w)
-
-
-#: ``pixel_operator`` applies to images of at most this many pixels (the operator has
-#: ``(H W)^2`` entries, and building it applies the map to ``H W`` impulse images: ~40 MB
-#: of float64 at this size); a dense one only up to ``DENSE_OPERATOR_PIXELS`` (4 MB).
-OPERATOR_MAX_PIXELS = 48 * 48
-DENSE_OPERATOR_PIXELS = 32 * 32
-#: Stored sparse when at most this fraction of the entries is non-zero.
-SPARSE_OPERATOR_DENSITY = 0.15
-_OPERATORS = BoundedCache(16)  # every (kernel, severity) of a suite: a rebuild costs ~0.1 s
-
-
-PixelTaps = tuple[torch.Tensor, torch.Tensor, torch.Tensor]
-
-
-def pixel_operator(
-    key: object,
-    h: int,
-    w: int,
-    build: Callable[[], PixelTaps],
-    device: torch.device,
-    dtype: torch.dtype,
-) -> torch.Tensor | None:
-    """The matrix of a fixed linear per-channel image map, for ``apply_pixel_operator``;
-    ``None`` when it would be too big (see ``OPERATOR_MAX_PIXELS``).
-
-    ``build()`` lists the map's taps as flat pixel indices and weights ``(out, src,
-    weight)`` (int64, int64, float64; repeated pairs add up): ``out[o] += weight *
-    image[src]``. Cached by ``(key, h, w, device, dtype)``: small images then cost one
-    (sparse) matrix product per batch instead of the map's own passes."""
-    n = h * w
-    if n > OPERATOR_MAX_PIXELS:
-        return None
-    return _OPERATORS.get(
-        (key, h, w, str(device), dtype), lambda: _build_operator(n, build(), device, dtype)
-    )
-
-
-def _build_operator(
-    n: int, taps: PixelTaps, device: torch.device, dtype: torch.dtype
-) -> torch.Tensor | None:
-    """``pixel_operator``'s matrix of ``n``-pixel images from its ``taps``, or None."""
-    out_idx, src_idx, weight = taps
-    # Accumulated densely (at most OPERATOR_MAX_PIXELS^2 float64: ~40 MB, briefly): far
-    # cheaper than coalescing a sparse tensor with many repeated pairs.
-    mat = torch.zeros(n * n, dtype=torch.float64)
-    mat.index_add_(0, out_idx * n + src_idx, weight)
-    mat = mat.view(n, n)  # [out, src]
-    density = mat.count_nonzero().item() / (n * n)
-    if density <= SPARSE_OPERATOR_DENSITY:
-        with warnings.catch_warnings():  # "sparse CSR support is in beta": it is used as is
-            warnings.simplefilter("ignore", UserWarning)
-            return mat.to(dtype).to_sparse_csr().to(device)
-    if n <= DENSE_OPERATOR_PIXELS:
-        return mat.t().to(device, dtype).contiguous()
-    return None
-
-
-def correlation_taps(h: int, w: int, kernel: torch.Tensor, mode: str) -> PixelTaps:
-    """``pixel_operator`` taps of the correlation of ``[h, w]`` images with the centred
-    ``kernel [kh, kw]`` (odd sides) and boundary ``mode`` (see ``fold_index``)."""
-    kh, kw = kernel.shape
-    ys = fold_index(torch.arange(h)[:, None] + torch.arange(kh) - kh // 2, h, mode)  # [h, kh]
-    xs = fold_index(torch.arange(w)[:, None] + torch.arange(kw) - kw // 2, w, mode)  # [w, kw]
-    src = ys[:, None, :, None] * w + xs[None, :, None, :]  # [h, w, kh, kw]
-    out = torch.arange(h * w).view(h, w, 1, 1).expand_as(src)
-    weight = kernel.double().cpu().expand_as(src)
-    return out.reshape(-1), src.reshape(-1), weight.reshape(-1)
-
-
-def apply_pixel_operator(images: torch.Tensor, op: torch.Tensor) -> torch.Tensor:
-    """Apply a ``pixel_operator`` matrix to every channel of ``images [B, C, H, W]``."""
-    b, c, h, w = images.shape
-    flat = images.reshape(b * c, h * w)
-    if op.layout == torch.sparse_csr:
-        # (op^T x^T)^T with op stored transposed: sparse rows are output pixels.
-        return (op @ flat.t()).t().reshape(b, c, h, w)
-    return (flat @ op).view(b, c, h, w)
 
 
 def draw_batch(
@@ -469,59 +379,3 @@ def scratch(tag: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tenso
     if buf is None or buf.numel() < n:
         buf = store[(tag, dtype)] = torch.empty(n, dtype=dtype)
     return buf[:n].view(shape)
-
-
-#: ``low_rank_correlate`` is meant for images of at most this many pixels: its cost per
-#: channel, ``rank * H * W * (H + W)`` multiply-adds, grows faster than a spectral
-#: product's (measured on one thread, batch 64, disks of the digits and cifar tables: ~2x
-#: faster than a pixel-space matrix at 28-40 px; at 48 px slower than FFT at one radius).
-LOW_RANK_MAX_PIXELS = 40 * 40
-_LOW_RANK = BoundedCache(16)
-
-
-def low_rank_factors(
-    key: object,
-    h: int,
-    w: int,
-    build: Callable[[], tuple[torch.Tensor, torch.Tensor]],
-    mode: str,
-    device: torch.device,
-    dtype: torch.dtype,
-) -> tuple[torch.Tensor, torch.Tensor]:
-    """``low_rank_correlate``'s matrices for ``[h, w]`` images, cached by ``(key, h, w,
-    mode, device, dtype)``.
-
-    ``build()`` gives a kernel as a sum of ``r`` separable terms, ``(cols [kh, r], rows
-    [kw, r])`` (float64, odd sides, centred): ``kernel = cols @ rows^T``. With ``A_i`` and
-    ``B_i`` the ``[h, h]`` and ``[w, w]`` 1-D correlation matrices of ``cols[:, i]`` and
-    ``rows[:, i]`` under boundary ``mode`` (``fold_index``; the fold is separable, so the
-    bounded 2-D correlation is ``sum_i A_i X B_i^T``), returns ``right [w, r w]`` with
-    ``right[x', (i, x)] = B_i[x, x']`` and ``left [h, h r]`` with ``left[y', (y, i)] =
-    A_i[y', y]``."""
-
-    def make() -> tuple[torch.Tensor, torch.Tensor]:
-        cols, rows = build()
-        r = cols.shape[1]
-        b = [_filter_matrix(w, rows[:, i].double().cpu(), mode).t() for i in range(r)]
-        a = [_filter_matrix(h, cols[:, i].double().cpu(), mode) for i in range(r)]
-        right = torch.stack(b, 1).reshape(w, r * w)
-        left = torch.stack(a, 2).reshape(h, h * r)
-        return left.to(device, dtype).contiguous(), right.to(device, dtype).contiguous()
-
-    return _LOW_RANK.get((key, h, w, mode, str(device), dtype), make)
-
-
-def low_rank_correlate(
-    images: torch.Tensor, factors: tuple[torch.Tensor, torch.Tensor]
-) -> torch.Tensor:
-    """Correlate every channel of ``images [B, C, H, W]`` with a kernel given as separable
-    terms (``low_rank_factors``): ``sum_i A_i X B_i^T`` as two matrix products, every
-    term's row pass at once (``[B C H, W] @ right``, whose rows ``(y, i)`` per channel are
-    then the reduction axis of the column pass ``left @ [B C, H r, W]``; no transposition
-    between them). ``r H W (H + W)`` multiply-adds per channel instead of ``(H W)^2`` for
-    the pixel-space matrix: a disk of radius 10 at 32 px has rank 7, ~2x faster."""
-    left, right = factors
-    b, c, h, w = images.shape
-    r = right.shape[1] // w
-    rows = images.reshape(b * c * h, w) @ right  # [(b, c, y), (i, x)]
-    return torch.matmul(left, rows.view(b * c, h * r, w)).view(b, c, h, w)

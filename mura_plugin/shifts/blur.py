@@ -14,16 +14,11 @@ import torch
 import torch.nn.functional as F
 
 from mura_plugin.shifts._ops import (
-    LOW_RANK_MAX_PIXELS,
+    STACK_ELEMENTS,
     BoundedCache,
     _filter_matrix,
-    apply_pixel_operator,
-    correlation_taps,
     draw_batch,
     fft_correlate,
-    low_rank_correlate,
-    low_rank_factors,
-    pixel_operator,
     shifted_taps,
     zoom_axis,
 )
@@ -39,7 +34,6 @@ __all__ = [
     "motion_blur",
     "zoom_blur",
     "disk_kernel",
-    "disk_factors",
     "motion_filter",
 ]
 
@@ -116,34 +110,6 @@ def disk_kernel(
     return m @ disk @ m.t()
 
 
-def disk_factors(radius: float, alias_blur: float) -> tuple[torch.Tensor, torch.Tensor]:
-    """``disk_kernel(radius, alias_blur)`` as a sum of separable terms with non-negative
-    factors, ``(cols [k, r], rows [k, r])`` float64 (CPU) with ``kernel = cols @ rows^T``,
-    ``r`` the number of distinct row widths of the disk (7 at radius 10).
-
-    The disk is cut into vertical bands of the columns sharing one height (the pixels of
-    band ``j`` are the rows at least as wide as its width ``w_j``, the columns with
-    ``w_(j+1) < 2 |x| + 1 <= w_j``): each band is separable, and the anti-aliasing blur
-    ``m`` (the same on both axes) maps the terms to ``(m a_j)(m b_j)^T``. Non-negative
-    factors sum without cancellation (more accurate than an SVD's in float32)."""
-    half = 8 if radius <= 8 else int(radius)
-    ksize = 3 if radius <= 8 else 5
-    ax = torch.arange(-half, half + 1, dtype=torch.float64)
-    inside = (ax[:, None] ** 2 + ax[None, :] ** 2) <= radius**2
-    width = inside.sum(1)  # each row's run of pixels, centred (odd)
-    widths = sorted({int(v) for v in width.tolist()} - {0}, reverse=True)
-    cols, rows = [], []
-    for j, wd in enumerate(widths):
-        narrower = widths[j + 1] if j + 1 < len(widths) else -1
-        cols.append((width >= wd).double())
-        band = (2 * ax.abs() + 1 <= wd) & (2 * ax.abs() + 1 > narrower)
-        rows.append(band.double())
-    x = torch.arange(ksize, dtype=torch.float64) - (ksize - 1) / 2
-    g = torch.exp(-(x**2) / (2 * alias_blur**2))
-    m = _filter_matrix(len(ax), g / g.sum(), "reflect101")
-    return m @ torch.stack(cols, 1) / inside.sum(), m @ torch.stack(rows, 1)
-
-
 def defocus_blur(
     images: torch.Tensor, severity: int, *, generator: SampleGenerator, table: str = "cifar"
 ) -> torch.Tensor:
@@ -152,28 +118,8 @@ def defocus_blur(
     check_images("defocus_blur", images)
     radius, alias = severity_param("defocus_blur", DEFOCUS_BLUR, table, severity)
     scale = spatial_scale(table, images)
-    key = ("disk", radius * scale, alias * scale)
-    h, w = images.shape[-2:]
-    if h * w <= LOW_RANK_MAX_PIXELS:
-        # Small images: the disk as a few separable terms, two matrix products (see
-        # low_rank_correlate: ~2x faster than the dense pixel-space matrix at 32 px).
-        factors = low_rank_factors(
-            key,
-            h,
-            w,
-            lambda: disk_factors(radius * scale, alias * scale),
-            "reflect101",
-            images.device,
-            images.dtype,
-        )
-        return low_rank_correlate(images, factors).clamp_(0.0, 1.0)
     kernel = disk_kernel(radius * scale, alias * scale, images.device)
-    # A little larger: the whole filter as one cached pixel-space matrix if sparse enough.
-    op = pixel_operator(
-        key, h, w, lambda: correlation_taps(h, w, kernel, "reflect101"), images.device, images.dtype
-    )
-    if op is not None:
-        return apply_pixel_operator(images, op).clamp_(0.0, 1.0)
+    key = ("disk", radius * scale, alias * scale)
     return fft_correlate(images, kernel[None], "reflect", cache_key=key).clamp_(0.0, 1.0)
 
 
@@ -330,42 +276,11 @@ def _zoom_grid(
 def zoom_blur(
     images: torch.Tensor, severity: int, *, generator: SampleGenerator, table: str = "cifar"
 ) -> torch.Tensor:
-    """Average of the image and its centre zooms by each factor (radial blur); small
-    images through one cached pixel-space matrix of the same map (``pixel_operator``)."""
+    """Average of the image and its centre zooms by each factor (radial blur)."""
     del generator  # deterministic
     check_images("zoom_blur", images)
     factors = tuple(float(z) for z in zoom_factors(table, severity))
-    h, w = images.shape[-2:]
-    # Small images: the whole average as one cached (sparse) pixel-space matrix.
-    op = pixel_operator(
-        ("zoom_blur", factors), h, w, lambda: _zoom_taps(h, w, factors), images.device, images.dtype
-    )
-    if op is not None:
-        return apply_pixel_operator(images, op).clamp_(0.0, 1.0)
     return _zoom_average(images, factors).clamp_(0.0, 1.0)
-
-
-def _zoom_taps(h: int, w: int, factors: tuple[float, ...]) -> tuple[torch.Tensor, ...]:
-    """``pixel_operator`` taps of ``_zoom_average`` on ``[h, w]`` images: the identity and,
-    per factor, the four bilinear taps of ``clipped_zoom`` (``zoom_axis``), each weighted
-    ``1 / (len(factors) + 1)``."""
-    cpu = torch.device("cpu")
-    scale = 1.0 / (len(factors) + 1)
-    outs, srcs, weights = (
-        [torch.arange(h * w)],
-        [torch.arange(h * w)],
-        [torch.full((h * w,), scale, dtype=torch.float64)],
-    )
-    out = torch.arange(h * w).view(h, w)
-    for z in factors:
-        y0, y1, wy = zoom_axis(h, z, cpu)
-        x0, x1, wx = zoom_axis(w, z, cpu)
-        for yi, fy in ((y0, 1 - wy), (y1, wy)):
-            for xi, fx in ((x0, 1 - wx), (x1, wx)):
-                outs.append(out.reshape(-1))
-                srcs.append((yi[:, None] * w + xi[None, :]).reshape(-1))
-                weights.append((fy[:, None] * fx[None, :]).reshape(-1) * scale)
-    return torch.cat(outs), torch.cat(srcs), torch.cat(weights)
 
 
 def _zoom_average(images: torch.Tensor, factors: tuple[float, ...]) -> torch.Tensor:
@@ -382,8 +297,8 @@ def _zoom_average(images: torch.Tensor, factors: tuple[float, ...]) -> torch.Ten
     flat = out.view(1, b * c, h, w)
     acc = out.view(b * c, h, w)
     n = len(factors)
-    # CPU: a few channels at a time keep the stacked zooms cache-sized.
-    step = b * c if images.device.type != "cpu" else max(1, (1 << 22) // (n * h * w))
+    # A few channels at a time bound the stack of zooms (at most STACK_ELEMENTS values).
+    step = max(1, STACK_ELEMENTS // (n * h * w))
     for s in range(0, b * c, step):
         zoomed = F.grid_sample(
             flat[:, s : s + step], grid, "bilinear", "border", align_corners=True
