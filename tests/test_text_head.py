@@ -210,6 +210,16 @@ def test_cache_off_by_argument_or_environment(clip, tokenizer, tmp_cache, monkey
     assert len(entry_files(tmp_cache)) == 1
 
 
+def test_unusable_cache_directory_still_gives_the_head(clip, tokenizer, tmp_path, monkeypatch):
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a directory")
+    monkeypatch.setenv("TTA_BENCH_CACHE", str(blocker / "cache"))
+    with pytest.warns(UserWarning, match="not cached"):
+        head = text_head.class_embeddings(clip, tokenizer, ["cat", "dog"], ["a {}."])
+    direct = text_head.encode_class_embeddings(clip, tokenizer, ["cat", "dog"], ["a {}."])
+    assert torch.equal(head, direct)
+
+
 def test_key_changes_with_each_input(tokenizer, monkeypatch):
     from open_clip.tokenizer import SimpleTokenizer
 

@@ -327,20 +327,23 @@ def class_embeddings(
 
     if not (cache and cache_enabled()):
         return compute()
+    from filelock import FileLock
+
     device = next(clip.parameters()).device
     key = head_key(clip, tokenizer, classnames, templates, chunk_size=chunk_size)
-    path = entry_path(key)
+    try:
+        path = entry_path(key)
+        path.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as exc:  # no usable cache directory: the head is still computed
+        warnings.warn(f"text heads are not cached ({exc})", stacklevel=2)
+        return compute()
     found = _read_entry(path, key)
     if found is not None:
         return found.to(device)
-    from filelock import FileLock, Timeout
-
-    path.parent.mkdir(parents=True, exist_ok=True)
-
-    lock = FileLock(f"{path}.lock", timeout=LOCK_TIMEOUT_S)
+    lock: FileLock | None = FileLock(f"{path}.lock", timeout=LOCK_TIMEOUT_S)
     try:
         lock.acquire()
-    except Timeout:  # a stuck holder: compute anyway (writes stay atomic)
+    except OSError:  # a stuck holder (filelock.Timeout) or no lock file: go on unlocked
         lock = None
     try:
         found = _read_entry(path, key)  # written while this process waited
@@ -348,7 +351,10 @@ def class_embeddings(
             return found.to(device)
         result = compute()
         meta = {"about": about or {}, "classes": len(classnames), "templates": len(templates)}
-        _write_entry(path, key, result, meta)
+        try:
+            _write_entry(path, key, result, meta)
+        except OSError as exc:
+            warnings.warn(f"text head not cached at {path} ({exc})", stacklevel=2)
         return result
     finally:
         if lock is not None:
@@ -411,6 +417,9 @@ def _read_entry(path: Path, key: dict[str, Any]) -> torch.Tensor | None:
     try:
         data = path.read_bytes()
     except FileNotFoundError:
+        return None
+    except OSError as exc:
+        warnings.warn(f"text-head cache entry {path} is unreadable ({exc})", stacklevel=3)
         return None
     try:
         header, payload = _read_header(data)
