@@ -176,3 +176,31 @@ def test_peak_memory_sees_a_transient_allocation(monkeypatch, high_water_mark):
         del buf
     assert mem.kind == "cpu_rss_growth"
     assert 150e6 < mem.peak_bytes < 400e6, mem.peak_bytes
+
+
+@pytest.mark.parametrize("mode", ["RGB", "L"])
+def test_jpeg_fast_decoder_gives_pils_pixels(tmp_path, mode):
+    """decode_one reads JPEGs with torchvision's decode_jpeg: the same pixels as PIL (both
+    libjpeg-turbo), at the model size and resized; a truncated file is still an error."""
+    import io
+
+    from PIL import Image
+
+    from tta_bench.data import _decode_jpeg, _open_raw, _to_rgb_array, decode_one
+
+    rng = np.random.default_rng(0)
+    for w, h in ((224, 224), (300, 200), (57, 91)):
+        arr = (rng.random((h, w, 3)) * 255).astype(np.uint8)
+        buf = io.BytesIO()
+        Image.fromarray(arr).convert(mode).save(buf, format="JPEG", quality=90)
+        data = buf.getvalue()
+        assert _decode_jpeg(data) is not None  # the fast path is taken
+        pil_img, _ = _open_raw({"bytes": data, "path": None})
+        for size in (32, 224):
+            expected = _to_rgb_array(pil_img, size)
+            got = decode_one({"bytes": data, "path": None}, size)
+            assert np.array_equal(got, expected), (w, h, size)
+        path = tmp_path / f"{w}x{h}.jpg"
+        path.write_bytes(data[: len(data) // 2])
+        with pytest.raises(OSError):
+            decode_one({"bytes": None, "path": str(path)}, 32)
