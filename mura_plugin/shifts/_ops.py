@@ -251,23 +251,22 @@ def zoom_axis(n: int, factor: float, device: torch.device) -> tuple[torch.Tensor
 
 
 def clipped_zoom(images: torch.Tensor, factor: float) -> torch.Tensor:
-    """ImageNet-C's ``clipped_zoom`` of ``images [..., H, W]`` (centre crop, zoom, trim)."""
+    """ImageNet-C's ``clipped_zoom`` of ``images [B, C, H, W]`` by ``factor >= 1``: the
+    centre crop (``zoom_axis``) zoomed by scipy's order-1 zoom, which is bilinear with
+    corners aligned, and trimmed to ``[H, W]``."""
+    if images.dim() != 4 or not factor >= 1.0:
+        raise ValueError(
+            f"clipped_zoom expects images [B, C, H, W] and a factor >= 1, got "
+            f"{tuple(images.shape)} and {factor!r}"
+        )
     h, w = images.shape[-2:]
-    if images.dim() == 4 and factor >= 1.0:
-        # Fast path: scipy's order-1 zoom is bilinear with corners aligned.
-        mh, mw = int(math.ceil(h / factor)), int(math.ceil(w / factor))
-        top, left = (h - mh) // 2, (w - mw) // 2
-        bh, bw = int(round(mh * factor)), int(round(mw * factor))
-        crop = images[..., top : top + mh, left : left + mw]
-        big = F.interpolate(crop, size=(bh, bw), mode="bilinear", align_corners=True)
-        th, tw = (bh - h) // 2, (bw - w) // 2
-        return big[..., th : th + h, tw : tw + w]
-    y0, y1, wy = zoom_axis(h, factor, images.device)
-    x0, x1, wx = zoom_axis(w, factor, images.device)
-    wy = wy.to(images.dtype)[:, None]
-    wx = wx.to(images.dtype)
-    rows = images.index_select(-2, y0) * (1 - wy) + images.index_select(-2, y1) * wy
-    return rows.index_select(-1, x0) * (1 - wx) + rows.index_select(-1, x1) * wx
+    mh, mw = int(math.ceil(h / factor)), int(math.ceil(w / factor))
+    top, left = (h - mh) // 2, (w - mw) // 2
+    bh, bw = int(round(mh * factor)), int(round(mw * factor))
+    crop = images[..., top : top + mh, left : left + mw]
+    big = F.interpolate(crop, size=(bh, bw), mode="bilinear", align_corners=True)
+    th, tw = (bh - h) // 2, (bw - w) // 2
+    return big[..., th : th + h, tw : tw + w]
 
 
 def rgb_to_gray(images: torch.Tensor) -> torch.Tensor:

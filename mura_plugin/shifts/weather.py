@@ -7,7 +7,6 @@ files are read or downloaded).
 
 from __future__ import annotations
 
-import math
 from functools import lru_cache
 
 import torch
@@ -233,70 +232,6 @@ def fog(
 
 
 # -- snow ------------------------------------------------------------------------------------
-#: Up to this many pixels per image, ``snow`` on CPU resamples its 1-channel grain with its
-#: own table-driven kernel (same values as ``clipped_zoom``, bit for bit, at a fraction of
-#: its per-op cost); larger images take ``clipped_zoom``. (Its motion blur is
-#: ``motion_filter``'s, which has its own small-image path.)
-SNOW_SMALL_PIXELS = 64 * 64
-
-
-@lru_cache(maxsize=16)
-def _zoom_table(
-    h: int, w: int, factor: float
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor] | None:
-    """``clipped_zoom``'s bilinear taps for ``[B, 1, h, w]`` float32 on CPU, or ``None`` when
-    the zoom is the identity: flat source indices of the four corners ``[4 h w]`` and their
-    weights ``[h w]`` each (``w00, w01, w10, w11``).
-
-    The weights are ``F.interpolate``'s own float32 arithmetic (corner-aligned scale
-    ``(m - 1) / (M - 1)``, source ``scale * o``, ``lambda1 = src - floor(src)``, products of
-    the row and column lambdas), so ``_zoom_gray`` reproduces its values exactly."""
-    mh, mw = int(math.ceil(h / factor)), int(math.ceil(w / factor))
-    bh, bw = int(round(mh * factor)), int(round(mw * factor))
-    if (mh, mw) == (bh, bw):
-        return None  # no zoom: the crop is the whole image
-    top, left = (h - mh) // 2, (w - mw) // 2
-    th, tw = (bh - h) // 2, (bw - w) // 2
-
-    def axis(m: int, big: int, trim: int, n: int) -> tuple[torch.Tensor, ...]:
-        if m == big:  # interpolate copies an axis of unchanged length
-            i0 = torch.arange(trim, trim + n)
-            return i0, i0, torch.ones(n), torch.zeros(n)
-        scale = torch.tensor(float(m - 1), dtype=torch.float32) / float(big - 1)
-        src = scale * torch.arange(trim, trim + n, dtype=torch.float32)
-        i0 = src.floor().clamp(max=m - 1)
-        lam1 = (src - i0).clamp(0.0, 1.0)
-        i0 = i0.long()
-        i1 = torch.where(i0 < m - 1, i0 + 1, i0)
-        return i0, i1, 1.0 - lam1, lam1
-
-    y0, y1, h0, h1 = axis(mh, bh, th, h)
-    x0, x1, w0, w1 = axis(mw, bw, tw, w)
-    rows = [(y + top).view(-1, 1) * w for y in (y0, y1)]
-    cols = [(x + left).view(1, -1) for x in (x0, x1)]
-    index = torch.cat([(r + cl).view(-1) for r in rows for cl in cols])
-    weights = [(hl.view(-1, 1) * wl.view(1, -1)).view(-1) for hl in (h0, h1) for wl in (w0, w1)]
-    return (index, *weights)
-
-
-def _zoom_gray(images: torch.Tensor, factor: float) -> torch.Tensor:
-    """``clipped_zoom(images, factor)`` of 1-channel float32 CPU ``images [B, 1, H, W]``
-    (``factor >= 1``), equal bit for bit: ``F.interpolate`` resamples 1-channel batches
-    through its channels-last kernel, which sums the four corner products as
-    ``fma(x11, w11, fma(x10, w10, fma(x00, w00, x01 * w01)))``; ``addcmul`` is fused the
-    same way. One gather of the four corners and four passes replace its per-pixel loop
-    (~5x faster at 32 px)."""
-    b, _, h, w = images.shape
-    table = _zoom_table(h, w, float(factor))
-    if table is None:
-        return images.clone()
-    index, w00, w01, w10, w11 = table
-    corners = images.reshape(b, h * w).index_select(1, index).view(b, 4, h * w)
-    out = corners[:, 1].mul(w01)
-    out.addcmul_(corners[:, 0], w00).addcmul_(corners[:, 2], w10).addcmul_(corners[:, 3], w11)
-    return out.view(b, 1, h, w)
-
-
 def snow(
     images: torch.Tensor, severity: int, *, generator: SampleGenerator, table: str = "cifar"
 ) -> torch.Tensor:
@@ -311,11 +246,7 @@ def snow(
     angles = draw_batch(generator, "uniform", 1)[:, 0] * 90.0 - 135.0
     factor = max(1.0, zoom * scale)
     radius = max(1, int(round(radius * scale)))
-    small = images.device.type == "cpu" and h * w <= SNOW_SMALL_PIXELS
-    if small and images.dtype == torch.float32:
-        grain = _zoom_gray(grain, factor)
-    else:
-        grain = clipped_zoom(grain, factor)
+    grain = clipped_zoom(grain, factor)
     grain = grain * _mask(torch.ge, grain, thresh)  # below the threshold: 0
     # The reference round-trips the layer through 8-bit images around ImageMagick's blur.
     grain = grain.clamp_(0.0, 1.0).mul_(255.0).floor_().div_(255.0)
