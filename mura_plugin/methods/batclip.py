@@ -52,8 +52,8 @@ What differs from the official code and why:
 * LayerNorm only: the official code also adapts BatchNorm/GroupNorm layers (ResNet CLIPs,
   BatchNorm2d with batch statistics); a tower without LayerNorm is a ValueError here.
 
-Cost per batch: one forward + backward of both towers (B images and C x T prompts): about
-tent's cost in the original setting, plus the text tower.
+Cost per batch: one image forward + backward (tent's cost in the original setting) plus the
+text tower over C x T prompts twice (without gradients, then with, see above).
 """
 
 from __future__ import annotations

@@ -184,7 +184,8 @@ class CLIPArTT(GradientMethod):
     @torch.no_grad()
     def pseudo_label_features(self, top: torch.Tensor) -> torch.Tensor:
         """Normalised prompt features ``[B, D]`` of each image's top-K class indices
-        ``top [B, K]`` (one text forward over the distinct tuples)."""
+        ``top [B, K]``, ``pseudo_label_prompt`` under every template of the head, each
+        distinct tuple encoded once (frozen text tower)."""
         unique, inverse = torch.unique(top, dim=0, return_inverse=True)
         names = [" or ".join(self.model.classnames[c] for c in row) for row in unique.tolist()]
         return prompt_features(self.model, names, self.templates)[inverse]
