@@ -392,6 +392,7 @@ def cmd_env(args: argparse.Namespace) -> int:
 
     import torch
 
+    from tta_bench.data import BUDGET_ENV, cache_budget_bytes, cache_used_bytes
     from tta_bench.paths import cache_dir
     from tta_bench.runner import resolve_device
 
@@ -412,7 +413,13 @@ def cmd_env(args: argparse.Namespace) -> int:
             + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""),
         ),
         ("CPU threads", str(torch.get_num_threads())),
+        ("CPU kernels", str(torch.backends.cpu.get_cpu_capability())),
         ("cache dir", str(cache_dir())),
+        (
+            "decoded cache",
+            f"{cache_used_bytes() / 2**30:.2f} GiB used of a {cache_budget_bytes() / 2**30:.1f} "
+            f"GiB budget ({BUDGET_ENV})",
+        ),
     ]
     for name in ("torchvision", "open_clip_torch", "timm", "datasets", "hydra-core"):
         try:
@@ -431,6 +438,25 @@ def cmd_env(args: argparse.Namespace) -> int:
     print("\nplugin distributions:")
     for dist, (version, items) in sorted(dists.items()):
         print(f"  {dist} {version}: {len(items)} components")
+    return 0
+
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    """List or clear the decoded-image cache entries."""
+    from tabulate import tabulate
+
+    from tta_bench import data
+
+    if args.action == "list":
+        entries = data.cache_entries()
+        rows = [[e["name"], e["images"], f"{e['bytes'] / 2**20:.1f}", e["path"]] for e in entries]
+        print(tabulate(rows, headers=["domain", "images", "MB", "file"]) if rows else "empty")
+        used, budget = data.cache_used_bytes(), data.cache_budget_bytes()
+        print(f"\n{used / 2**30:.2f} GiB used of {budget / 2**30:.1f} GiB ({data.BUDGET_ENV})")
+        return 0
+    removed = data.clear_cache(args.names or None)
+    freed = sum(e["bytes"] for e in removed)
+    print(f"removed {len(removed)} decoded-cache entries ({freed / 2**20:.1f} MB)")
     return 0
 
 
@@ -560,6 +586,11 @@ def build_parser() -> argparse.ArgumentParser:
 
     e = sub.add_parser("env", help="versions, device, cache dir, plugin distributions")
     e.set_defaults(func=cmd_env)
+
+    c = sub.add_parser("cache", help="list or clear the decoded-image cache")
+    c.add_argument("action", choices=("list", "clear"))
+    c.add_argument("names", nargs="*", help="clear: only these domains (default: all)")
+    c.set_defaults(func=cmd_cache)
 
     t = sub.add_parser("table", help="render tables from results files")
     t.add_argument("results", nargs="+", help="results JSON files (one protocol)")
