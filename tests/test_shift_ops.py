@@ -290,14 +290,12 @@ def test_poisson_offsets_decode_the_packed_table(rate_max):
 
 
 @pytest.mark.parametrize(
-    "size,channels,table,severity", [(32, 3, "digits", 5), (20, 1, "cifar", 2)]
+    "size,channels,table,severity",
+    [(32, 3, "digits", 5), (20, 1, "cifar", 2), (48, 3, "imagenet", 1)],
 )
-def test_shot_noise_equals_exact_search_on_per_sample_draws(
-    monkeypatch, size, channels, table, severity
-):
+def test_shot_noise_equals_exact_search_on_per_sample_draws(size, channels, table, severity):
     """shot_noise is Poisson(x * c) / c with, per sample, its first ``C*H*W`` int32 draws as
-    the first uniforms and the next ``C*H*W`` as the second, counted by the exact search:
-    with whole-batch segments and with segments smaller than one image (scratch reuse)."""
+    the first uniforms and the next ``C*H*W`` as the second, counted by the exact search."""
     from mura_plugin.shifts import noise
     from tta_bench.rng import SampleGenerator
 
@@ -313,10 +311,8 @@ def test_shot_noise_equals_exact_search_on_per_sample_draws(
     rates = (x.reshape(5, per) * c).reshape(-1)
     counts = noise._poisson_search(rates, a[0].reshape(-1), a[1].reshape(-1), c)
     expected = (counts.float() * (1.0 / c)).clamp(max=1.0).view_as(x)
-    for segment in (noise.POISSON_SEGMENT, 1000):
-        monkeypatch.setattr(noise, "POISSON_SEGMENT", segment)
-        got = noise.shot_noise(x, severity, generator=SampleGenerator(range(5)), table=table)
-        assert torch.equal(got, expected), segment
+    got = noise.shot_noise(x, severity, generator=SampleGenerator(range(5)), table=table)
+    assert torch.equal(got, expected)
 
 
 def _plasma_reference(uniforms: torch.Tensor, mapsize: int, decay: float) -> torch.Tensor:

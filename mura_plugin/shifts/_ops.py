@@ -12,7 +12,6 @@ built on ``gather_windows``).
 from __future__ import annotations
 
 import math
-import threading
 from collections import OrderedDict
 from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING, Any
@@ -33,17 +32,10 @@ __all__ = [
     "zoom_axis",
     "clipped_zoom",
     "rgb_to_gray",
-    "chunk_rows",
     "gather_windows",
     "shifted_taps",
     "draw_batch",
 ]
-
-#: Elements (values) per chunk in ``chunk_rows``: big enough to amortise per-op overhead,
-#: small enough that a chunk's temporaries stay in the CPU cache and are recycled by the
-#: allocator instead of being page-faulted in afresh for every op (which costs more than
-#: the arithmetic for simple per-pixel kernels on large batches).
-CHUNK_ELEMENTS = 1 << 17
 
 BOUNDARY_MODES = ("nearest", "reflect", "reflect101")
 
@@ -277,15 +269,6 @@ def rgb_to_gray(images: torch.Tensor) -> torch.Tensor:
     return 0.299 * r + 0.587 * g + 0.114 * b
 
 
-def chunk_rows(images: torch.Tensor) -> int:
-    """Samples per chunk for per-pixel kernels on ``images [B, ...]`` (at least 1); CUDA
-    takes the whole batch (its allocator caches memory and kernels launch asynchronously)."""
-    if images.device.type != "cpu":
-        return max(1, images.shape[0])
-    per = max(1, images[0].numel())
-    return max(1, CHUNK_ELEMENTS // per)
-
-
 def gather_windows(
     sources: torch.Tensor,
     which: torch.Tensor,
@@ -356,25 +339,3 @@ def draw_batch(
     for row, g in zip(out, generator.generators):
         fill(row, generator=g)
     return out
-
-
-_SCRATCH = threading.local()
-
-
-def scratch(tag: str, shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """An uninitialised contiguous CPU tensor of ``shape`` for temporary values, reused by
-    every call with the same ``(tag, dtype)`` in this thread (grown when too small).
-
-    Why: a fresh CPU buffer of a few hundred KB is served by ``mmap`` and its first touch
-    costs a page fault per 4 KB page, ~0.2 ms per 768 KB here (a 32 px batch of 64),
-    several times the arithmetic done on it. The contents are valid only until the next
-    ``scratch`` call with the same tag in the same thread: never return one (or a view) to a
-    caller, and give each live buffer of a kernel its own tag."""
-    store = getattr(_SCRATCH, "buffers", None)
-    if store is None:
-        store = _SCRATCH.buffers = {}
-    n = math.prod(shape)
-    buf = store.get((tag, dtype))
-    if buf is None or buf.numel() < n:
-        buf = store[(tag, dtype)] = torch.empty(n, dtype=dtype)
-    return buf[:n].view(shape)

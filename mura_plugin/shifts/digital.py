@@ -10,7 +10,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from mura_plugin.shifts._ops import chunk_rows, rgb_to_gray
+from mura_plugin.shifts._ops import rgb_to_gray
 from mura_plugin.shifts._params import check_images, severity_param
 from tta_bench.rng import SampleGenerator
 
@@ -99,11 +99,11 @@ def hsv_to_rgb(hsv: torch.Tensor) -> torch.Tensor:
     return v.unsqueeze(1) - v.unsqueeze(1) * s.unsqueeze(1) * f
 
 
-def shift_value(rgb: torch.Tensor, c: float, *, out: torch.Tensor | None = None) -> torch.Tensor:
+def shift_value(rgb: torch.Tensor, c: float) -> torch.Tensor:
     """RGB ``[B, C, H, W]`` in [0, 1] with HSV value ``V' = clip(V + c, 0, 1)``, hue and
     saturation kept: equal to ``hsv_to_rgb`` of the modified ``rgb_to_hsv`` without building
     H and S (RGB scales with V at fixed H and S: ``x * V' / V``; black, S = 0, becomes grey
-    ``V'``). Inputs below 0 are outside the contract. Written into ``out`` when given."""
+    ``V'``). Inputs below 0 are outside the contract."""
     v = rgb.amax(1, keepdim=True)
     scale = (v + c).clamp_(0.0, 1.0)
     # A reduction is far cheaper than materialising a mask when (as usual) nothing is black.
@@ -112,19 +112,17 @@ def shift_value(rgb: torch.Tensor, c: float, *, out: torch.Tensor | None = None)
     # mask: much cheaper than a bool mask and masked_fill on CPU) sets them to it.
     black = torch.le(v, 0.0, out=torch.empty_like(v)) if has_black else None
     scale.div_(v.clamp_(min=1e-12))
-    out = torch.mul(rgb, scale, out=out)
+    out = torch.mul(rgb, scale)
     if black is not None:
         out.add_(black, alpha=min(max(c, 0.0), 1.0))
     return out.clamp_(0.0, 1.0)
 
 
-def scale_saturation(
-    rgb: torch.Tensor, a: float, b: float, *, out: torch.Tensor | None = None
-) -> torch.Tensor:
+def scale_saturation(rgb: torch.Tensor, a: float, b: float) -> torch.Tensor:
     """RGB ``[B, 3, H, W]`` in [0, 1] with HSV saturation ``S' = clip(S * a + b, 0, 1)``, hue
     and value kept: equal to the ``rgb_to_hsv`` / ``hsv_to_rgb`` round trip without building
     H (each channel is ``V - V * S * f(H)``, so ``V - (V - x) * S' / S``; grey pixels have
-    hue 0, red, and get ``(V, V (1 - S'), V (1 - S'))``). Written into ``out`` when given."""
+    hue 0, red, and get ``(V, V (1 - S'), V (1 - S'))``)."""
     v = rgb.amax(1, keepdim=True)
     delta = torch.sub(v, rgb.amin(1, keepdim=True))
     grey = (delta <= 0) if b != 0 and bool(delta.amin() <= 0) else None
@@ -138,7 +136,7 @@ def scale_saturation(
         safe_v = v.clamp(min=1e-12)
         scale = torch.div(delta, safe_v).mul_(a).add_(b).clamp_(0.0, 1.0)
         scale.mul_(safe_v).div_(delta)
-    out = torch.sub(v, rgb, out=out)
+    out = torch.sub(v, rgb)
     out = torch.addcmul(v, out, scale, value=-1.0, out=out)
     if grey is not None:
         grey_gb = (v * (1.0 - min(max(b, 0.0), 1.0))).expand_as(out[:, 1:])
@@ -178,7 +176,7 @@ def brightness(
     del generator  # deterministic
     check_images("brightness", images)
     c = severity_param("brightness", BRIGHTNESS, table, severity)
-    return _per_chunk(images, lambda x, out: shift_value(x, c, out=out))
+    return shift_value(images, c)
 
 
 def saturate(
@@ -190,16 +188,7 @@ def saturate(
     a, b = severity_param("saturate", SATURATE, table, severity)
     if images.shape[1] == 1:
         return rgb_to_gray(scale_saturation(_to_rgb(images), a, b))
-    return _per_chunk(images, lambda x, out: scale_saturation(x, a, b, out=out))
-
-
-def _per_chunk(images: torch.Tensor, fn) -> torch.Tensor:
-    """Apply ``fn(chunk, out=chunk_of_result)`` to cache-sized chunks of the batch."""
-    out = torch.empty_like(images)
-    step = chunk_rows(images)
-    for s in range(0, images.shape[0], step):
-        fn(images[s : s + step], out[s : s + step])
-    return out
+    return scale_saturation(images, a, b)
 
 
 #: 2^23: float32 values in [2^23, 2^24) are the integers, so adding it rounds to an integer.
@@ -450,16 +439,12 @@ def pixelate(
     b, ch, h, w = images.shape
     oh, ow = max(1, int(h * c)), max(1, int(w * c))
     plan = _box_plan(h, w, oh, ow, images.device)
-    small = torch.empty(b, ch, oh, plan.blocks * plan.slots, device=images.device)
-    step = chunk_rows(images)
-    buf = plan.buffer(min(step, b) * ch * h * w, images.device)
-    for s in range(0, b, step):
-        n = min(step, b - s) * ch
-        u8 = buf[: n * h * w].view(n, h, w)
-        torch.mul(images[s : s + step].detach().reshape(n, h, w), 255.0, out=u8)
-        u8.round_().clamp_(0, 255)
-        small[s : s + step] = plan.down(buf, n, h, w).view(-1, ch, oh, small.shape[-1])
-    small = small[..., :ow].div_(255.0).to(images.dtype)
+    n = b * ch
+    buf = plan.buffer(n * h * w, images.device)
+    u8 = buf[: n * h * w].view(n, h, w)
+    torch.mul(images.detach().reshape(n, h, w), 255.0, out=u8)
+    u8.round_().clamp_(0, 255)
+    small = plan.down(buf, n, h, w).view(b, ch, oh, -1)[..., :ow].div_(255.0).to(images.dtype)
     if h * w > SMALL_PIXELATE_PIXELS:
         return F.interpolate(small, size=(h, w), mode="nearest-exact")
     # Small images: the same nearest-exact upsampling as products with 0/1 selection

@@ -7,12 +7,11 @@ sample's noise does not depend on the batch it is in.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable
 from functools import lru_cache
 
 import torch
 
-from mura_plugin.shifts._ops import chunk_rows, scratch
+from mura_plugin.shifts._ops import draw_batch
 from mura_plugin.shifts._params import check_images, severity_param
 from tta_bench.rng import SampleGenerator
 
@@ -48,25 +47,14 @@ def gaussian_noise(
     """Add N(0, c^2) noise per value and clip to [0, 1]."""
     check_images("gaussian_noise", images)
     c = severity_param("gaussian_noise", GAUSSIAN_NOISE, table, severity)
-    return _with_normal_noise(
-        images, generator, lambda x, z, out: torch.add(x, z, alpha=c, out=out)
-    )
+    return torch.add(images, _normal_noise(images, generator), alpha=c).clamp_(0.0, 1.0)
 
 
-def _with_normal_noise(images: torch.Tensor, generator: SampleGenerator, combine) -> torch.Tensor:
-    """``clip(combine(x, z, out=...))`` with ``z`` standard-normal noise of ``images``' shape,
-    drawn per sample from its generator (the same values as ``generator.normal``), a
-    cache-sized chunk at a time into one reused buffer (no batch-sized noise tensor)."""
-    out = torch.empty_like(images)
-    step = chunk_rows(images)
-    draws = torch.empty(min(step, images.shape[0]), *images.shape[1:])
-    for s in range(0, images.shape[0], step):
-        n = min(step, images.shape[0] - s)
-        for j, g in enumerate(generator.generators[s : s + n]):
-            torch.randn(images.shape[1:], generator=g, out=draws[j])
-        z = draws[:n].to(images.device, images.dtype)
-        combine(images[s : s + n], z, out[s : s + n]).clamp_(0.0, 1.0)
-    return out
+def _normal_noise(images: torch.Tensor, generator: SampleGenerator) -> torch.Tensor:
+    """Standard-normal noise of ``images``' shape, dtype and device, drawn per sample from its
+    generator (the values of ``generator.normal``)."""
+    z = draw_batch(generator, "normal", *images.shape[1:])
+    return z.to(images.device, images.dtype)
 
 
 #: Poisson sampler layout (see ``poisson_counts``): rate levels are ``delta`` apart with
@@ -76,10 +64,6 @@ POISSON_STEP = 1.0 / 8.0
 POISSON_LEVELS = 256
 POISSON_BINS_LOG2 = 10
 _LOW_BITS = 31 - POISSON_BINS_LOG2  # bits of a 31-bit uniform below its bin index
-#: Values per ``poisson_counts`` call on CPU: its ~25 small ops per call cost more in fixed
-#: overhead (scalar operands, dispatch) on smaller segments than cache misses on larger
-#: ones (measured at 224 px, one thread: 2^15 -> 2^18 is ~25% faster).
-POISSON_SEGMENT = 1 << 18
 
 
 @lru_cache(maxsize=8)
@@ -197,12 +181,7 @@ def _poisson_offsets(rate_max: float, device: torch.device) -> torch.Tensor:
 
 
 def poisson_counts(
-    rates: torch.Tensor,
-    a1: torch.Tensor,
-    a2: torch.Tensor,
-    rate_max: float,
-    *,
-    resolve: bool = True,
+    rates: torch.Tensor, a1: torch.Tensor, a2: torch.Tensor, rate_max: float
 ) -> torch.Tensor:
     """Exact Poisson draws (int32, same shape) for ``rates`` in ``[0, rate_max]``, from two
     independent uniforms per value given as int32 ``a1, a2`` in ``[0, 2^31)``.
@@ -213,43 +192,36 @@ def poisson_counts(
     rate is below ``delta <= 1/8``, by inversion of ``a2`` unrolled over counts 0..2.
     Everything is exact up to the uniforms' resolution (2^-31 and 2^-24) and float64
     tables; the rare values the fast path cannot settle (a table bin with several CDF
-    steps, a second-stage count of 3 or more) are finished by exact search. With
-    ``resolve=False`` the marked values are left negative for the caller to settle
-    (``_poisson_search``), so many calls can share one search.
+    steps, a second-stage count of 3 or more) are finished by exact search.
     """
-
-    def fresh(_: int, dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(rates.shape, dtype=dtype, device=rates.device)
-
-    counts = _poisson_into(rates, a1, a2, float(rate_max), fresh)
-    if resolve and int(counts.amin()) < 0:
+    counts = _poisson_marked(rates, a1, a2, float(rate_max))
+    if int(counts.amin()) < 0:
         _poisson_fallback(counts, rates, a1, a2, float(rate_max))
     return counts
 
 
-def _poisson_into(
-    rates: torch.Tensor,
-    a1: torch.Tensor,
-    a2: torch.Tensor,
-    rate_max: float,
-    buffer: Callable[[int, torch.dtype], torch.Tensor],
+def _poisson_marked(
+    rates: torch.Tensor, a1: torch.Tensor, a2: torch.Tensor, rate_max: float
 ) -> torch.Tensor:
-    """``poisson_counts(..., resolve=False)`` computed in work buffers of ``rates``' shape
-    from ``buffer(i, dtype)`` (eight distinct ``i``); the counts are one of them.
+    """``poisson_counts`` with the values it must settle by search left negative (marked).
 
-    ~26 elementwise passes, each in place or into a given buffer. Branch-free arithmetic
-    with comparisons into float outputs (no boolean tensors, cheap on CPU); the float
-    second stage repeats the reference order of operations exactly."""
+    ~26 elementwise passes, each in place or into one of eight work buffers of ``rates``'
+    shape. Branch-free arithmetic with comparisons into float outputs (no boolean tensors);
+    the float second stage repeats the reference order of operations exactly."""
+
+    def buffer(dtype: torch.dtype) -> torch.Tensor:
+        return torch.empty(rates.shape, dtype=dtype, device=rates.device)
+
     delta, _, _ = _poisson_tables(rate_max, rates.device)
     offsets = _poisson_offsets(rate_max, rates.device)
     levels = offsets.numel() >> POISSON_BINS_LOG2
-    level = torch.mul(rates, 1.0 / delta, out=buffer(0, rates.dtype))
+    level = torch.mul(rates, 1.0 / delta, out=buffer(rates.dtype))
     level.floor_().clamp_(0, levels - 1)
-    negf = torch.mul(level, delta, out=buffer(1, rates.dtype))  # -frac, frac = r - level * delta
+    negf = torch.mul(level, delta, out=buffer(rates.dtype))  # -frac, frac = r - level * delta
     negf.sub_(rates).clamp_(max=0.0)
     # First stage: one table read per value, count = (low + E) >> _LOW_BITS.
-    idx = torch.bitwise_right_shift(a1, _LOW_BITS, out=buffer(2, torch.int32))
-    counts = buffer(3, torch.int32).copy_(level)  # the level as int32 (exact)
+    idx = torch.bitwise_right_shift(a1, _LOW_BITS, out=buffer(torch.int32))
+    counts = buffer(torch.int32).copy_(level)  # the level as int32 (exact)
     idx.add_(counts, alpha=1 << POISSON_BINS_LOG2)
     torch.index_select(offsets, 0, idx.view(-1), out=counts.view(-1))
     counts.add_(torch.bitwise_and(a1, (1 << _LOW_BITS) - 1, out=idx))
@@ -257,25 +229,15 @@ def _poisson_into(
     # Second stage: m = [u2 >= F0] + [u2 >= F1] - 2^30 [u2 >= F2], F the CDF of
     # Poisson(frac) (the -2^30 marks a count of 3 or more for the exact search).
     cdf = torch.exp(negf, out=level)  # F0 = P(0)
-    u2 = torch.mul(torch.bitwise_right_shift(a2, 7, out=idx), 2.0**-24, out=buffer(4, rates.dtype))
-    m = torch.ge(u2, cdf, out=buffer(5, rates.dtype))
-    term = torch.mul(cdf, negf, out=buffer(6, rates.dtype))  # -P(1) = -F0 * frac
-    hit = torch.ge(u2, cdf.sub_(term), out=buffer(7, rates.dtype))
+    u2 = torch.mul(torch.bitwise_right_shift(a2, 7, out=idx), 2.0**-24, out=buffer(rates.dtype))
+    m = torch.ge(u2, cdf, out=buffer(rates.dtype))
+    term = torch.mul(cdf, negf, out=buffer(rates.dtype))  # -P(1) = -F0 * frac
+    hit = torch.ge(u2, cdf.sub_(term), out=buffer(rates.dtype))
     m.add_(hit)
     # F2 = F1 + P(1) * frac / 2 with P(1) * frac = term * negf: halving is exact (or the
     # product is too small to change F1), so ``alpha=0.5`` equals a separate multiply.
     m.add_(torch.ge(u2, cdf.add_(term.mul_(negf), alpha=0.5), out=hit), alpha=-(2.0**30))
     return counts.add_(idx.copy_(m))
-
-
-def _work_buffers(
-    tag: str, shape: tuple[int, ...], device: torch.device
-) -> Callable[[int, torch.dtype], torch.Tensor]:
-    """``buffer(i, dtype)`` for ``_poisson_into``: reused ``scratch`` tensors of ``shape`` on
-    the CPU, fresh ones elsewhere (CUDA's caching allocator already reuses memory)."""
-    if device.type == "cpu":
-        return lambda i, dtype: scratch(f"{tag}.{i}", shape, dtype)
-    return lambda i, dtype: torch.empty(shape, dtype=dtype, device=device)
 
 
 def shot_noise(
@@ -286,46 +248,16 @@ def shot_noise(
     check_images("shot_noise", images)
     c = float(severity_param("shot_noise", SHOT_NOISE, table, severity))
     b, per = images.shape[0], images[0].numel()
-    flat_in = images.detach().reshape(b, per)
-    out = torch.empty(images.shape, dtype=images.dtype, device=images.device)
-    flat_out = out.view(b, per)
     # Two 31-bit uniforms per value (int32 ``random_`` is uniform on [0, 2^31)): a sample's
-    # ``2 * per`` draws fill its row of ``draws [rows, 2, per]`` in one call (the same values
-    # as two calls of ``per``). CPU: about ``POISSON_SEGMENT`` values per sampler call (a
-    # segment of one big image, or several small images) in reused scratch buffers (fresh
-    # ones cost more in page faults than the arithmetic); other devices take the whole batch.
-    cpu = images.device.type == "cpu"
-    rows = min(b, max(1, POISSON_SEGMENT // per)) if cpu else b
-    seg = POISSON_SEGMENT if cpu else per
-    if cpu:
-        draws = scratch("shot_noise.draws", (rows, 2, per), torch.int32)
-    else:
-        draws = torch.empty(rows, 2, per, dtype=torch.int32)
-    # Marked values (see ``poisson_counts``) of every segment are settled by one search.
-    marked: list[tuple[torch.Tensor, ...]] = []
-    for s in range(0, b, rows):
-        n = min(rows, b - s)
-        for row, g in zip(draws[:n], generator.generators[s : s + n]):
-            row.random_(generator=g)
-        a = draws[:n].to(images.device)
-        for t in range(0, per, seg):
-            x = flat_in[s : s + n, t : t + seg]
-            buffer = _work_buffers("shot_noise", tuple(x.shape), images.device)
-            rates = torch.mul(x, c, out=buffer(8, images.dtype))
-            a1, a2 = a[:, 0, t : t + seg], a[:, 1, t : t + seg]
-            counts = _poisson_into(rates, a1, a2, c, buffer)
-            if int(counts.amin()) < 0:
-                pos = _marked(counts)
-                width = counts.shape[1]
-                row_of, col = pos // width, pos % width
-                flat_pos = (row_of + s) * per + col + t
-                marked.append((flat_pos, rates[row_of, col], a1[row_of, col], a2[row_of, col]))
-            torch.mul(counts, 1.0 / c, out=flat_out[s : s + n, t : t + seg]).clamp_(max=1.0)
-    if marked:
-        flat_pos, lam, a1, a2 = (torch.cat(parts) for parts in zip(*marked))
-        found = _poisson_search(lam, a1, a2, c)
-        out.view(-1)[flat_pos] = found.to(out.dtype).mul_(1.0 / c).clamp_(max=1.0)
-    return out
+    # ``2 * per`` draws fill its row of ``draws [B, 2, per]`` in one call (the same values
+    # as two calls of ``per``).
+    draws = torch.empty(b, 2, per, dtype=torch.int32)
+    for row, g in zip(draws, generator.generators):
+        row.random_(generator=g)
+    a = draws.to(images.device)
+    rates = images.detach().reshape(b, per) * c
+    counts = poisson_counts(rates, a[:, 0], a[:, 1], c)
+    return counts.to(images.dtype).mul_(1.0 / c).clamp_(max=1.0).view(images.shape)
 
 
 def impulse_noise(
@@ -337,23 +269,11 @@ def impulse_noise(
     ``c / 2 <= u < c`` (the same joint law as separate hit and salt draws)."""
     check_images("impulse_noise", images)
     c = severity_param("impulse_noise", IMPULSE_NOISE, table, severity)
-    out = torch.empty_like(images)
-    step = chunk_rows(images)
-    draws = torch.empty(min(step, images.shape[0]), *images.shape[1:])
-    hit = torch.empty(draws.shape, dtype=images.dtype, device=images.device)
-    salt = torch.empty_like(hit)
-    for s in range(0, images.shape[0], step):
-        n = min(step, images.shape[0] - s)
-        for j, g in enumerate(generator.generators[s : s + n]):
-            torch.rand(images.shape[1:], generator=g, out=draws[j])
-        u = draws[:n].to(images.device)
-        # x - x * hit + salt with float 0/1 masks (exactly 0, 1 or x): comparisons into
-        # float outputs and arithmetic are much cheaper on CPU than bool masks.
-        torch.lt(u, c, out=hit[:n])
-        torch.lt(u, c / 2, out=salt[:n])
-        x = images[s : s + n]
-        torch.addcmul(x, x, hit[:n], value=-1.0, out=out[s : s + n]).add_(salt[:n])
-    return out
+    u = draw_batch(generator, "uniform", *images.shape[1:]).to(images.device)
+    # x - x * hit + salt with float 0/1 masks (exactly 0, 1 or x).
+    hit = torch.lt(u, c, out=torch.empty_like(images))
+    salt = torch.lt(u, c / 2, out=torch.empty_like(images))
+    return torch.addcmul(images, images, hit, value=-1.0).add_(salt)
 
 
 def speckle_noise(
@@ -362,6 +282,5 @@ def speckle_noise(
     """Multiplicative noise ``x + x * N(0, c^2)``, clipped."""
     check_images("speckle_noise", images)
     c = severity_param("speckle_noise", SPECKLE_NOISE, table, severity)
-    return _with_normal_noise(
-        images, generator, lambda x, z, out: torch.addcmul(x, x, z, value=c, out=out)
-    )
+    z = _normal_noise(images, generator)
+    return torch.addcmul(images, images, z, value=c).clamp_(0.0, 1.0)

@@ -146,18 +146,11 @@ def _plasma_wibbles(mapsize: int, decay: float) -> torch.Tensor:
     return torch.cat(values)
 
 
-#: Gathered values per chunk of a ``plasma_fractal`` pass (``4 * rows * B``): the gathered
-#: neighbours are summed while still in cache (large maps; at 32 px a pass is one chunk).
-PLASMA_CHUNK = 1 << 17
-
-
 def _plasma_slots(generator: SampleGenerator, mapsize: int, decay: float) -> torch.Tensor:
     """The plasma fractals in ``_plasma_plan``'s slot order, ``[mapsize^2, B]`` in [0, 1]."""
     passes, _ = _plasma_plan(mapsize)
     b = len(generator)
-    draws = torch.empty(b, mapsize * mapsize - 1)
-    for row, g in zip(draws, generator.generators):
-        row.uniform_(generator=g)  # the values of torch.rand
+    draws = draw_batch(generator, "uniform", mapsize * mapsize - 1)
     # wibble * U(-wibble, wibble) for every value at once, with the reference's roundings:
     # ``wibble * (u * 2 * wibble - wibble)`` (``u * 2 * wibble`` is ``u * (2 * wibble)``
     # exactly: doubling is exact).
@@ -166,19 +159,16 @@ def _plasma_slots(generator: SampleGenerator, mapsize: int, decay: float) -> tor
     slots = torch.empty(mapsize * mapsize, b)
     slots[0] = 0.0
     slots[1:].copy_(noise.t())  # a 2-D transpose: torch's blocked copy
-    rows = max(1, PLASMA_CHUNK // (4 * max(1, b)))
     for first, count, centre, taps in passes:
-        for s in range(0, count, rows):
-            e = min(count, s + rows)
-            near = slots.index_select(0, taps[s:e].view(-1)).view(e - s, 4, b)
-            if centre:
-                pairs = near[:, 0:2] + near[:, 2:4]
-                total = torch.add(pairs[:, 0], pairs[:, 1])
-            else:
-                total = near[:, 0] + near[:, 1]
-                total.add_(near[:, 2]).add_(near[:, 3])
-            # noise + total / 4 (a division by 4 is exact, as is the product by 0.25).
-            slots[first + s : first + e].add_(total, alpha=0.25)
+        near = slots.index_select(0, taps.view(-1)).view(count, 4, b)
+        if centre:
+            pairs = near[:, 0:2] + near[:, 2:4]
+            total = torch.add(pairs[:, 0], pairs[:, 1])
+        else:
+            total = near[:, 0] + near[:, 1]
+            total.add_(near[:, 2]).add_(near[:, 3])
+        # noise + total / 4 (a division by 4 is exact, as is the product by 0.25).
+        slots[first : first + count].add_(total, alpha=0.25)
     slots.sub_(slots.amin(0, keepdim=True))
     return slots.div_(slots.amax(0, keepdim=True))
 
@@ -574,11 +564,6 @@ def _equalize_hist(u8: torch.Tensor) -> torch.Tensor:
     return lut.view(-1).to(u8.dtype).index_select(0, flat.view(-1)).view_as(u8)
 
 
-#: Values per chunk of the water chain on CPU (see ``spatter``; two 224 px images measured
-#: fastest, on one thread).
-SPATTER_CHUNK = 1 << 17
-
-
 def _liquid(noise: torch.Tensor, mean: float, std: float, sigma: float) -> torch.Tensor:
     """ImageNet-C's liquid layer ``gaussian(noise * std + mean, sigma)`` (edges replicated);
     the blur is linear with unit gain, so it is ``gaussian(noise, sigma) * std + mean``."""
@@ -613,27 +598,15 @@ def spatter(
     check_images("spatter", images)
     mean, std, sigma, thresh, strength, mode = severity_param("spatter", SPATTER, table, severity)
     scale = spatial_scale(table, images)
-    b, c, h, w = images.shape
-    if mode == 0:
-        # The whole chain runs a few images at a time (``SPATTER_CHUNK`` values: per-op
-        # overhead favours larger chunks, cache misses smaller ones), drawing each chunk's
-        # liquid noise from its samples' generators (the values of ``generator.normal``).
-        out = torch.empty_like(images)
-        step = max(1, SPATTER_CHUNK // (h * w)) if images.device.type == "cpu" else b
-        noise = torch.empty(min(step, b), 1, h, w)
-        color = torch.tensor([175.0, 238.0, 238.0], device=images.device, dtype=images.dtype)
-        color = color[:c].view(1, -1, 1, 1) / 255.0
-        for s in range(0, b, step):
-            n = min(step, b - s)
-            for j, g in enumerate(generator.generators[s : s + n]):
-                torch.randn((1, h, w), generator=g, out=noise[j])
-            liquid = _liquid(noise[:n].to(images.device, images.dtype), mean, std, sigma * scale)
-            liquid.mul_(_mask(torch.ge, liquid, thresh))  # below the threshold: 0
-            m = _water(liquid, strength)
-            torch.addcmul(images[s : s + n], m, color, out=out[s : s + n]).clamp_(0.0, 1.0)
-        return out
-    noise = generator.normal(1, h, w).to(images.device, images.dtype)
+    h, w = images.shape[-2:]
+    noise = draw_batch(generator, "normal", 1, h, w).to(images.device, images.dtype)
     liquid = _liquid(noise, mean, std, sigma * scale)
+    if mode == 0:
+        liquid.mul_(_mask(torch.ge, liquid, thresh))  # below the threshold: 0
+        m = _water(liquid, strength)
+        color = torch.tensor([175.0, 238.0, 238.0], device=images.device, dtype=images.dtype)
+        color = color[: images.shape[1]].view(1, -1, 1, 1) / 255.0
+        return torch.addcmul(images, m, color).clamp_(0.0, 1.0)
     m = gaussian_filter(_mask(torch.gt, liquid, thresh), strength * scale, mode="nearest")
     m.mul_(_mask(torch.ge, m, 0.8))  # below 0.8: 0
     mud = torch.tensor([63.0, 42.0, 20.0], device=images.device, dtype=images.dtype)
