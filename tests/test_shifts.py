@@ -133,7 +133,7 @@ def test_uint8_entry_equals_the_float_kernel(name):
     """A kernel's optional ``from_uint8`` entry (the decoded cache's NHWC batch, no float
     pass) returns exactly what the kernel returns for ``u8 / 255``; ``apply_shift`` routes
     uint8 batches to it, or converts them for kernels without one."""
-    from tta_bench.runner import apply_shift, to_float_images, uint8_entry
+    from tta_bench.inputs import apply_shift, to_float_images, uint8_entry
 
     kernel = registry("shifts").get(name)
     u8 = torch.randint(0, 256, (3, 20, 24, 3), dtype=torch.uint8)
@@ -153,7 +153,7 @@ def test_uint8_entry_equals_the_float_kernel(name):
 
 
 def test_jpeg_offers_the_uint8_entry():
-    from tta_bench.runner import uint8_entry
+    from tta_bench.inputs import uint8_entry
 
     assert uint8_entry(registry("shifts").get("jpeg_compression")) is not None
     assert uint8_entry(registry("shifts").get("contrast")) is None

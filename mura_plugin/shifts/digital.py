@@ -268,10 +268,6 @@ def _jpeg_from_uint8(
 jpeg_compression.from_uint8 = _jpeg_from_uint8  # type: ignore[attr-defined]
 
 
-#: Pixels per image up to which decoded JPEGs are stacked before conversion.
-SMALL_JPEG_PIXELS = 64 * 64
-
-
 def _jpeg_roundtrip(hwc_u8: torch.Tensor, quality: int, out: torch.Tensor) -> None:
     """Encode the uint8 ``[n, H, W, C]`` images at ``quality``, decode them and write
     ``decoded / 255`` into ``out`` (``[n, C, H, W]``, channels-last memory)."""
@@ -283,17 +279,11 @@ def _jpeg_roundtrip(hwc_u8: torch.Tensor, quality: int, out: torch.Tensor) -> No
         warnings.simplefilter("ignore", DeprecationWarning)
         encoded = encode_jpeg(list(hwc_u8.permute(0, 3, 1, 2)), quality=quality)
         decoded = decode_jpeg(encoded)
-    # Decoded images are HWC underneath, as ``out``: a plain conversion copy, then an
-    # in-place float division (uint8 operands in arithmetic take a slow, unvectorised path;
-    # a fused divide is ~4x slower). Large images one by one while each is cached; small
-    # ones stacked first (two ops per image cost more than the pixels: 32 px, 0.37 ->
-    # 0.13 ms a batch of 64). Same values either way.
-    if decoded[0][0].numel() > SMALL_JPEG_PIXELS:
-        for j, img in enumerate(decoded):
-            out[j].copy_(img).div_(255.0)
-    else:
-        hwc = torch.stack([img.permute(1, 2, 0) for img in decoded])
-        out.copy_(hwc.permute(0, 3, 1, 2)).div_(255.0)
+    # Decoded images are HWC underneath, as ``out``: stacked, then a plain conversion copy
+    # and an in-place float division (uint8 operands in arithmetic take a slow, unvectorised
+    # path; a fused divide is ~4x slower).
+    hwc = torch.stack([img.permute(1, 2, 0) for img in decoded])
+    out.copy_(hwc.permute(0, 3, 1, 2)).div_(255.0)
 
 
 #: Pillow's fixed-point precision for 8-bit resampling weights (``PRECISION_BITS``).
@@ -445,28 +435,7 @@ def pixelate(
     torch.mul(images.detach().reshape(n, h, w), 255.0, out=u8)
     u8.round_().clamp_(0, 255)
     small = plan.down(buf, n, h, w).view(b, ch, oh, -1)[..., :ow].div_(255.0).to(images.dtype)
-    if h * w > SMALL_PIXELATE_PIXELS:
-        return F.interpolate(small, size=(h, w), mode="nearest-exact")
-    # Small images: the same nearest-exact upsampling as products with 0/1 selection
-    # matrices (exact: one unit weight per output), cheaper than F.interpolate there.
-    sy = _nearest_exact_matrix(oh, h, images.device, images.dtype)
-    sx = _nearest_exact_matrix(ow, w, images.device, images.dtype)
-    return torch.matmul(sy, torch.matmul(small, sx.t()))
-
-
-#: Up to this many pixels per image, ``pixelate`` upsamples by selection matrices.
-SMALL_PIXELATE_PIXELS = 64 * 64
-
-
-@lru_cache(maxsize=32)
-def _nearest_exact_matrix(
-    n_in: int, n_out: int, device: torch.device, dtype: torch.dtype
-) -> torch.Tensor:
-    """``[n_out, n_in]`` 0/1 matrix of torch's ``nearest-exact`` resize ``n_in -> n_out``
-    (the source indices come from ``F.interpolate`` itself on an index ramp)."""
-    ramp = torch.arange(n_in, dtype=torch.float32).view(1, 1, n_in)
-    src = F.interpolate(ramp, size=n_out, mode="nearest-exact").view(-1).long()
-    return F.one_hot(src, n_in).to(device, dtype)
+    return F.interpolate(small, size=(h, w), mode="nearest-exact")
 
 
 # -- the seed article's simple colour shifts -------------------------------------------------
