@@ -15,15 +15,15 @@ the same here as in a benchmark run.
 State sharing. The frozen backbone is never copied per adapter. A ``SharedBackbone``
 builds the method once on a throw-away copy (the *probe*) and learns which tensors of the
 classifier it changes: the base parameters it declares trainable (Tent's LayerNorm
-affines) and any base parameter or buffer whose value moves during ``setup()`` and two
-adaptation steps. Every other tensor is shared: each adapter's method is built over a
-``copy.deepcopy`` of the classifier whose memo maps every shared tensor (and the
-stateless tokenizer) to itself, then ``setup()``. An adapter therefore owns only its
-module structure, its copies of the adapted tensors, and the method's own state
-(adapters, router, optimiser, snapshot, caches); ``state_bytes()`` measures it. Shared
-tensors keep ``requires_grad=False``, so concurrent adapters in different threads never
-write them (a method's ``reset()`` copies snapshot values into buffers; for a shared
-buffer those are its own, unchanged values).
+affines) or leaves requiring grad, and any base parameter or buffer whose value moves
+during ``setup()`` and two adaptation steps. Every other tensor is shared: each adapter's
+method is built over a ``copy.deepcopy`` of the classifier whose memo maps every shared
+tensor (and the stateless tokenizer) to itself, then ``setup()``. An adapter therefore
+owns only its module structure, its copies of the adapted tensors, and the method's own
+state (adapters, router, optimiser, snapshot, caches); ``state_bytes()`` measures it.
+Shared tensors keep ``requires_grad=False``, so concurrent adapters in different threads
+never write them (a method's ``reset()`` copies snapshot values into buffers; for a
+shared buffer those are its own, unchanged values).
 
 Determinism. ``setup()`` runs under a forked, seeded global RNG (the runner's seed
 ``stable_seed(method, "setup", seed)``; a lock serialises setups across threads, and the
@@ -288,7 +288,9 @@ class SharedBackbone:
         base = dict(_named_tensors(self.model))
         changed = set()
         for name, t in before:
-            if id(t) in trainable or not torch.equal(t.detach(), base[name].detach()):
+            # declared trainable, moved in value, or left requiring grad (a backward through
+            # it would write .grad into a tensor every adapter shares)
+            if id(t) in trainable or t.requires_grad or not torch.equal(t.detach(), base[name]):
                 changed.add(name)
         return sorted(changed)
 

@@ -553,7 +553,6 @@ def create_app(service: Service) -> Any:
         k = service.limits.top_k if top_k is None else top_k
         if not 1 <= k <= classes:
             raise ClientError(422, f"top_k must be in 1..{classes} (the classes), got {k}")
-        k = min(k, classes)
         if service.pending >= service.limits.max_pending:
             raise ClientError(
                 503,
