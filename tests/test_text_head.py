@@ -55,29 +55,31 @@ def imagenet():
 
 
 class Recorder:
-    """Wraps ``clip.encode_text`` on the instance: records each call's tokens and output."""
+    """Wraps the head's text encoder (``text_head.encode_text_cut``, which runs the
+    tower): records each call's tokens and output."""
 
     def __init__(self, clip: torch.nn.Module, keep: bool = True):
         self.clip, self.keep = clip, keep
-        self.original = clip.encode_text
+        self.original = text_head.encode_text_cut
         self.tokens: list[torch.Tensor] = []
         self.feats: list[torch.Tensor] = []
         self.batches: list[int] = []
 
     def __enter__(self) -> Recorder:
-        def encode_text(tokens: torch.Tensor, *args, **kwargs) -> torch.Tensor:
-            out = self.original(tokens, *args, **kwargs)
-            self.batches.append(int(tokens.shape[0]))
-            if self.keep:
-                self.tokens.append(tokens.detach().clone())
-                self.feats.append(out.detach().clone())
+        def encode(clip: torch.nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+            out = self.original(clip, tokens)
+            if clip is self.clip:
+                self.batches.append(int(tokens.shape[0]))
+                if self.keep:
+                    self.tokens.append(tokens.detach().clone())
+                    self.feats.append(out.detach().clone())
             return out
 
-        self.clip.encode_text = encode_text
+        text_head.encode_text_cut = encode
         return self
 
     def __exit__(self, *exc: object) -> None:
-        del self.clip.encode_text  # back to the class's method
+        text_head.encode_text_cut = self.original
 
 
 def legacy_head(clip, tokenizer, classnames, templates) -> tuple[torch.Tensor, torch.Tensor]:
@@ -335,8 +337,8 @@ def _worker(model, names, templates, queue) -> None:
 
     torch.set_num_threads(1)
     calls = []
-    original = model.encode_text
-    model.encode_text = lambda tokens: calls.append(1) or original(tokens)
+    original = th.encode_text_cut
+    th.encode_text_cut = lambda clip, tokens: calls.append(1) or original(clip, tokens)
     head = th.class_embeddings(model, open_tokenizer(), names, templates)
     queue.put((len(calls), head.numpy().tobytes()))
 
@@ -415,3 +417,29 @@ def test_listing_and_clearing_do_not_import_torch(tmp_cache):
     )
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.split() == ["0", "0"]
+
+
+@pytest.mark.parametrize("arch", ["tiny", "ViT-B-32"])
+def test_cut_prompts_equal_the_full_forward(arch, default_bundle):
+    """encode_text_cut (sequences cut after the longest end token) equals encode_text up
+    to float32 summation order, on the default model and on a random ViT-B-32 text tower
+    (77-token context), and is used by the class-embedding computation."""
+    import open_clip
+
+    from tta_bench.text_head import encode_text_cut
+
+    if arch == "tiny":
+        clip, tok = default_bundle.clip, default_bundle.tokenizer
+        prompts = ["a photo of the digit three.", "the number nine.", "a handwritten one."]
+    else:
+        torch.manual_seed(0)
+        clip = open_clip.create_model(arch).eval()
+        tok = open_clip.get_tokenizer(arch)
+        prompts = ["a photo of a goldfish.", "itap of a great white shark.", "a tench."]
+    tokens = tok(prompts)
+    with torch.no_grad():
+        full = clip.encode_text(tokens)
+        cut = encode_text_cut(clip, tokens)
+    assert cut.shape == full.shape
+    scale = full.abs().max().item()
+    assert (cut - full).abs().max().item() <= 1e-5 * scale
