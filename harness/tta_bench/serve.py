@@ -431,13 +431,15 @@ class Service:
 
     async def predict(self, uploads: list[tuple[str, bytes]], sid: str | None, k: int) -> dict:
         s = self.session(sid) if sid is not None else None
-        x = await self.run(self._preprocess, uploads)
-        start = time.perf_counter()
         if s is None:
+            x = await self.run(self._preprocess, uploads)
+            start = time.perf_counter()
             pred = await self.run(self._pooled, x)
         else:
-            s.busy += 1
+            s.busy += 1  # a busy session never expires
             try:
+                x = await self.run(self._preprocess, uploads)
+                start = time.perf_counter()
                 async with s.lock:
                     pred = await self.run(self._in_session, s, x)
                     s.requests += 1
