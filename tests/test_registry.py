@@ -18,24 +18,32 @@ from tta_bench.registry import KINDS, RegistryError, UnknownNameError, registry
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _our_entry_points(kind: str) -> set[str]:
+def _our_entry_points(kind: str, dist: str = "mura-plugin") -> set[str]:
     return {
         ep.name
         for ep in md.entry_points(group=f"tta_bench.{kind}")
-        if ep.dist is not None and ep.dist.metadata["Name"] == "tta-bench"
+        if ep.dist is not None and ep.dist.metadata["Name"] == dist
     }
 
 
+CATALOGUES = {
+    "mura-plugin": ROOT / "registry.yaml",
+    "tta-bench": ROOT / "harness" / "tta_bench" / "registry.yaml",
+}
+
+
+@pytest.mark.parametrize("dist", sorted(CATALOGUES))
 @pytest.mark.parametrize("kind", KINDS)
-def test_entry_points_and_catalogue_list_the_same_names(kind):
-    data = yaml.safe_load((ROOT / "registry.yaml").read_text())
+def test_entry_points_and_catalogue_list_the_same_names(kind, dist):
+    """Each distribution's entry points and its own registry.yaml name the same things."""
+    data = yaml.safe_load(CATALOGUES[dist].read_text())
     in_catalogue = set(data.get(kind) or {})
-    assert _our_entry_points(kind) == in_catalogue
+    assert _our_entry_points(kind, dist) == in_catalogue
 
 
 @pytest.mark.parametrize("kind", [k for k in KINDS if k != "configs"])
 def test_every_component_has_a_description(kind):
-    for name in _our_entry_points(kind):
+    for name in _our_entry_points(kind) | _our_entry_points(kind, "tta-bench"):
         assert catalog.description(kind, name), f"{kind}/{name} has no description"
 
 
@@ -107,7 +115,7 @@ def test_duplicate_names_are_an_error_naming_both_origins(tmp_path):
     out = _registry_error(tmp_path, "registry('methods').names()")
     assert "duplicate method name 'tent'" in out
     assert "clash_plugin:Tent (from clash-plugin 0.1)" in out
-    assert "mura_plugin.methods.tent:Tent (from tta-bench" in out
+    assert "mura_plugin.methods.tent:Tent (from mura-plugin" in out
 
 
 def test_invalid_plugin_fails_at_load_with_its_origin(tmp_path):
@@ -131,7 +139,9 @@ def test_add_rejects_duplicates_and_invalid_objects():
         reg.add("not_callable", 3)
 
 
-def test_catalogue_ships_inside_the_wheel(tmp_path):
+def test_catalogue_and_weights_ship_inside_the_wheel(tmp_path):
+    """The plugin's wheel carries its catalogue and the default model's weights; the
+    harness's wheel carries its own catalogue."""
     subprocess.run(
         [
             sys.executable,
@@ -148,11 +158,26 @@ def test_catalogue_ships_inside_the_wheel(tmp_path):
         check=True,
         capture_output=True,
     )
-    (wheel,) = tmp_path.glob("tta_bench-*.whl")
+    (wheel,) = tmp_path.glob("mura_plugin-*.whl")
     with zipfile.ZipFile(wheel) as zf:
         shipped = zf.read("mura_plugin/registry.yaml").decode()
+        weights = zf.read("mura_plugin/models/weights/tiny-clip-digits.safetensors")
         entry_points = zf.read(
             next(n for n in zf.namelist() if n.endswith("entry_points.txt"))
         ).decode()
     assert shipped == (ROOT / "registry.yaml").read_text()
+    assert (
+        weights == (ROOT / "mura_plugin/models/weights/tiny-clip-digits.safetensors").read_bytes()
+    )
     assert "[tta_bench.catalogs]" in entry_points
+    subprocess.run(
+        [sys.executable, "-m", "pip", "wheel", "--no-deps", "--no-build-isolation", "-q"]
+        + ["-w", str(tmp_path / "h"), str(ROOT / "harness")],
+        check=True,
+        capture_output=True,
+    )
+    (harness_wheel,) = (tmp_path / "h").glob("tta_bench-*.whl")
+    with zipfile.ZipFile(harness_wheel) as zf:
+        names = zf.namelist()
+        assert "tta_bench/registry.yaml" in names
+        assert not any(n.startswith("mura_plugin") for n in names)

@@ -18,6 +18,8 @@ import yaml
 from tta_bench.registry import DISABLE_ENV, KINDS, RESET_HOOKS, RegistryError, distribution_allowed
 
 CATALOG_GROUP = "tta_bench.catalogs"
+#: The harness's own catalogue (its metrics), registered through the same entry point group.
+HARNESS_CATALOG = str(Path(__file__).with_name("registry.yaml"))
 SECTIONS = (*KINDS, "suites", "templates", "defaults")
 
 _CATALOG: dict[str, dict[str, Any]] | None = None
