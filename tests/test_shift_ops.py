@@ -119,6 +119,9 @@ def test_gather_windows_equals_slicing():
     for k in range(4):
         t, s = int(top[k]), int(left[k])
         assert torch.equal(out[k], src[int(which[k]), :, t : t + 4, s : s + 5])
+    buf = torch.empty(4, 2, 4, 5)
+    assert gather_windows(src, which, top, left, 4, 5, out=buf) is buf
+    assert torch.equal(buf, out)
 
 
 def test_shifted_taps_equal_scipy_correlation():

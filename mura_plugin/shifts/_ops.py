@@ -39,10 +39,11 @@ __all__ = [
 
 BOUNDARY_MODES = ("nearest", "reflect", "reflect101")
 
-#: The most values a kernel's stack of shifted or zoomed copies holds at once (256 MiB of
+#: The most values a kernel's stack of shifted or zoomed copies holds at once (16 MiB of
 #: float32), on any device: ``shifted_taps`` and zoom_blur build such stacks a few samples
-#: at a time and reduce each right after it is written.
-STACK_ELEMENTS = 1 << 26
+#: (channels) at a time and reduce each right after it is written, so their temporary
+#: memory stays bounded whatever the batch (one 224 px sample's motion line is ~4.7M values).
+STACK_ELEMENTS = 1 << 22
 
 
 class BoundedCache:
@@ -276,9 +277,12 @@ def gather_windows(
     left: torch.Tensor,
     h: int,
     w: int,
+    *,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """``[K, C, h, w]`` windows ``sources[which[k], :, top[k]:top[k]+h, left[k]:left[k]+w]``
-    of ``sources [N, C, Hs, Ws]`` (integer index tensors ``[K]``; windows must lie inside).
+    of ``sources [N, C, Hs, Ws]`` (integer index tensors ``[K]``; windows must lie inside),
+    written into ``out`` when given.
 
     One ``index_select`` over an overlapping strided view of the flat storage (one entry
     per possible window start), so each window is a block copy: far cheaper than a
@@ -288,7 +292,7 @@ def gather_windows(
     total = src.numel() - ((c - 1) * hs * ws + (h - 1) * ws + w) + 1
     view = src.view(-1).as_strided((total, c, h, w), (1, hs * ws, ws, 1))
     start = which.long() * (c * hs * ws) + top.long() * ws + left.long()
-    return view.index_select(0, start.to(sources.device))
+    return torch.index_select(view, 0, start.to(sources.device), out=out)
 
 
 def shifted_taps(
@@ -301,7 +305,7 @@ def shifted_taps(
 
     Each sample's shifted copies are windows of one padded batch (``gather_windows``) and
     their weighted sum is one batched product, a few samples at a time (at most
-    ``STACK_ELEMENTS`` values of windows)."""
+    ``STACK_ELEMENTS`` values of windows, or one sample's) in one reused buffer."""
     b, c, h, w = images.shape
     n = dy.shape[1]
     dy, dx = dy.long().cpu(), dx.long().cpu()
@@ -314,10 +318,17 @@ def shifted_taps(
     out = torch.empty(b, 1, c * h * w, device=images.device, dtype=images.dtype)
     per = n * c * h * w
     step = max(1, STACK_ELEMENTS // per)
+    stack = images.new_empty(min(step, b) * n, c, h, w)
     for s in range(0, b, step):
         e = min(b, s + step)
         win = gather_windows(
-            padded, which[s:e].reshape(-1), sy[s:e].reshape(-1), sx[s:e].reshape(-1), h, w
+            padded,
+            which[s:e].reshape(-1),
+            sy[s:e].reshape(-1),
+            sx[s:e].reshape(-1),
+            h,
+            w,
+            out=stack[: (e - s) * n],
         )
         torch.bmm(wts[s:e], win.view(e - s, n, c * h * w), out=out[s:e])
     return out.view(b, c, h, w)
