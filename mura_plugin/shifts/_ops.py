@@ -1,12 +1,13 @@
-"""Batched linear-filter building blocks shared by the shift kernels.
+"""Batched building blocks shared by the shift kernels.
 
-Everything here is device-agnostic torch on ``[B, C, H, W]`` float batches. Separable
-filters are applied as two dense matrix products (``M_h @ X @ M_w^T``): the boundary rule is
-folded into the matrices, so the cost does not grow with the filter's width and big blurs
-stay cheap, on every device. Non-separable kernels
-(disks) use FFT convolution after padding. Per-sample sparse
-kernels (motion lines) are weighted sums of windows of a padded batch (``shifted_taps``,
-built on ``gather_windows``).
+Every op here has one implementation, the same on every device: torch on ``[B, C, H, W]``
+float batches, with no branch on the device or on an image-size threshold. Separable
+filters (Gaussians) are two dense matrix products (``M_h @ X @ M_w^T``) with the boundary
+rule folded into the matrices, so the cost does not grow with the filter's width; fixed
+non-separable kernels (disks) are FFT correlations after padding; per-sample sparse kernels
+(motion lines) are weighted sums of windows of a padded batch (``shifted_taps``, built on
+``gather_windows``). The only branches left inside an op are for correctness (see
+``fft_correlate``'s padding of kernels wider than the image).
 """
 
 from __future__ import annotations
@@ -198,7 +199,7 @@ def fft_correlate(
     into the kept region). A hashable ``cache_key`` naming a fixed kernel caches its
     spectrum.
     """
-    b, c, h, w = images.shape
+    h, w = images.shape[-2:]
     kh, kw = kernels.shape[-2:]
     ry, rx = kh // 2, kw // 2
     fh, fw = fft_size(h + 2 * ry), fft_size(w + 2 * rx)

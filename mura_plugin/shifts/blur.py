@@ -231,9 +231,8 @@ def motion_filter(
     images: torch.Tensor, radius: int, sigma: float, angles: torch.Tensor
 ) -> torch.Tensor:
     """Per-sample motion blur of ``images [B, C, H, W]`` at ``angles [B]`` (degrees), edges
-    replicated. The line has only ``2 * radius + 1`` taps, so it is applied directly as
-    weighted shifted copies (``shifted_taps``; far cheaper than a per-sample FFT of the
-    whole image)."""
+    replicated. The line has only ``2 * radius + 1`` taps, applied directly as weighted
+    shifted copies (``shifted_taps``)."""
     g, dy, dx = motion_offsets(radius, sigma, angles)
     return shifted_taps(images, dy, dx, g)
 

@@ -201,11 +201,6 @@ def _scaled_eye(c: int) -> torch.Tensor:
     return torch.eye(c) * 255.0
 
 
-#: Values per chunk of ``jpeg_compression`` (more than ``chunk_rows``: its per-image codec
-#: calls leave few ops per chunk, and larger chunks amortise their fixed costs).
-JPEG_CHUNK = 1 << 21
-
-
 def jpeg_compression(
     images: torch.Tensor, severity: int, *, generator: SampleGenerator, table: str = "cifar"
 ) -> torch.Tensor:
@@ -222,22 +217,16 @@ def jpeg_compression(
     # in that memory format (same shape and values; ``.contiguous()`` gives NCHW strides).
     b, c, h, w = images.shape
     out = torch.empty(images.shape, dtype=images.dtype, memory_format=torch.channels_last)
-    step = max(1, JPEG_CHUNK // images[0].numel())
-    hwc = torch.empty(min(step, b), h, w, c)
-    hwc_u8 = torch.empty(hwc.shape, dtype=torch.uint8)
-    for s in range(0, b, step):
-        n = min(step, b - s)
-        buf = hwc[:n]
-        # 8-bit quantisation: ``255 x`` in HWC order as a batched product with ``255 I``
-        # (a GEMM transposes far faster than a strided elementwise copy), then ``+ 2^23``
-        # rounds it (half to even, as ``round``) to an integer held in the low mantissa
-        # byte; clipping to 2^23 + [0, 255] is clipping to 0..255, and the int32 -> uint8
-        # narrowing keeps that byte (float -> uint8 is several times slower). For
-        # ``x = k / 255`` (an 8-bit image) this gives back ``k`` exactly.
-        planes = images[s : s + n].detach().cpu().float().reshape(n, c, h * w).transpose(1, 2)
-        torch.bmm(planes, _scaled_eye(c).expand(n, c, c), out=buf.view(n, h * w, c))
-        buf.clamp_(0.0, 255.0).add_(_ROUND_BIAS)
-        _jpeg_roundtrip(hwc_u8[:n].copy_(buf.view(torch.int32)), quality, out[s : s + n])
+    # 8-bit quantisation: ``255 x`` in HWC order as a batched product with ``255 I`` (a
+    # GEMM transposes far faster than a strided elementwise copy), then ``+ 2^23`` rounds it
+    # (half to even, as ``round``) to an integer held in the low mantissa byte; clipping to
+    # 2^23 + [0, 255] is clipping to 0..255, and the int32 -> uint8 narrowing keeps that
+    # byte (float -> uint8 is several times slower). For ``x = k / 255`` (an 8-bit image)
+    # this gives back ``k`` exactly.
+    planes = images.detach().cpu().float().reshape(b, c, h * w).transpose(1, 2)
+    hwc = torch.bmm(planes, _scaled_eye(c).expand(b, c, c)).view(b, h, w, c)
+    hwc.clamp_(0.0, 255.0).add_(_ROUND_BIAS)
+    _jpeg_roundtrip(hwc.view(torch.int32).to(torch.uint8), quality, out)
     return out.to(images.device)
 
 
@@ -258,10 +247,7 @@ def _jpeg_from_uint8(
     quality = int(severity_param("jpeg_compression", JPEG_COMPRESSION, table, severity))
     b, h, w, c = images.shape
     out = torch.empty((b, c, h, w), memory_format=torch.channels_last)
-    u8 = images.detach().cpu().contiguous()
-    step = max(1, JPEG_CHUNK // u8[0].numel())
-    for s in range(0, b, step):
-        _jpeg_roundtrip(u8[s : s + step], quality, out[s : s + step])
+    _jpeg_roundtrip(images.detach().cpu().contiguous(), quality, out)
     return out.to(images.device)
 
 
