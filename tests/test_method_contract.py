@@ -18,6 +18,12 @@ METHODS = registry("methods").names()
 def _fresh(name: str, classifier) -> Method:
     method_cls = registry("methods").get(name)
     method = method_cls(copy.deepcopy(classifier), method_cls.Config())
+    n = method.source_images_needed()
+    if n:  # clean, unlabeled source images, as the runner hands them over (EATA's Fisher)
+        from mura_plugin.datasets.digits import digits_arrays
+
+        x, _ = digits_arrays("train")
+        method.set_source(torch.from_numpy(x[:n]).permute(0, 3, 1, 2).float() / 255.0)
     torch.manual_seed(0)
     method.setup()
     return method

@@ -195,9 +195,7 @@ def _search_path_overrides() -> list[str]:
     return [f"hydra.searchpath=[{','.join(paths)}]"]
 
 
-def compose(
-    overrides: list[str], method: str, model: str, preset: str | None = None
-) -> DictConfig:
+def compose(overrides: list[str], method: str, model: str, preset: str | None = None) -> DictConfig:
     """Compose the run config for ``method`` (with its ``preset``, when given) and
     ``model`` (both already validated)."""
     from hydra import compose as hydra_compose

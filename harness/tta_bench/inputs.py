@@ -257,9 +257,9 @@ class RunInputs:
 def source_images(
     protocol: Protocol, bundle: Any, n: int, data_dir: str | None, device: torch.device
 ) -> torch.Tensor:
-    """``n`` clean, unlabeled images ``[n, C, H, W]`` in [0, 1] of the protocol's declared
-    source split (``Protocol.source``: e.g. the digits train split), a fixed random subset
-    keyed by the protocol; for methods that estimate statistics of the source domain
+    """Up to ``n`` clean, unlabeled images ``[n, C, H, W]`` in [0, 1] (the whole split when
+    it is smaller) of the protocol's declared source split (``Protocol.source``: e.g. the
+    digits train split), a fixed random subset keyed by the protocol; for methods that estimate statistics of the source domain
     (EATA's Fisher information). No labels leave this function."""
     if protocol.source is None:
         raise ValueError(
@@ -274,11 +274,7 @@ def source_images(
         dataset=spec["dataset"],
         dataset_args=dict(spec.get("dataset_args") or {}),
     )
-    if n > len(stream):
-        raise ValueError(
-            f"{n} source images requested but the source split of {protocol.name!r} "
-            f"({stream.name}) has {len(stream)}"
-        )
+    n = min(n, len(stream))  # a smaller split is handed over whole (the method is told by size)
     src = open_source(stream, bundle.preprocess.image_size, on_bad_image="skip")
     rng = np.random.default_rng(stable_seed("source", protocol.name) % 2**32)
     rows = np.sort(rng.permutation(len(stream))[:n])

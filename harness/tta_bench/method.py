@@ -13,7 +13,7 @@ import dataclasses
 import time
 from collections.abc import Iterator
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Optional
 
 import torch
 from torch import nn
@@ -65,6 +65,9 @@ class GradientConfig:
     #: Autocast precision on CUDA (``fp32`` = none); each method defaults to its official
     #: code's precision. Ignored on the CPU (float32). Recorded in the results.
     precision: str = "fp32"
+    #: fp16 on CUDA only: the initial scale of a ``torch.amp.GradScaler`` (the official
+    #: TPT/BATCLIP code scales by 1000); None: no loss scaling.
+    grad_scale: Optional[float] = None
 
 
 class Method(abc.ABC):
@@ -107,6 +110,12 @@ class Method(abc.ABC):
 
     #: Set by ``set_source``; None when the method asked for no source images.
     source: torch.Tensor | None = None
+
+    def resolved_settings(self) -> dict[str, Any]:
+        """Settings the method derived at run time from its config (e.g. a learning rate
+        scaled by the batch size when the config says ``lr=None``), recorded in the
+        results beside the config; empty when there are none."""
+        return {}
 
     def reseed(self, seed: int) -> None:
         """Seed the method's own randomness (augmented views); the runner calls it per batch."""
@@ -213,9 +222,34 @@ class GradientMethod(Method):
             raise ValueError(f"{type(self).__name__}.collect_params returned no parameters")
         for p in self.params:
             p.requires_grad_(True)
-        self.loss_fn = _load_loss(self.config.loss)
+        # A method with a fixed objective (no ``loss`` field) computes it in compute_loss.
+        loss = getattr(self.config, "loss", None)
+        self.loss_fn = _load_loss(loss) if loss is not None else None
         self.optimizer = build_optimizer(self.params, self.config)
+        self.scaler = self._new_scaler()
         self._snapshot = self._capture()
+
+    def _new_scaler(self) -> Any:
+        """A GradScaler when the config asks for one and fp16 autocast is on, else None."""
+        scale = getattr(self.config, "grad_scale", None)
+        if scale is None:
+            return None
+        if effective_precision(self.config.precision, self.device) != "fp16":
+            return None  # bf16 and fp32 gradients do not underflow: no scaling
+        return torch.amp.GradScaler("cuda", init_scale=float(scale))
+
+    def optimizer_step(self, loss: torch.Tensor, optimizer: Any = None) -> None:
+        """``loss.backward()`` and one optimiser step, through the GradScaler when fp16
+        loss scaling is on (a step with non-finite scaled gradients is skipped, as
+        ``GradScaler`` does)."""
+        optimizer = optimizer or self.optimizer
+        if self.scaler is None:
+            loss.backward()
+            optimizer.step()
+            return
+        self.scaler.scale(loss).backward()
+        self.scaler.step(optimizer)
+        self.scaler.update()
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return list(self.params)
@@ -241,6 +275,7 @@ class GradientMethod(Method):
                     b.copy_(snap["buffers"][k])
         self.load_extra_state(_clone(snap["extra"]))
         self.optimizer = build_optimizer(self.params, self.config)
+        self.scaler = self._new_scaler()
 
     # -- adaptation --------------------------------------------------------------------
     def autocast(self) -> contextlib.AbstractContextManager:
@@ -254,8 +289,7 @@ class GradientMethod(Method):
                 loss, logits = self.compute_loss(images)
                 loss = loss.mean()
             self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            self.optimizer.step()
+            self.optimizer_step(loss)
             self.last_loss = loss.detach()
         return logits
 

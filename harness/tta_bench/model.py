@@ -119,8 +119,9 @@ class ZeroShotClassifier(nn.Module):
     def normalize(self, images: torch.Tensor) -> torch.Tensor:
         return (images - self.mean) / self.std
 
-    def encode_image(self, images: torch.Tensor) -> torch.Tensor:
-        """L2-normalised image features ``[B, D]`` of images in [0, 1]."""
+    def encode_image(self, images: torch.Tensor, normalize: bool = True) -> torch.Tensor:
+        """Image features ``[B, D]`` of images in [0, 1], L2-normalised unless
+        ``normalize=False`` (the raw projected features some losses need)."""
         size = self.preprocess.image_size
         if images.shape[-1] != size or images.shape[-2] != size:
             raise ValueError(
@@ -128,7 +129,7 @@ class ZeroShotClassifier(nn.Module):
                 f"{tuple(images.shape[-2:])}: the data pipeline must resize to the model's size"
             )
         feats = self.clip.encode_image(self.normalize(images))
-        return feats / feats.norm(dim=-1, keepdim=True)
+        return feats / feats.norm(dim=-1, keepdim=True) if normalize else feats
 
     def logits_from_features(
         self, features: torch.Tensor, class_embeddings: torch.Tensor | None = None
@@ -149,7 +150,7 @@ def state_sha256(module: nn.Module) -> str:
     for name, tensor in module.state_dict().items():
         t = tensor.detach().cpu().contiguous()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)};".encode())
-        h.update(t.view(torch.uint8).numpy().tobytes() if t.numel() else b"")
+        h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes() if t.numel() else b"")
     return h.hexdigest()
 
 

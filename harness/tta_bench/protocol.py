@@ -173,14 +173,18 @@ def load_protocol(suite: str, **overrides: Any) -> Protocol:
         spec["dirichlet_delta"] = float(spec["dirichlet_delta"])
     if spec.get("reset") == "episodic_sample":
         spec["batch_size"] = 1
-    spec["templates"] = resolve_templates(spec.get("templates"), spec.get("dataset"), suite)
+    given = spec.get("templates")
+    if given is None:  # a suite may name its head through the dataset's arguments
+        given = spec["dataset_args"].get("templates")
+    spec["templates"] = resolve_templates(given, spec.get("dataset"), suite)
     return Protocol(**spec)
 
 
 def resolve_templates(value: Any, dataset: str | None, suite: str) -> tuple[str, ...] | None:
     """The protocol's prompt templates: ``value`` (a catalogue template-set name or a list of
-    format strings), else the dataset's catalogue ``templates`` (same forms); None when
-    neither names any (the dataset's own stream then supplies them)."""
+    format strings: the suite's ``templates``, else its ``dataset_args.templates``), else
+    the dataset's catalogue ``templates`` (same forms); None when none names any (the
+    dataset's own stream then supplies them)."""
     if value is None and dataset is not None:
         value = catalog.entry("datasets", dataset).get("templates")
     if value is None:

@@ -336,6 +336,9 @@ class Evaluation:
                         log_batch(self._log, seed, batch, stream, loss, logits, y, ref,
                                   measured["cost"], self.device)  # fmt: skip
                 bar.update(1)
+        resolved = method.resolved_settings()
+        if resolved:
+            record["method_resolved"] = resolved
         return book.entries(seed, memory)
 
 

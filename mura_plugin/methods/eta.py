@@ -225,6 +225,10 @@ class ReliableEntropyMethod(GradientMethod):
             self.tower, self._lr_batch, double_at_batch_one=self.double_lr_at_batch_one
         )
 
+    def resolved_settings(self) -> dict[str, float | None]:
+        """The learning rate the official rule chose (recorded in the results)."""
+        return {"lr": self.resolved_lr}
+
     def apply_lr(self, batch_size: int) -> None:
         """Under the official rule, fix the batch size at the first batch after
         ``setup()``/``reset()`` and set the optimiser's learning rate from it."""
