@@ -395,8 +395,10 @@ def cmd_env(args: argparse.Namespace) -> int:
     from tta_bench.data import BUDGET_ENV, cache_budget_bytes, cache_used_bytes
     from tta_bench.paths import cache_dir
     from tta_bench.runner import resolve_device
+    from tta_bench.text_head import text_head_entries
 
     device = resolve_device("auto")
+    heads = text_head_entries()
     lines = [
         ("tta-bench", md.version("tta-bench")),
         ("python", sys.version.split()[0]),
@@ -420,6 +422,10 @@ def cmd_env(args: argparse.Namespace) -> int:
             f"{cache_used_bytes() / 2**30:.2f} GiB used of a {cache_budget_bytes() / 2**30:.1f} "
             f"GiB budget ({BUDGET_ENV})",
         ),
+        (
+            "text-head cache",
+            f"{len(heads)} heads, {sum(h['bytes'] for h in heads) / 2**20:.1f} MiB",
+        ),
     ]
     for name in ("torchvision", "open_clip_torch", "timm", "datasets", "hydra-core"):
         try:
@@ -442,21 +448,50 @@ def cmd_env(args: argparse.Namespace) -> int:
 
 
 def cmd_cache(args: argparse.Namespace) -> int:
-    """List or clear the decoded-image cache entries."""
+    """List or clear the decoded-image and text-head cache entries."""
     from tabulate import tabulate
 
-    from tta_bench import data
+    from tta_bench import data, text_head
 
+    decoded = args.kind in ("all", "decoded")
+    heads = args.kind in ("all", "text")
     if args.action == "list":
-        entries = data.cache_entries()
-        rows = [[e["name"], e["images"], f"{e['bytes'] / 2**20:.1f}", e["path"]] for e in entries]
-        print(tabulate(rows, headers=["domain", "images", "MB", "file"]) if rows else "empty")
-        used, budget = data.cache_used_bytes(), data.cache_budget_bytes()
-        print(f"\n{used / 2**30:.2f} GiB used of {budget / 2**30:.1f} GiB ({data.BUDGET_ENV})")
+        if decoded:
+            entries = data.cache_entries()
+            rows = [
+                [e["name"], e["images"], f"{e['bytes'] / 2**20:.1f}", e["path"]] for e in entries
+            ]
+            print("decoded images:")
+            print(tabulate(rows, headers=["domain", "images", "MB", "file"]) if rows else "empty")
+            used, budget = data.cache_used_bytes(), data.cache_budget_bytes()
+            print(f"{used / 2**30:.2f} GiB used of {budget / 2**30:.1f} GiB ({data.BUDGET_ENV})")
+        if heads:
+            rows = [
+                [
+                    (e.get("about") or {}).get("model", "?"),
+                    f"{e.get('classes')} x {e.get('templates')}",
+                    e.get("device"),
+                    f"{e['bytes'] / 2**10:.1f}",
+                    "ok" if e.get("ok") else "unreadable",
+                ]
+                for e in text_head.text_head_entries()
+            ]
+            print("\ntext heads:")
+            print(
+                tabulate(rows, headers=["model", "classes x templates", "device", "KiB", "state"])
+                if rows
+                else "empty"
+            )
         return 0
-    removed = data.clear_cache(args.names or None)
-    freed = sum(e["bytes"] for e in removed)
-    print(f"removed {len(removed)} decoded-cache entries ({freed / 2**20:.1f} MB)")
+    if args.names and not decoded:
+        raise UsageError("domain names select decoded-cache entries; drop them with --kind text")
+    if decoded:
+        removed = data.clear_cache(args.names or None)
+        freed = sum(e["bytes"] for e in removed)
+        print(f"removed {len(removed)} decoded-cache entries ({freed / 2**20:.1f} MB)")
+    if heads and not args.names:
+        removed = text_head.clear_text_heads()
+        print(f"removed {len(removed)} text-head entries")
     return 0
 
 
@@ -587,9 +622,10 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("env", help="versions, device, cache dir, plugin distributions")
     e.set_defaults(func=cmd_env)
 
-    c = sub.add_parser("cache", help="list or clear the decoded-image cache")
+    c = sub.add_parser("cache", help="list or clear the decoded-image and text-head caches")
     c.add_argument("action", choices=("list", "clear"))
-    c.add_argument("names", nargs="*", help="clear: only these domains (default: all)")
+    c.add_argument("names", nargs="*", help="clear: only these domains' decoded images")
+    c.add_argument("--kind", choices=("all", "decoded", "text"), default="all")
     c.set_defaults(func=cmd_cache)
 
     t = sub.add_parser("table", help="render tables from results files")

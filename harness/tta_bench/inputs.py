@@ -146,6 +146,7 @@ class RunInputs:
                     )
                 )
         decoding = any(getattr(s, "kind", "") == "streamed" for s in sources)
+        bundle.clip.to(device)  # text heads are encoded (and cached) on the run's device
         kernels = (
             {s: registry("shifts").get(s) for s in protocol.shifts}
             if protocol.shift_source == "synthetic"
