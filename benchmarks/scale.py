@@ -144,6 +144,17 @@ class _PlainJpegFiles:
         return decode_jpeg(read_file(self.files[i]), ImageReadMode.RGB)
 
 
+def _steady_rate(loader, images_of) -> float:
+    """Images per second after the first batch (worker start-up and first imports are
+    paid once per run, not per batch)."""
+    it = iter(loader)
+    next(it)
+    start, got = time.perf_counter(), 0
+    for item in it:
+        got += len(images_of(item))
+    return got / (time.perf_counter() - start)
+
+
 def decode_throughput(
     root: Path, workers: list[int], repeats: int, images: int
 ) -> list[dict[str, object]]:
