@@ -1,0 +1,97 @@
+"""Bad input to ``tta-bench run`` exits 2 before any setup (no model is built, nothing is
+written), with a message naming the bad value."""
+
+from __future__ import annotations
+
+import pytest
+
+from .helpers import cli
+
+
+@pytest.fixture()
+def run_cli(capsys, tmp_path):
+    """``tta-bench run --quiet ARGS`` in this process -> (status, stderr); asserts that no
+    model was built and no results file written."""
+    from tta_bench_testplugin import model
+
+    def call(*args: str, output: str | None = None) -> tuple[int, str]:
+        output = output or str(tmp_path / "out" / "r.json")
+        before, files = model.builds, sorted(tmp_path.rglob("*"))
+        rc, out, err = cli(capsys, "run", "--quiet", "--output", output, *args)
+        assert model.builds == before, "a model was built before the input was checked"
+        assert sorted(tmp_path.rglob("*")) == files, "something was written"
+        return rc, err
+
+    return call
+
+
+@pytest.mark.parametrize(
+    ("args", "expected"),
+    [
+        (["seeds=[]"], "seeds=[] names no seed"),
+        (["seeds=[0,0]"], "seeds=[0, 0] repeats a seed"),
+        (["device=tpu"], "'tpu'"),
+        (["device=cuda:7"], "'cuda:7'"),
+        (["cache=sometimes"], "unknown cache policy 'sometimes'; available: auto, always, never"),
+        (["--method", "norm_tnet"], "unknown method 'norm_tnet'. Did you mean 'norm_tent'?"),
+        (["--suite", "tiny-shfits"], "unknown suite 'tiny-shfits'. Did you mean 'tiny-shifts'"),
+        (["--model", "tiny-clap"], "unknown model 'tiny-clap'. Did you mean 'tiny-clip'?"),
+        (["--method", "norm_tent", "+method.lrr=1"], "'lrr' (did you mean 'lr'?)"),
+        (["--method", "norm_tent", "method.lrr=1"], "lrr"),
+        (["--method", "norm_tent", "method.loss=entropie"], "unknown loss 'entropie'"),
+        (["model.widht=3"], "model.widht"),
+        (["+model.widht=3"], "'widht' (did you mean 'width'?)"),
+        (["model.width=0"], "model tiny-clip: width must be >= 1, got 0"),
+        (["protocol.shifts=[nosie]"], "unknown shift 'nosie'. Did you mean 'noise'?"),
+        (["protocol.severities=[7]"], "severities must be in 1..5, got [7]"),
+        (["protocol.reset=forever"], "unknown reset policy 'forever'"),
+        (["--suite", "tiny-folder"], "dataset folder: the folder dataset reads class subfolders"),
+        (
+            ["--method", "needs_source", "--suite", "tiny-continual"],
+            "method 'needs_source' needs 6 clean source-domain images, but suite "
+            "'tiny-continual' declares no source split",
+        ),
+    ],
+)
+def test_bad_input_exits_2_before_setup_naming_the_value(run_cli, args, expected):
+    rc, err = run_cli(*args)
+    assert rc == 2
+    assert err.startswith("tta-bench: error: ") and expected in err, err
+    assert "Traceback" not in err
+
+
+def test_cfg_fails_like_run_on_a_misspelled_shift(run_cli, capsys):
+    for extra in ([], ["--cfg"]):
+        rc, err = run_cli("protocol.shifts=[nosie]", *extra)
+        assert rc == 2 and "unknown shift 'nosie'. Did you mean 'noise'?" in err
+    rc, out, _ = cli(capsys, "run", "--cfg", "protocol.shifts=[noise]")
+    assert rc == 0 and "# protocol: tiny-shifts@v1" in out
+
+
+def test_an_output_under_a_file_is_refused(run_cli, tmp_path):
+    blocker = tmp_path / "blocker"
+    blocker.write_text("")
+    rc, err = run_cli(output=str(blocker / "sub" / "r.json"))
+    assert rc == 2
+    assert f"--output '{blocker / 'sub' / 'r.json'}'" in err and "is a file" in err
+
+
+@pytest.mark.parametrize("where", ["/proc/tta-bench-test/r.json", "/sys/tta-bench-test.json"])
+def test_an_output_in_an_unwritable_place_is_refused(run_cli, where):
+    # Permissions do not stop root; /proc and /sys refuse new files to everyone.
+    rc, err = run_cli(output=where)
+    assert rc == 2 and f"--output '{where}'" in err and "cannot write" in err
+
+
+def test_an_output_that_is_a_directory_is_refused(run_cli, tmp_path):
+    (tmp_path / "dir").mkdir()
+    rc, err = run_cli(output=str(tmp_path / "dir"))
+    assert rc == 2 and "is a directory" in err
+
+
+def test_an_output_holding_another_run_is_refused(run_cli, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    rc, _, err = cli(capsys, "run", "--quiet", "--output", str(out), "--method", "colour_oracle")
+    assert rc == 0, err
+    rc, err = run_cli(output=str(out))  # zeroshot into colour_oracle's file
+    assert rc == 2 and "holds a different run" in err and str(out) in err
