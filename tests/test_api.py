@@ -221,13 +221,13 @@ def test_from_open_clip_equals_the_bundle_path(default_bundle, digits_stream, sh
 def test_preprocess_resizes_and_crops_as_the_harness_decodes(tmp_path, default_bundle):
     from PIL import Image
 
-    from tta_bench.data import _to_rgb_array
+    from tta_bench.data import to_rgb_array
 
     adapter = Adapter.from_bundle(default_bundle, dataset="digits", device="cpu")
     rng = np.random.default_rng(0)
     img = Image.fromarray(rng.integers(0, 256, (48, 40, 3), dtype=np.uint8))
     img.save(tmp_path / "a.png")
-    want = torch.from_numpy(np.array(_to_rgb_array(img, 32))).permute(2, 0, 1).float() / 255
+    want = torch.from_numpy(np.array(to_rgb_array(img, 32))).permute(2, 0, 1).float() / 255
     from_path = adapter.preprocess(tmp_path / "a.png")
     from_pil = adapter.preprocess([img, img])
     assert from_path.shape == (1, 3, 32, 32) and from_pil.shape == (2, 3, 32, 32)

@@ -186,7 +186,7 @@ def test_jpeg_fast_decoder_gives_pils_pixels(tmp_path, mode):
 
     from PIL import Image
 
-    from tta_bench.data import _decode_jpeg, _open_raw, _to_rgb_array, decode_one
+    from tta_bench.data import _decode_jpeg, _open_raw, decode_one, to_rgb_array
 
     rng = np.random.default_rng(0)
     for w, h in ((224, 224), (300, 200), (57, 91)):
@@ -197,7 +197,7 @@ def test_jpeg_fast_decoder_gives_pils_pixels(tmp_path, mode):
         assert _decode_jpeg(data) is not None  # the fast path is taken
         pil_img, _ = _open_raw({"bytes": data, "path": None})
         for size in (32, 224):
-            expected = _to_rgb_array(pil_img, size)
+            expected = to_rgb_array(pil_img, size)
             got = decode_one({"bytes": data, "path": None}, size)
             assert np.array_equal(got, expected), (w, h, size)
         path = tmp_path / f"{w}x{h}.jpg"

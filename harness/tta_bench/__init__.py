@@ -8,10 +8,9 @@ The public API lives in the submodules: ``tta_bench.method`` (Method, GradientMe
 
 from __future__ import annotations
 
-__version__ = "0.2.0"
-SCHEMA_VERSION = 2
+from tta_bench._version import SCHEMA_VERSION, __version__
 
-__all__ = ["evaluate", "Adapter"]
+__all__ = ["evaluate", "Adapter", "SCHEMA_VERSION", "__version__"]
 
 
 def __getattr__(name: str):

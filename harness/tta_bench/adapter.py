@@ -561,7 +561,7 @@ class Adapter:
         shorter side to the model's size S and a centre crop, as the harness decodes."""
         from PIL import Image
 
-        from tta_bench.data import _to_rgb_array
+        from tta_bench.data import to_rgb_array
 
         if isinstance(images, (Image.Image, np.ndarray, str, Path)):
             images = [images]
@@ -570,9 +570,9 @@ class Adapter:
             if isinstance(img, (str, Path)):
                 with Image.open(img) as opened:
                     opened.load()
-                    arrays.append(_to_rgb_array(opened, self.image_size))
+                    arrays.append(to_rgb_array(opened, self.image_size))
             else:
-                arrays.append(_to_rgb_array(img, self.image_size))
+                arrays.append(to_rgb_array(img, self.image_size))
         if not arrays:
             raise ValueError("no images to preprocess")
         batch = torch.from_numpy(np.stack(arrays)).to(self.device)

@@ -43,51 +43,31 @@ def evaluate(
     on the command line (``method.lr=1e-3``, ``protocol.max_images=32``, ``model.arch=...``).
     ``seeds``: default the config's (``[0]``). ``output``: the results JSON to write (and
     resume from, as the CLI does); None runs into a temporary file that is removed after."""
-    from tta_bench import catalog
-    from tta_bench.config import compose
-    from tta_bench.registry import UnknownNameError, registry
+    from tta_bench import runner
+    from tta_bench.resolve import check_output, resolve_run
 
     overrides = [str(o) for o in overrides]
     for key in ("method", "model", "suite"):
         clash = [o for o in overrides if o.startswith(f"{key}=")]
         if clash:
             raise ValueError(f"pass {key} as the {key}= argument, not as the override {clash[0]!r}")
-    suites = catalog.catalog()["suites"]
-    if suite not in suites:
-        raise UnknownNameError("suites", suite, list(suites))
-    model = model or suites[suite].get("default_model") or "tiny-clip-digits"
-    registry("methods").origin(method)  # unknown names: "did you mean"
-    registry("models").origin(model)
-    extra = [f"suite={suite}"]
+    extra = []
     if seeds is not None:
         seeds = [int(s) for s in seeds]
-        if not seeds:
-            raise ValueError("seeds must name at least one seed, got []")
         extra.append(f"seeds=[{','.join(map(str, seeds))}]")
     if device is not None:
         extra.append(f"device={device}")
-    if data_dir is not None:
-        extra.append(f"data_dir={data_dir}")
+    # the CLI's own resolution and checks: what `tta-bench run` refuses, this refuses
+    _, spec = resolve_run(
+        method,
+        suite,
+        model,
+        [*overrides, *extra],
+        output=None if output is None else str(output),
+        data_dir=None if data_dir is None else str(data_dir),
+    )
     if output is not None:
-        extra.append(f"output={output}")
-    try:
-        cfg = compose([*overrides, *extra], method=method, model=model)
-    except Exception as exc:  # Hydra's composition errors: unknown keys, bad types
-        if type(exc).__module__.startswith(("hydra", "omegaconf")):
-            raise ValueError(f"bad configuration override: {exc}") from exc
-        raise
-    from omegaconf import OmegaConf
-
-    from tta_bench import runner
-
-    OmegaConf.set_struct(cfg, True)
-    try:
-        spec = runner.spec_from_config(cfg, method, model)
-    except Exception as exc:  # the method config failed OmegaConf's validation
-        if type(exc).__module__.startswith("omegaconf"):
-            raise ValueError(f"bad method configuration: {exc}") from exc
-        raise
-    _check_components(spec)
+        check_output(output, spec)
     spec = dataclasses.replace(spec, progress=bool(progress))
     if output is not None:
         return _run(runner, spec, Path(output))
@@ -103,17 +83,3 @@ def _run(runner: Any, spec: Any, output: Path) -> dict[str, Any]:
     if "skipped_cells" in record:
         written.setdefault("skipped_cells", record["skipped_cells"])
     return written
-
-
-def _check_components(spec: Any) -> None:
-    """Fail before any work when the suite or config names unknown components."""
-    from tta_bench.registry import registry
-
-    protocol = spec.protocol
-    registry("datasets").origin(protocol.dataset)
-    if protocol.shift_source == "synthetic":
-        for s in protocol.shifts:
-            registry("shifts").origin(s)
-    loss = getattr(spec.method_config, "loss", None)
-    if isinstance(loss, str):
-        registry("losses").origin(loss)

@@ -14,227 +14,21 @@ from typing import Any
 
 from tta_bench import catalog
 from tta_bench.registry import KINDS, SINGULAR, RegistryError, registry
+from tta_bench.resolve import NO_PLUGINS, UsageError, check_output, resolve_run
 
 LIST_KINDS = (*[k for k in KINDS if k != "configs"], "suites", "configs")
 
 
-class UsageError(Exception):
-    """Bad input from the user: printed without a traceback, exit status 2."""
-
-
-# -- run -------------------------------------------------------------------------------
-def _split_choice(overrides: list[str], key: str) -> tuple[str | None, list[str]]:
-    """Pull ``key=value`` (a config-group choice) out of the Hydra overrides."""
-    value, rest = None, []
-    for o in overrides:
-        if o.startswith(f"{key}="):
-            value = o.split("=", 1)[1]
-        else:
-            rest.append(o)
-    return value, rest
-
-
-NO_PLUGINS = (
-    "no {kind} are installed: tta-bench is the harness only, and its methods, shifts, "
-    "datasets and models come from plugin distributions registered through the "
-    "'tta_bench.*' entry points. Install one, e.g. the MuRA plugin from a clone of the "
-    "tta-bench repository: pip install -e . (its root), then `tta-bench ls`"
-)
-
-
-def _require_plugins(kind: str) -> None:
-    if not registry(kind).names():
-        raise UsageError(NO_PLUGINS.format(kind=kind))
-
-
-def _default(name: str, fallback: str) -> str:
-    """A default choice (``suite``, ``method``) from the catalogues' ``defaults:`` section."""
-    return str((catalog.catalog().get("defaults") or {}).get(name) or fallback)
-
-
 def _resolve_run(args: argparse.Namespace) -> tuple[Any, Any]:
-    """``(composed config, RunSpec)`` of ``run``/``profile``; bad input raises UsageError,
-    before anything is built."""
-    from omegaconf import OmegaConf
-
-    from tta_bench.config import compose
-
-    _require_plugins("methods")
-    overrides = list(args.overrides)
-    method, overrides = _split_choice(overrides, "method")
-    model, overrides = _split_choice(overrides, "model")
-    suite, overrides = _split_choice(overrides, "suite")
-    method = args.method or method or _default("method", "zeroshot")
-    suite = args.suite or suite or _default("suite", "digits-c")
-    catalog_suites = catalog.catalog()["suites"]
-    if suite not in catalog_suites:
-        from tta_bench.registry import UnknownNameError
-
-        raise UnknownNameError("suites", suite, list(catalog_suites))
-    model = args.model or model or catalog_suites[suite].get("default_model")
-    if not model:
-        raise UsageError(f"suite {suite!r} names no default model; pass --model")
-    from tta_bench.config import resolve_method
-
-    try:
-        method, preset = resolve_method(method)  # unknown names: "did you mean"
-    except ValueError as exc:  # a broken preset file
-        raise UsageError(str(exc)) from exc
-    registry("models").origin(model)
-    extra = [f"suite={suite}"]
-    if args.output:
-        extra.append(f"output={args.output}")
-    if args.data_dir:
-        extra.append(f"data_dir={args.data_dir}")
-    try:
-        cfg = compose([*overrides, *extra], method=method, model=model, preset=preset)
-    except Exception as exc:  # Hydra's composition errors: unknown keys, bad types
-        if type(exc).__module__.startswith(("hydra", "omegaconf")):
-            raise UsageError(f"bad configuration override: {exc}") from exc
-        raise
-    OmegaConf.set_struct(cfg, True)
-    _check_keys("method", method, cfg.method, registry("methods").get(method).Config)
-    _check_keys("model", model, cfg.model, None, registry("models").get(model))
-    from tta_bench.runner import spec_from_config
-
-    try:
-        spec = spec_from_config(cfg, method, model)
-        spec.method_preset = preset
-    except ValueError as exc:  # protocol values (reset policy, severities, ...)
-        raise UsageError(str(exc)) from exc
-    except Exception as exc:  # the method config failed OmegaConf's validation
-        if type(exc).__module__.startswith("omegaconf"):
-            raise UsageError(f"bad method configuration: {exc}") from exc
-        raise
-    _check_spec(spec)
-    return cfg, spec
-
-
-def _check_keys(kind: str, name: str, node: Any, config_cls: Any, factory: Any = None) -> None:
-    """Every key of a composed method/model node must be a field of its config (however it
-    was spelled: ``method.x=``, ``+method.x=``, ``++method.x=``)."""
-    import dataclasses
-    import difflib
-    import inspect
-
-    if config_cls is not None:
-        known = [f.name for f in dataclasses.fields(config_cls)]
-    else:
-        known = [
-            p.name
-            for p in inspect.signature(factory).parameters.values()
-            if p.kind == p.KEYWORD_ONLY and not p.name.startswith("_")
-        ]
-    unknown = [k for k in node if k not in known]
-    if unknown:
-        hints = []
-        for k in unknown:
-            close = difflib.get_close_matches(str(k), known, n=1)
-            hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
-        raise UsageError(
-            f"unknown {kind} option(s) for {name}: {', '.join(hints)}; "
-            f"{name} takes: {', '.join(known) or 'no options'}"
-        )
-
-
-def _check_spec(spec: Any) -> None:
-    """Values Hydra's types cannot check, before any setup: seeds, device, cache policy,
-    components, model arguments, source images, the output path."""
-    from tta_bench.data import CACHE_POLICIES
-    from tta_bench.runner import resolve_device
-
-    if not spec.seeds:
-        raise UsageError("seeds=[] names no seed; give at least one, e.g. seeds=[0] or [0,1,2]")
-    if len(set(spec.seeds)) != len(spec.seeds):
-        raise UsageError(f"seeds={spec.seeds} repeats a seed")
-    try:
-        resolve_device(spec.device)
-    except ValueError as exc:
-        raise UsageError(str(exc)) from exc
-    if spec.cache not in CACHE_POLICIES:
-        raise UsageError(
-            f"unknown cache policy {spec.cache!r}; available: {', '.join(CACHE_POLICIES)}"
-        )
-    _check_components(spec.protocol, spec.method_config)
-    factory = registry("models").get(spec.model)
-    check = getattr(factory, "check_args", None)
-    if callable(check):
-        try:
-            check(**spec.model_args)
-        except ValueError as exc:
-            raise UsageError(f"model {spec.model}: {exc}") from exc
-    _check_dataset_args(spec)
-    method = registry("methods").get(spec.method)(None, spec.method_config)
-    needed = method.source_images_needed()
-    if needed and spec.protocol.source is None:
-        raise UsageError(
-            f"method {spec.method!r} needs {needed} clean source-domain images, but suite "
-            f"{spec.protocol.name!r} declares no source split (`source:` in its registry.yaml)"
-        )
-
-
-def _check_dataset_args(spec: Any) -> None:
-    """The dataset factory's cheap ``check_args`` (files exist, arguments valid), when it
-    has one, for every domain the run needs: missing data fails before the model is built."""
-    import inspect
-
-    protocol = spec.protocol
-    factory = registry("datasets").get(protocol.dataset)
-    check = getattr(factory, "check_args", None)
-    if not callable(check):
-        return
-    kwargs = dict(protocol.dataset_args)
-    if spec.data_dir is not None and "data_dir" in inspect.signature(factory).parameters:
-        kwargs["data_dir"] = spec.data_dir
-    domains = [(None, None)]
-    if protocol.shift_source == "dataset":
-        domains = [(s, v) for s in protocol.shifts for v in protocol.severities]
-    try:
-        for shift, severity in domains:
-            extra = {} if shift is None else {"shift": shift, "severity": severity}
-            check(**kwargs, **extra)
-    except ValueError as exc:
-        raise UsageError(f"dataset {protocol.dataset}: {exc}") from exc
-
-
-def _check_output(path: Any, spec: Any) -> None:
-    """The results path must be writable, and an existing file must be this run's."""
-    import os
-    import tempfile
-    from pathlib import Path
-
-    from tta_bench import results
-    from tta_bench.resume import spec_key
-
-    path = Path(path)
-    if path.is_dir():
-        raise UsageError(f"--output {str(path)!r} is a directory; give a file path")
-    parent = path.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise UsageError(f"--output {str(path)!r}: {str(parent)!r} is a file, not a directory")
-    try:  # the real test: create the folder and a file in it (permissions, read-only mounts)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path.parent):
-            pass
-    except OSError as exc:
-        raise UsageError(
-            f"--output {str(path)!r}: cannot write in {str(path.parent)!r} ({exc.strerror or exc})"
-        ) from None
-    if path.exists():
-        if not os.access(path, os.W_OK):
-            raise UsageError(f"--output {str(path)!r} is not writable")
-        if spec.resume:
-            try:
-                old = results.load_results(path)
-            except ValueError as exc:
-                raise UsageError(f"--output holds no readable results to resume: {exc}") from exc
-            if results.record_key(old) != spec_key(spec):
-                raise UsageError(
-                    f"--output {str(path)!r} holds a different run ({results.record_key(old)}); "
-                    "choose another output or set resume=false"
-                )
+    """``(composed config, RunSpec)`` of ``run``/``profile`` from the parsed arguments."""
+    return resolve_run(
+        args.method,
+        args.suite,
+        args.model,
+        args.overrides,
+        output=args.output,
+        data_dir=args.data_dir,
+    )
 
 
 def cmd_run(args: argparse.Namespace) -> int:
@@ -257,7 +51,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         if cfg.output
         else results.default_output(cfg.results_dir, method, protocol.name)
     )
-    _check_output(output, spec)
+    check_output(output, spec)
     spec = dataclasses.replace(
         spec, progress=spec.progress and not args.quiet, on_bad_image=args.on_bad_image
     )
@@ -294,17 +88,6 @@ def _print_skipped_images(record: dict[str, Any]) -> None:
             "(listed under 'skipped_images' in the results)",
             file=sys.stderr,
         )
-
-
-def _check_components(protocol: Any, mcfg: Any) -> None:
-    """Fail before any work if the suite names unknown components."""
-    registry("datasets").origin(protocol.dataset)
-    if protocol.shift_source == "synthetic":
-        for s in protocol.shifts:
-            registry("shifts").origin(s)
-    loss = getattr(mcfg, "loss", None)
-    if isinstance(loss, str):
-        registry("losses").origin(loss)
 
 
 # -- sweep / profile ---------------------------------------------------------------------

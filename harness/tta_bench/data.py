@@ -117,7 +117,7 @@ class Decoded:
     from_cache: bool = False
 
 
-def _to_rgb_array(image: Any, size: int) -> np.ndarray:
+def to_rgb_array(image: Any, size: int) -> np.ndarray:
     """PIL image or array -> uint8 ``[size, size, 3]``: bicubic resize of the shorter side
     to ``size``, then a centre crop; images already ``size`` x ``size`` are left as they are."""
     from PIL import Image
@@ -352,9 +352,9 @@ def decode_one(raw: Any, size: int) -> np.ndarray:
     if jpeg is not None:
         decoded = _decode_jpeg(jpeg)
         if decoded is not None:
-            return _to_rgb_array(decoded, size)
+            return to_rgb_array(decoded, size)
     img, _ = _open_raw(raw)
-    return _to_rgb_array(img, size)
+    return to_rgb_array(img, size)
 
 
 def _jpeg_bytes(raw: Any) -> bytes | None:

@@ -12,7 +12,8 @@ from typing import Any
 
 import torch
 
-from tta_bench import SCHEMA_VERSION, results
+from tta_bench import results
+from tta_bench._version import SCHEMA_VERSION
 from tta_bench.method import config_dict, effective_precision
 from tta_bench.model import state_sha256
 from tta_bench.registry import provenance, registry

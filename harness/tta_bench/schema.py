@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from tta_bench import SCHEMA_VERSION
+from tta_bench._version import SCHEMA_VERSION
 
 _FRACTION = {"type": "number", "minimum": 0, "maximum": 1}
 _FRACTION_OR_NULL = {"type": ["number", "null"], "minimum": 0, "maximum": 1}
