@@ -58,10 +58,13 @@ def spec(
     method_args: dict[str, Any] | None = None,
     model_args: dict[str, Any] | None = None,
     protocol: dict[str, Any] | None = None,
+    dataset_args: dict[str, Any] | None = None,
     **fields: Any,
 ):
     """A ``RunSpec`` of the test plugin on the CPU, without progress bars; the model's
-    arguments are complete (defaults filled in), as ``tta-bench run`` records them."""
+    arguments are complete (defaults filled in), as ``tta-bench run`` records them.
+    ``protocol``: overrides of the suite; ``dataset_args``: replace the suite's."""
+    import dataclasses
     import inspect
 
     from tta_bench.protocol import load_protocol
@@ -75,12 +78,15 @@ def spec(
         for p in inspect.signature(factory).parameters.values()
         if p.default is not inspect.Parameter.empty
     }
+    resolved = load_protocol(suite, **(protocol or {}))
+    if dataset_args is not None:
+        resolved = dataclasses.replace(resolved, dataset_args=dict(dataset_args))
     return RunSpec(
         method=method,
         method_config=config,
         model="tiny-clip",
         model_args={**defaults, **(model_args or {})},
-        protocol=load_protocol(suite, **(protocol or {})),
+        protocol=resolved,
         seeds=list(seeds),
         device="cpu",
         progress=False,

@@ -150,11 +150,12 @@ def test_bad_images_are_skipped_alike_under_every_policy_and_reported(
     assert messages["never"] == messages["auto"] == messages["always"], messages
 
 
-def test_bad_images_fail_the_run_naming_the_file_under_every_policy(
+def test_bad_images_fail_the_run_alike_naming_the_file_under_every_policy(
     tmp_path, folder, fresh_cache, capsys
 ):
     bad = folder / "red" / "broken.png"
     bad.write_bytes(b"\x89PNG\r\n\x1a\n not really")
+    errors = {}
     for policy in POLICIES:
         rc, _, err = cli(
             capsys, "run", "--suite", "tiny-folder", "--quiet", "--data-dir", str(folder),
@@ -162,6 +163,10 @@ def test_bad_images_fail_the_run_naming_the_file_under_every_policy(
         )  # fmt: skip
         assert rc == 2, (policy, err)
         assert str(bad) in err and "--on-bad-image=skip" in err, (policy, err)
+        errors[policy] = err
+    assert errors["always"].startswith("tta-bench: error: domain 'folder-imgs': 1 image(s)")
+    # Streamed (decoded in a loader worker), the error must read the same: no worker traceback.
+    assert errors["never"] == errors["auto"] == errors["always"], errors["never"]
 
 
 def test_the_disk_budget_refuses_always_and_auto_streams_instead(
