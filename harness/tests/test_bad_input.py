@@ -5,7 +5,10 @@ from __future__ import annotations
 
 import pytest
 
-from .helpers import cli
+import tta_bench
+from tta_bench.registry import RegistryError
+
+from .helpers import cli, scores, strict_json
 
 
 @pytest.fixture()
@@ -95,3 +98,36 @@ def test_an_output_holding_another_run_is_refused(run_cli, tmp_path, capsys):
     assert rc == 0, err
     rc, err = run_cli(output=str(out))  # zeroshot into colour_oracle's file
     assert rc == 2 and "holds a different run" in err and str(out) in err
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "expected"),
+    [
+        ({"seeds": []}, "seeds=[] names no seed"),
+        ({"device": "tpu"}, "'tpu'"),
+        ({"method": "norm_tent", "overrides": ["+method.lrr=1"]}, "'lrr' (did you mean 'lr'?)"),
+        ({"overrides": ["cache=sometimes"]}, "unknown cache policy 'sometimes'"),
+        ({"overrides": ["protocol.shifts=[nosie]"]}, "unknown shift 'nosie'"),
+        ({"method": "needs_source", "suite": "tiny-continual"}, "declares no source split"),
+    ],
+)
+def test_the_python_api_refuses_what_the_cli_refuses(kwargs, expected):
+    from tta_bench_testplugin import model
+
+    before = model.builds
+    kwargs = {"suite": "tiny-shifts", **kwargs}
+    with pytest.raises((ValueError, RegistryError)) as info:
+        tta_bench.evaluate(**kwargs)
+    assert expected in str(info.value)
+    assert model.builds == before
+
+
+def test_the_python_api_gives_the_record_the_cli_writes(tmp_path, capsys):
+    record = tta_bench.evaluate(method="colour_oracle", suite="tiny-shifts", device="cpu")
+    rc, _, err = cli(capsys, "run", "--quiet", "--method", "colour_oracle", "device=cpu",
+                     "--output", str(tmp_path / "r.json"))  # fmt: skip
+    assert rc == 0, err
+    written = strict_json(tmp_path / "r.json")
+    assert scores(record) == scores(written)
+    assert record["protocol"] == written["protocol"]
+    assert {**record["config"], "output": None} == {**written["config"], "output": None}

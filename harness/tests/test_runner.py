@@ -179,7 +179,7 @@ def test_resuming_with_other_seeds_lists_every_seed_the_file_holds(tmp_path):
 def test_a_killed_run_resumes_where_it_stopped(tmp_path):
     out = tmp_path / "r.json"
     args = ["run", "--method", "sleepy", "--output", str(out), "--quiet", "device=cpu"]
-    args += ["method.seconds=0.15"]
+    args += ["method.seconds=0.1"]
     env = subprocess_env(OMP_NUM_THREADS=str(torch.get_num_threads()))
     proc = subprocess.Popen(
         tta_bench_cmd(*args), env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE
@@ -199,7 +199,7 @@ def test_a_killed_run_resumes_where_it_stopped(tmp_path):
     partial = strict_json(out)
     assert 1 <= len(partial["cells"]) < 4, "the run was not killed mid-way"
     assert "finished" not in partial
-    resumed = run(out, "sleepy", method_args={"seconds": 0.15})
+    resumed = run(out, "sleepy", method_args={"seconds": 0.1})
     assert resumed["skipped_cells"] == len(partial["cells"])
     assert len(resumed["cells"]) == 4
     assert not list(tmp_path.glob(".r.json.*.tmp"))
