@@ -8,6 +8,7 @@ import textwrap
 
 import pytest
 
+from tta_bench import catalog
 from tta_bench.registry import (
     RegistryError,
     UnknownNameError,
@@ -16,7 +17,7 @@ from tta_bench.registry import (
     reset_registries,
 )
 
-from .helpers import PLUGINS, run, write_distribution
+from .helpers import PLUGINS, cli, run, write_distribution
 
 TEST_DIST = "tta-bench-testplugin"
 
@@ -144,8 +145,6 @@ def test_the_allowlist_loads_only_the_named_distributions(plugins_env):
             assert registry(kind).origin(name).distribution == "tta-bench", (kind, name)
     assert registry("methods").names() == []
     assert "accuracy" in registry("metrics").names()
-    from tta_bench import catalog
-
     assert catalog.catalog()["suites"] == {}  # the test plugin's catalogue is left out too
     plugins_env(PLUGINS)
     assert "tiny-shifts" in catalog.catalog()["suites"]
@@ -175,3 +174,16 @@ def test_results_record_the_distribution_and_version_of_every_component(tmp_path
         assert plugins[key]["distribution"] == TEST_DIST
         assert plugins[key]["version"] == "0.1"
     assert plugins[("tta_bench.methods", "norm_tent")] == provenance("methods", "norm_tent")
+
+
+def test_ls_lists_each_component_with_its_distribution_and_catalogue_description(capsys):
+    rc, out, _ = cli(capsys, "ls", "methods")
+    assert rc == 0
+    for name in registry("methods").names():
+        line = next(x for x in out.splitlines() if x.split()[:1] == [name])
+        assert TEST_DIST in line and catalog.description("methods", name) in line
+    rc, out, _ = cli(capsys, "ls", "suites")
+    assert rc == 0
+    for suite in ("tiny-shifts", "tiny-continual", "tiny-folder", "tiny-domains"):
+        assert suite in out
+    assert "2 shifts x sev [1, 3]" in out

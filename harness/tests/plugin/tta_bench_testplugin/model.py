@@ -1,4 +1,4 @@
-"""A tiny CLIP-like dual encoder (about 2,300 parameters) and its deterministic tokenizer.
+"""A tiny CLIP-like dual encoder (about 2,100 parameters) and its deterministic tokenizer.
 
 The image tower pools a 16 px image to 4 x 4, then Linear -> LayerNorm -> tanh -> Linear;
 the text tower mean-pools token embeddings, then LayerNorm -> Linear. Weights are drawn
