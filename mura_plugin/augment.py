@@ -1,18 +1,94 @@
-"""Batched view augmentation for multi-view methods (TPT, TTL, MuRA).
+"""Batched view augmentation for the multi-view methods (TPT, TTL, MuRA, ZERO, TDA).
 
-All views of all samples are produced by one ``grid_sample`` call from per-view affine
-parameters drawn from the method's own ``torch.Generator`` (seeded by the runner per batch),
-so the views are reproducible and cheap.
+All views of all samples are drawn at once from the method's own ``torch.Generator`` (seeded
+by the runner per batch), so they are reproducible and cheap:
+
+* ``crop_boxes`` draws crop boxes exactly as torchvision's ``RandomResizedCrop.get_params``
+  does (area fraction uniform in ``scale``, log aspect ratio uniform in ``log(ratio)``, width
+  and height rounded to whole pixels, up to 10 attempts per view until the box fits, then the
+  centre-crop fallback with the aspect ratio clamped to ``ratio``), vectorised over views.
+* ``random_resized_crops`` cuts those boxes (optionally mirrored, as RandomHorizontalFlip
+  after the crop) and resizes them back to ``H x W`` with one bilinear ``grid_sample``.
+  Differences from torchvision/PIL: no antialiasing (it only acts when a crop is *shrunk*;
+  crops of an image already at the model's size are never shrunk, so it changes nothing
+  here), at a crop's inner edges the bilinear taps may read the neighbouring pixel outside
+  the box (torchvision crops first, so it repeats the box's edge pixel), and values stay
+  float (PIL rounds each view to 8 bits).
+* ``augmix`` is the AugMix of TPT's and TDA's ``AugMixAugmenter`` (data/augmix_ops.py of
+  azshue/TPT and kdiAAA/TDA): 3 chains of 1-3 operations drawn from 9 PIL operations
+  (autocontrast, equalize, posterize, rotate, solarize, shear_x, shear_y, translate_x,
+  translate_y) at severity 1, mixed with Dirichlet(1, 1, 1) weights, then blended with the
+  crop by m ~ Beta(1, 1). torchvision's ``AugMix`` (all_ops=False) has the same 9
+  operations and mixing but draws each magnitude from 11 discrete bins (severity 1 always
+  gives bin 0: no rotation, shear or translation) instead of the official continuous
+  ``level ~ U(0.1, severity)`` out of 10, so the operations are written here, on 8-bit
+  values with PIL's formulas (per-band histograms, look-up tables, and PIL's affine sampler:
+  pixel-centre coordinates, bilinear taps clamped to the image, black outside);
+  ``tests/test_augment.py`` compares each one with PIL. Translations scale with the image
+  (the official ``IMAGE_SIZE / 3`` with IMAGE_SIZE = its 224 px input).
 """
 
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 
 import torch
 import torch.nn.functional as F
 
-__all__ = ["random_resized_crops", "make_views"]
+__all__ = [
+    "AUGMIX_OPS",
+    "augmix",
+    "crop_boxes",
+    "make_views",
+    "random_resized_crops",
+]
+
+_ATTEMPTS = 10  # torchvision's RandomResizedCrop.get_params
+
+
+def crop_boxes(
+    n: int,
+    height: int,
+    width: int,
+    generator: torch.Generator,
+    *,
+    scale: tuple[float, float] = (0.08, 1.0),
+    ratio: tuple[float, float] = (3 / 4, 4 / 3),
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``(top, left, h, w)``, int64 ``[n]`` each: ``n`` independent draws of torchvision's
+    ``RandomResizedCrop.get_params`` on a ``height x width`` image (see the module docstring)."""
+    if not 0.0 < scale[0] <= scale[1]:
+        raise ValueError(f"scale must satisfy 0 < min <= max, got {scale}")
+    if not 0.0 < ratio[0] <= ratio[1]:
+        raise ValueError(f"ratio must satisfy 0 < min <= max, got {ratio}")
+    f64 = torch.float64
+    area = torch.empty(n, _ATTEMPTS, dtype=f64).uniform_(scale[0], scale[1], generator=generator)
+    log_r = torch.empty(n, _ATTEMPTS, dtype=f64).uniform_(
+        math.log(ratio[0]), math.log(ratio[1]), generator=generator
+    )
+    target, aspect = area * (height * width), log_r.exp()
+    w = (target * aspect).sqrt().round()  # torch.round, like Python's round: half to even
+    h = (target / aspect).sqrt().round()
+    fits = (w > 0) & (w <= width) & (h > 0) & (h <= height)
+    first = fits.to(torch.uint8).argmax(dim=1, keepdim=True)  # the first attempt that fits
+    w, h = w.gather(1, first)[:, 0].long(), h.gather(1, first)[:, 0].long()
+    found = fits.any(dim=1)
+    # the fallback: a centre crop of the whole image, its aspect ratio clamped to ``ratio``
+    in_ratio = width / height
+    if in_ratio < ratio[0]:
+        fw, fh = width, int(round(width / ratio[0]))
+    elif in_ratio > ratio[1]:
+        fw, fh = int(round(height * ratio[1])), height
+    else:
+        fw, fh = width, height
+    w = torch.where(found, w, fw)
+    h = torch.where(found, h, fh)
+    u_top = torch.rand(n, dtype=f64, generator=generator)
+    u_left = torch.rand(n, dtype=f64, generator=generator)
+    top = torch.where(found, (u_top * (height - h + 1)).floor().long(), (height - fh) // 2)
+    left = torch.where(found, (u_left * (width - w + 1)).floor().long(), (width - fw) // 2)
+    return top, left, h, w
 
 
 def random_resized_crops(
@@ -20,32 +96,210 @@ def random_resized_crops(
     n_views: int,
     generator: torch.Generator,
     *,
-    scale: tuple[float, float] = (0.5, 1.0),
+    scale: tuple[float, float] = (0.08, 1.0),
     ratio: tuple[float, float] = (3 / 4, 4 / 3),
     flip: bool = False,
 ) -> torch.Tensor:
-    """``[V, B, C, H, W]`` random resized crops (torchvision's RandomResizedCrop sampling,
-    crop clipped to the image), each resized back to ``H x W`` bilinearly."""
+    """``[V, B, C, H, W]`` random resized crops of ``images [B, C, H, W]`` (boxes from
+    ``crop_boxes``; mirrored with probability 1/2 when ``flip``), each resized back to
+    ``H x W`` bilinearly. View-major: view ``v`` of sample ``b`` is draw ``v * B + b``."""
     b, c, h, w = images.shape
     n = n_views * b
-    area = torch.empty(n).uniform_(scale[0], scale[1], generator=generator)
-    log_r = torch.empty(n).uniform_(math.log(ratio[0]), math.log(ratio[1]), generator=generator)
-    aspect = log_r.exp()
-    cw = (area * aspect).sqrt().clamp(max=1.0)  # crop width as a fraction of the image
-    ch = (area / aspect).sqrt().clamp(max=1.0)
-    cx = (torch.rand(n, generator=generator) * 2 - 1) * (1 - cw)  # centre in [-1, 1] coords
-    cy = (torch.rand(n, generator=generator) * 2 - 1) * (1 - ch)
-    sx = cw.clone()
+    top, left, ch, cw = crop_boxes(n, h, w, generator, scale=scale, ratio=ratio)
+    # affine_grid maps output [-1, 1] coordinates onto the box (align_corners=False: pixel
+    # edges at -1 and 1), so output pixel centres sample the box like a resize of the crop
+    sx, sy = cw.double() / w, ch.double() / h
+    cx = (2 * left + cw).double() / w - 1
+    cy = (2 * top + ch).double() / h - 1
     if flip:
         sx = torch.where(torch.rand(n, generator=generator) < 0.5, -sx, sx)
-    theta = torch.zeros(n, 2, 3)
+    theta = torch.zeros(n, 2, 3, dtype=torch.float64)
     theta[:, 0, 0], theta[:, 0, 2] = sx, cx
-    theta[:, 1, 1], theta[:, 1, 2] = ch, cy
+    theta[:, 1, 1], theta[:, 1, 2] = sy, cy
     theta = theta.to(images.device, images.dtype)
     src = images.unsqueeze(0).expand(n_views, b, c, h, w).reshape(n, c, h, w)
     grid = F.affine_grid(theta, [n, c, h, w], align_corners=False)
     out = F.grid_sample(src, grid, mode="bilinear", padding_mode="border", align_corners=False)
     return out.view(n_views, b, c, h, w)
+
+
+# -- AugMix ------------------------------------------------------------------------------
+# Each operation takes 8-bit values as floats ``x [n, C, H, W]`` in 0..255, the per-image
+# level ``level [n]`` (float64, U(0.1, severity)) and random sign ``neg [n]`` (bool), and
+# returns 8-bit values; the level -> parameter rules are the official ``int_parameter``
+# (truncated ``level * maxval / 10``) and ``float_parameter`` (``level * maxval / 10``).
+
+
+def _autocontrast(x: torch.Tensor, level: torch.Tensor, neg: torch.Tensor) -> torch.Tensor:
+    lo = x.amin(dim=(2, 3)).double().unsqueeze(-1)  # [n, C, 1]
+    hi = x.amax(dim=(2, 3)).double().unsqueeze(-1)
+    scale = 255.0 / (hi - lo).clamp_min(1.0)
+    values = torch.arange(256, dtype=torch.float64, device=x.device)
+    lut = (values * scale - lo * scale).floor().clamp(0, 255)  # PIL: int(ix * scale + offset)
+    lut = torch.where(hi > lo, lut, values).to(x.dtype)  # hi <= lo: PIL leaves the band as is
+    return lut.gather(2, x.flatten(2).long()).view_as(x)
+
+
+def _equalize(x: torch.Tensor, level: torch.Tensor, neg: torch.Tensor) -> torch.Tensor:
+    n, c = x.shape[:2]
+    values = x.flatten(2).long()  # [n, C, HW]
+    hist = torch.zeros(n, c, 256, dtype=torch.long, device=x.device)
+    hist.scatter_add_(2, values, torch.ones_like(values))
+    last = hist.gather(2, values.amax(dim=2, keepdim=True))  # count of the highest value
+    step = (values.shape[2] - last) // 255  # [n, C, 1]
+    before = hist.cumsum(dim=2) - hist  # pixels below each value
+    lut = ((step // 2 + before) // step.clamp_min(1)).clamp_max(255)
+    identity = ((hist > 0).sum(dim=2, keepdim=True) <= 1) | (step == 0)
+    y = lut.gather(2, values).to(x.dtype).view_as(x)
+    return torch.where(identity.unsqueeze(-1), x, y)
+
+
+def _posterize(x: torch.Tensor, level: torch.Tensor, neg: torch.Tensor) -> torch.Tensor:
+    bits = 4 - (level * 4 / 10).floor()  # ImageOps.posterize(img, 4 - int_parameter(level, 4))
+    step = (2.0 ** (8 - bits)).to(x.dtype).view(-1, 1, 1, 1)
+    return torch.div(x, step, rounding_mode="floor") * step
+
+
+def _solarize(x: torch.Tensor, level: torch.Tensor, neg: torch.Tensor) -> torch.Tensor:
+    threshold = (256 - (level * 256 / 10).floor()).to(x.dtype).view(-1, 1, 1, 1)
+    return torch.where(x < threshold, x, 255 - x)
+
+
+def _rotate(x: torch.Tensor, level: torch.Tensor, neg: torch.Tensor) -> torch.Tensor:
+    degrees = (level * 30 / 10).floor() * torch.where(neg, -1.0, 1.0).double()
+    h, w = x.shape[-2:]
+    # PIL's Image.rotate(deg): inverse matrix about the centre, entries rounded to 15 digits
+    # (computed per distinct whole angle with Python floats, as PIL does)
+    matrices = torch.empty(len(x), 6, dtype=torch.float64)
+    for deg in degrees.unique().tolist():
+        a = -math.radians(deg)
+        m = [round(math.cos(a), 15), round(math.sin(a), 15), 0.0]
+        m += [round(-math.sin(a), 15), round(math.cos(a), 15), 0.0]
+        cx, cy = w / 2.0, h / 2.0
+        m[2] = m[0] * -cx + m[1] * -cy + cx
+        m[5] = m[3] * -cx + m[4] * -cy + cy
+        matrices[degrees.cpu() == deg] = torch.tensor(m, dtype=torch.float64)
+    out = _pil_affine(x, matrices.to(x.device))
+    return torch.where((degrees == 0).view(-1, 1, 1, 1), x, out)  # PIL: angle 0 is a copy
+
+
+def _shear(axis: int) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    def op(x: torch.Tensor, level: torch.Tensor, neg: torch.Tensor) -> torch.Tensor:
+        s = level * 0.3 / 10 * torch.where(neg, -1.0, 1.0).double()
+        m = torch.zeros(len(x), 6, dtype=torch.float64, device=x.device)
+        m[:, 0] = m[:, 4] = 1.0
+        m[:, 1 if axis == 0 else 3] = s  # (1, s, 0, 0, 1, 0) or (1, 0, 0, s, 1, 0)
+        return _pil_affine(x, m)
+
+    op.__name__ = "shear_x" if axis == 0 else "shear_y"
+    return op
+
+
+def _translate(axis: int) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
+    def op(x: torch.Tensor, level: torch.Tensor, neg: torch.Tensor) -> torch.Tensor:
+        size = x.shape[-1] if axis == 0 else x.shape[-2]
+        t = (level * (size / 3) / 10).floor() * torch.where(neg, -1.0, 1.0).double()
+        m = torch.zeros(len(x), 6, dtype=torch.float64, device=x.device)
+        m[:, 0] = m[:, 4] = 1.0
+        m[:, 2 if axis == 0 else 5] = t  # (1, 0, t, 0, 1, 0) or (1, 0, 0, 0, 1, t)
+        return _pil_affine(x, m)
+
+    op.__name__ = "translate_x" if axis == 0 else "translate_y"
+    return op
+
+
+def _pil_affine(x: torch.Tensor, matrices: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+    """PIL's ``Image.transform(size, AFFINE, (a, b, c, d, e, f), BILINEAR)`` of 8-bit values
+    ``x [n, C, H, W]`` with per-image matrices ``[n, 6]``: output pixel (x, y) reads the input
+    at ``(a X + b Y + c, d X + e Y + f)``, ``X = x + 0.5``, ``Y = y + 0.5``; black where that
+    point lies outside the image, else bilinear taps clamped to the image, truncated to 8 bits."""
+    n, c, h, w = x.shape
+    out = torch.empty_like(x)
+    xs = torch.arange(w, dtype=torch.float64, device=x.device) + 0.5
+    ys = torch.arange(h, dtype=torch.float64, device=x.device) + 0.5
+    for s in range(0, n, chunk):
+        m = matrices[s : s + chunk].view(-1, 6, 1, 1)
+        img = x[s : s + chunk].double().flatten(2)  # [k, C, HW]
+        xin = m[:, 0] * xs + m[:, 1] * ys[:, None] + m[:, 2]  # [k, H, W]
+        yin = m[:, 3] * xs + m[:, 4] * ys[:, None] + m[:, 5]
+        inside = (xin >= 0) & (xin < w) & (yin >= 0) & (yin < h)
+        xin, yin = xin - 0.5, yin - 0.5
+        x0, y0 = xin.floor(), yin.floor()
+        dx, dy = (xin - x0).unsqueeze(1), (yin - y0).unsqueeze(1)
+        xa, xb = x0.clamp(0, w - 1).long(), (x0 + 1).clamp(0, w - 1).long()
+        ya, yb = y0.clamp(0, h - 1).long(), (y0 + 1).clamp(0, h - 1).long()
+
+        # the four taps, gathered at once: [k, C, 4, HW]
+        index = torch.stack([ya * w + xa, ya * w + xb, yb * w + xa, yb * w + xb], dim=1)
+        index = index.flatten(2).unsqueeze(1).expand(-1, c, -1, -1).flatten(2)
+        taps = img.gather(2, index).view(-1, c, 4, h, w)
+        top = taps[:, :, 0] + (taps[:, :, 1] - taps[:, :, 0]) * dx
+        bottom = taps[:, :, 2] + (taps[:, :, 3] - taps[:, :, 2]) * dx
+        value = (top + (bottom - top) * dy).floor().clamp(0, 255)
+        out[s : s + chunk] = torch.where(inside.unsqueeze(1), value, 0.0).to(x.dtype)
+    return out
+
+
+#: The official ``augmentations`` list, in its order (the index an op is drawn by).
+AUGMIX_OPS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]] = {
+    "autocontrast": _autocontrast,
+    "equalize": _equalize,
+    "posterize": _posterize,
+    "rotate": _rotate,
+    "solarize": _solarize,
+    "shear_x": _shear(0),
+    "shear_y": _shear(1),
+    "translate_x": _translate(0),
+    "translate_y": _translate(1),
+}
+
+
+def augmix(
+    images: torch.Tensor,
+    generator: torch.Generator,
+    *,
+    severity: float = 1.0,
+    width: int = 3,
+    max_depth: int = 3,
+) -> torch.Tensor:
+    """AugMix of each image of ``images [N, C, H, W]`` in [0, 1] (the official
+    ``augmix(image, preprocess, augmentations, severity=1)``, see the module docstring):
+    the image is taken to 8 bits, ``width`` chains each apply 1..``max_depth`` operations
+    drawn uniformly from ``AUGMIX_OPS`` (level ~ U(0.1, ``severity``), random sign for the
+    geometric ones), and the result is ``m x + (1 - m) sum_i w_i chain_i(x)`` with
+    ``w ~ Dirichlet(1, ..., 1)``, ``m ~ Beta(1, 1)``; same shape and dtype as ``images``."""
+    if severity < 0.1:
+        raise ValueError(f"severity must be >= 0.1 (levels are U(0.1, severity)), got {severity}")
+    n = images.shape[0]
+    dev = images.device
+    k = len(AUGMIX_OPS)
+    u = 1.0 - torch.rand(n, width, dtype=torch.float64, generator=generator)  # (0, 1]
+    weights = -u.log()
+    weights = (weights / weights.sum(dim=1, keepdim=True)).float()  # Dirichlet(1, ..., 1)
+    m = torch.rand(n, generator=generator).float()  # Beta(1, 1)
+    depth = torch.randint(1, max_depth + 1, (width, n), generator=generator)
+    ops = torch.randint(0, k, (width, n, max_depth), generator=generator)
+    levels = torch.empty(width, n, max_depth, dtype=torch.float64).uniform_(
+        0.1, severity, generator=generator
+    )
+    negative = torch.rand(width, n, max_depth, generator=generator) > 0.5
+
+    x8 = (images.float() * 255).round().clamp(0, 255)
+    chains = x8.unsqueeze(0).repeat(width, 1, 1, 1, 1).flatten(0, 1)  # [width * N, ...]
+    depth, ops = depth.flatten(), ops.flatten(0, 1)
+    levels, negative = levels.flatten(0, 1), negative.flatten(0, 1)
+    for step in range(max_depth):
+        for index, op in enumerate(AUGMIX_OPS.values()):
+            rows = ((depth > step) & (ops[:, step] == index)).nonzero()[:, 0]
+            if len(rows):
+                on = rows.to(dev)
+                chains[on] = op(
+                    chains[on], levels[rows, step].to(dev), negative[rows, step].to(dev)
+                )
+    chains = chains.view(width, n, *images.shape[1:]) / 255
+    mix = torch.einsum("wn,wnchx->nchx", weights.t().to(dev), chains)
+    m = m.to(dev).view(-1, 1, 1, 1)
+    return (m * (x8 / 255) + (1 - m) * mix).to(images.dtype)
 
 
 def make_views(
@@ -56,15 +310,20 @@ def make_views(
     include_original: bool = True,
     scale: tuple[float, float] = (0.08, 1.0),
     flip: bool = True,
+    augmix_views: bool = False,
 ) -> torch.Tensor:
     """``[V, B, C, H, W]``: the original images first (when ``include_original``), then
     ``n_views`` random resized crops (TPT's preprocessing: RandomResizedCrop + horizontal
-    flip). At least one view is required."""
+    flip), each AugMix-ed when ``augmix_views`` (TPT/TDA's ``AugMixAugmenter`` with
+    ``augmix=True``). At least one view is required."""
     if n_views < 0 or (n_views == 0 and not include_original):
         raise ValueError(
             f"need at least one view: n_views={n_views}, include_original={include_original}"
         )
     parts = [images.unsqueeze(0)] if include_original else []
     if n_views > 0:
-        parts.append(random_resized_crops(images, n_views, generator, scale=scale, flip=flip))
+        crops = random_resized_crops(images, n_views, generator, scale=scale, flip=flip)
+        if augmix_views:
+            crops = augmix(crops.flatten(0, 1), generator).view_as(crops)
+        parts.append(crops)
     return torch.cat(parts, dim=0)
