@@ -31,31 +31,31 @@ __all__ = [
 CONTRAST = {
     "cifar": (0.75, 0.5, 0.4, 0.3, 0.15),
     "imagenet": (0.4, 0.3, 0.2, 0.1, 0.05),
-    "digits": (0.4, 0.3, 0.2, 0.1, 0.05),
+    "digits": (0.601, 0.51, 0.452, 0.395, 0.365),
 }
 #: Added to HSV value.
 BRIGHTNESS = {
     "cifar": (0.05, 0.1, 0.15, 0.2, 0.3),
     "imagenet": (0.1, 0.2, 0.3, 0.4, 0.5),
-    "digits": (0.3, 0.45, 0.6, 0.7, 0.8),
+    "digits": (0.195, 0.26, 0.319, 0.354, 0.387),
 }
 #: (factor, offset) applied to HSV saturation.
 SATURATE = {
     "cifar": ((0.3, 0), (0.1, 0), (1.5, 0), (2, 0.1), (2.5, 0.2)),
     "imagenet": ((0.3, 0), (0.1, 0), (2, 0), (5, 0.1), (20, 0.2)),
-    "digits": ((0.3, 0), (0.1, 0), (2, 0), (5, 0.1), (20, 0.2)),
+    "digits": ((0.3, 0), (0.1, 0), (40, 0.3), (80, 0.5), (100, 0.6)),
 }
 #: JPEG quality.
 JPEG_COMPRESSION = {
     "cifar": (80, 65, 58, 50, 40),
     "imagenet": (25, 18, 15, 10, 7),
-    "digits": (30, 15, 8, 4, 1),
+    "digits": (12, 10, 8, 5, 2),
 }
 #: Down-sampling factor of the side.
 PIXELATE = {
     "cifar": (0.95, 0.9, 0.85, 0.75, 0.65),
     "imagenet": (0.6, 0.5, 0.4, 0.3, 0.25),
-    "digits": (0.3, 0.25, 0.2, 0.15, 0.1),
+    "digits": (0.3594, 0.3281, 0.2656, 0.2031, 0.2031),
 }
 #: Maximal relative change of (brightness, contrast, saturation) and hue shift (turns).
 COLOR_JITTER = {
