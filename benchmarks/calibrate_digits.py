@@ -11,9 +11,9 @@ previous ladder, ``p(t)`` for ``t`` in [0, 5] (``t = k`` is the old severity k; 
 runs from the corruption's identity parameters to the old severity 1; shot noise moves in
 1/photons). Per severity, bisection on ``t`` finds where seed-0 zero-shot accuracy on the
 360 digits test images, corrupted exactly as a run corrupts them (per-sample generators
-keyed by seed, shift and severity), crosses the target (parameters rounded to 3 significant digits, integers kept integers),
-and of the two sides of the crossing the one nearer the target is kept; the ladder is then
-measured again. Corruptions that cannot
+keyed by seed, shift and severity), crosses the target (parameters rounded to 3
+significant digits, integers kept integers), and of the two sides of the crossing the one
+nearer the target is kept; the ladder is then measured again. Corruptions that cannot
 reach the target even at their old severity 5 (jpeg_compression: the digits survive quality
 1; saturate: colour changes keep grey digits) keep their old ladder.
 
