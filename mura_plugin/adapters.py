@@ -180,7 +180,9 @@ def split_attention(block: nn.Module) -> None:
 class MultiRankLinear(nn.Module):
     """``y = W' x + b + P(sum_k w_k(x) * s_k * B_k A_k x)`` beside a frozen linear layer.
 
-    ``A_k: [r_k, in]``, ``B_k: [out', r_k]``, ``s_k = alpha / r_k``; all components share one
+    ``A_k: [r_k, in]``, ``B_k: [out', r_k]``, ``s_k = alpha / r_k`` (``alpha`` is each
+    component's LoRA alpha, as peft's ``lora_alpha``: component k alone is a standard LoRA of
+    rank ``r_k`` and scale ``alpha / r_k``); all components share one
     matmul into the concatenated rank space (``lora_A: [R, in]``, ``lora_B: [out', R]``,
     ``R = sum r_k``). ``P`` scatters the ``out'`` adapted rows into the output (identity
     unless ``out_index`` restricts the adapter to some rows, e.g. the q and v slices of a
@@ -262,9 +264,14 @@ class MultiRankLinear(nn.Module):
         return [] if self.router is None else list(self.router.parameters())
 
     def init_zero(self) -> None:
-        """LoRA init: A ~ kaiming-uniform, B = 0, so the layer starts exactly at the source."""
+        """LoRA init as TTL's official code re-initialises it (``LoRA_AB``): each component's
+        ``A_k [r_k, in]`` ~ xavier-normal (std ``sqrt(2 / (in + r_k))``), ``B_k = 0``, so the
+        layer starts exactly at the source. One component draws like one standalone LoRA."""
         with torch.no_grad():
-            nn.init.kaiming_uniform_(self.lora_A, a=math.sqrt(5))
+            start = 0
+            for r in self.ranks:
+                nn.init.xavier_normal_(self.lora_A[start : start + r])
+                start += r
             self.lora_B.zero_()
         self.frozen_weight = None
 

@@ -4,6 +4,7 @@ SVD init starting at the source, router shapes, placement on open_clip and timm 
 from __future__ import annotations
 
 import copy
+import math
 
 import pytest
 import torch
@@ -42,6 +43,23 @@ def test_single_rank_is_plain_lora():
     assert torch.allclose(layer(x), ref, atol=1e-5)
     fresh = MultiRankLinear(nn.Linear(12, 10), [2, 3], alpha=1.0)  # B = 0: the source
     assert torch.equal(fresh(x), fresh.base(x))
+
+
+def test_mura_components_are_standalone_loras():
+    """Component k is a LoRA of rank r_k with the shared alpha: scale alpha / r_k and its own
+    xavier-normal A_k (std sqrt(2 / (in + r_k)): TTL's re-initialisation), B = 0. The
+    sample std of each block is within 5 standard errors (std / sqrt(2n)); kaiming-uniform
+    (std 1 / sqrt(3 in)) would be 0.43-0.6x."""
+    torch.manual_seed(0)
+    layer = MultiRankLinear(nn.Linear(256, 256), [4, 8, 64], alpha=32.0)
+    start = 0
+    for r in (4, 8, 64):
+        rows = slice(start, start + r)
+        assert torch.equal(layer.rank_scale[rows], torch.full((r,), 32.0 / r))
+        a = layer.lora_A[rows].detach()
+        assert not layer.lora_B[:, rows].any()
+        assert abs(float(a.std()) / math.sqrt(2 / (256 + r)) - 1) < 5 / math.sqrt(2 * a.numel())
+        start += r
 
 
 @pytest.mark.parametrize("router", [False, True])

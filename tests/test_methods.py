@@ -4,16 +4,18 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import math
 
 import pytest
 import torch
 
+from mura_plugin.losses import view_entropy
+from mura_plugin.methods._views import LossScaler
 from mura_plugin.methods.lora import LoRA
 from mura_plugin.methods.mura import MuRA
 from mura_plugin.methods.tda import TDA
 from mura_plugin.methods.tpt import TPT
-from mura_plugin.methods.zero import Zero
-from tta_bench.model import ZeroShotClassifier
+from mura_plugin.methods.zero import Zero, zero_votes
 from tta_bench.registry import registry
 
 FAST = {"views": 7}  # fewer views keep the tests fast; the defaults are checked separately
@@ -57,18 +59,21 @@ def test_published_defaults():
         1,
         "sample",
     )
-    assert (lora.ranks, lora.blocks, lora.init, lora.targets) == (
+    assert (lora.ranks, lora.alpha, lora.blocks, lora.init, lora.targets) == (
         [16],
+        32.0,
         3,
         "zero",
         ["attn.q", "attn.v"],
     )
-    assert (lora.optimizer, lora.lr, lora.views, lora.loss) == (
+    assert (lora.optimizer, lora.lr, lora.weight_decay, lora.views, lora.loss) == (
         "adamw",
         5e-3,
+        0.01,
         63,
         "weighted_entropy",
     )
+    assert m.alpha == lora.alpha  # one alpha per component, as TTL's lora_alpha
     assert (tpt.ctx_init, tpt.selection, tpt.loss, tpt.lr, tpt.views) == (
         "a photo of a",
         0.1,
@@ -77,6 +82,12 @@ def test_published_defaults():
         63,
     )
     assert Zero.Config().selection == 0.3
+    # the official code's precision on CUDA: fp16 autocast, GradScaler(init_scale=1000)
+    for cfg in (m, lora, tpt):
+        assert (cfg.precision, cfg.grad_scale) == ("fp16", 1000.0)
+    assert Zero.Config().precision == TDA.Config().precision == "fp16"
+    for cfg in (m, lora, tpt, Zero.Config(), TDA.Config()):
+        assert cfg.text_head == "protocol"
 
 
 def test_single_rank_mura_equals_lora(classifier, batch):
@@ -238,19 +249,98 @@ def test_adapt_every_predicts_without_adapting(classifier, batch):
         assert torch.allclose(mura.step(batch), classifier(batch), atol=1e-4)
 
 
-def test_tpt_prompt_reproduces_the_frozen_text_head(
-    classifier, default_bundle, digits_stream, batch
-):
-    tpt = _build(TPT, classifier, **FAST)
-    single = ZeroShotClassifier(default_bundle, digits_stream.classnames, ["a photo of a {}."])
+def test_lora_first_step_has_the_official_size(classifier, batch):
+    """TTL's LoRA: A ~ xavier-normal, B = 0, scale alpha / r = 32 / 16 = 2, AdamW 5e-3 with
+    weight decay 0.01. From B = 0 the gradient reaches B only, and Adam's first step moves
+    each entry by lr * g / (|g| + eps): |B| = lr up to eps / |g|, A only decays by
+    (1 - lr wd). The layer's weight change is then dW = 2 (1 - lr wd) B A0, of norm
+    ~ 2 lr ||sign(g) A0|| (about 5x the update of scale 1 with kaiming-uniform A)."""
+    lora = _build(LoRA, classifier, episodic="online", **FAST)
+    layer = lora.adapters["block2.attn.q_proj"]  # the deepest block's query projection
+    a0 = layer.lora_A.detach().clone()
+    d_in, r = layer.in_features, a0.shape[0]
+    # xavier-normal std sqrt(2 / (in + r)): the sample std of 2,048 entries is within
+    # 5 standard errors (std / sqrt(2n)); kaiming-uniform would give 1 / sqrt(3 in), 0.43x
+    std = math.sqrt(2 / (d_in + r))
+    assert abs(float(a0.std()) / std - 1) < 5 / math.sqrt(2 * a0.numel())
+    assert not layer.lora_B.any()
+    eye = torch.eye(d_in)
     with torch.no_grad():
-        assert torch.allclose(tpt.prompt(), single.class_embeddings, atol=1e-6)
-    assert tpt.prompt.n_ctx == 4
-    ctx0 = tpt.prompt.ctx.detach().clone()
+        before = layer(eye) - layer.base(eye)
+    assert not before.any()  # B = 0: the source
+    lora.reseed(0)
+    lora.step(batch[:1])
+    lr, wd = 5e-3, 0.01
+    a1, b1 = layer.lora_A.detach(), layer.lora_B.detach()
+    torch.testing.assert_close(a1, a0 * (1 - lr * wd), rtol=0, atol=0)  # decoupled decay only
+    step = b1.abs() / lr
+    assert float(step.max()) <= 1 + 1e-6  # |g| / (|g| + eps) <= 1 (float32 rounding)
+    assert float((step > 1 - 1e-3).float().mean()) > 0.95  # eps matters only where |g| < 1e-5
+    with torch.no_grad():
+        delta = (layer(eye) - layer.base(eye)).t()  # [out, in]: the weight change
+    torch.testing.assert_close(delta, 2.0 * b1 @ a1, rtol=1e-5, atol=1e-7)
+
+
+def test_tpt_keeps_the_confident_views_of_the_first_step(classifier, batch):
+    """Official test_time_tuning: ``selected_idx`` is chosen at the first step, on the
+    initial prompt, and reused by the later steps."""
+    config = {"views": 15, "episodic": "online", "lr": 5e-2}
+    tpt = _build(TPT, classifier, steps=2, **config)
     tpt.reseed(0)
-    out = tpt.step(batch[:2])
-    assert out.shape == (2, 10)
-    assert torch.equal(tpt.prompt.ctx, ctx0)  # reset per sample
+    views = tpt.make_views(batch)
+    feats = tpt.encode_views(views)
+    with torch.no_grad():
+        initial = view_entropy(tpt._logits(feats)).argsort(dim=0)[: int(16 * 0.1)]
+    tpt.reseed(0)
+    tpt.step(batch)
+    assert torch.equal(tpt.selected_views[None], initial)
+    # the selection would change on the prompt after one step (so the test can fail)
+    once = _build(TPT, classifier, steps=1, **config)
+    once.reseed(0)
+    once.step(batch)
+    with torch.no_grad():
+        moved = view_entropy(once._logits(feats)).argsort(dim=0)[: int(16 * 0.1)]
+    assert not torch.equal(moved, initial)
+
+
+def test_zero_breaks_ties_as_the_official_code(batch):
+    """``zero_votes`` on constructed cosines: views 0..9 are one-hot-like with decreasing
+    peaks (so entropy rises with the index); k = int(10 * 0.4) = 4 views vote."""
+    c = 6
+
+    def views(classes, runner_up=None):
+        cos = torch.zeros(len(classes), 1, c)
+        for i, k in enumerate(classes):
+            cos[i, 0, k] = 0.5 - 0.03 * i
+            if runner_up is not None:
+                cos[i, 0, runner_up[i]] = 0.2 - 0.01 * i
+        return cos
+
+    scale = 100.0
+    # no tie: the plurality wins
+    votes = zero_votes(views([2, 2, 2, 1, 0, 0, 0, 0, 0, 0]), scale, 0.4)
+    assert votes.round().tolist() == [[0, 1, 3, 0, 0, 0]]
+    # tie 1 vs 3 (2 votes each): the first non-voting view choosing 1 or 3 decides -> 3
+    votes = zero_votes(views([1, 3, 1, 3, 5, 3, 1, 0, 0, 0]), scale, 0.4)
+    assert votes.round().tolist() == [[0, 2, 0, 3, 0, 0]]
+    # no non-voting view picks 1 or 3: the official fallback masks classes C - 1 - t =
+    # {4, 2} of the first non-voting view and adds a vote to its argmax among the rest:
+    # that view peaks at 4 (masked), its runner-up is 0
+    cos = views([1, 3, 1, 3, 4, 5, 5, 5, 5, 5], runner_up=[0] * 10)
+    votes = zero_votes(cos, scale, 0.4)
+    assert votes.round().tolist() == [[1, 2, 0, 2, 0, 0]]
+    # with every view voting there is nothing to break a tie with: counts unchanged
+    votes = zero_votes(views([1, 3]), scale, 1.0)
+    assert votes.round().tolist() == [[0, 1, 0, 1, 0, 0]]
+
+
+def test_zero_votes_in_float16_are_soft_for_near_ties():
+    """The official zero temperature is the dtype's epsilon: in float16 (~1e-3) cosines a
+    few 1e-4 apart share a vote, in float32 the vote is one-hot."""
+    cos = torch.tensor([[[0.3000, 0.2997, 0.0]]])  # [V=1, B=1, C=3]
+    soft = zero_votes(cos.half(), 100.0, 1.0)
+    hard = zero_votes(cos, 100.0, 1.0)
+    assert 0.3 < float(soft[0, 1]) < 0.5 and float(hard[0, 1]) < 1e-6
 
 
 def test_zero_votes_and_reduces_to_argmax_with_one_view(classifier, batch):
@@ -281,3 +371,102 @@ def test_tda_caches_fill_online_and_reset_empties_them(classifier, batch):
     assert torch.isfinite(tda.pos.entropy).sum() >= 2
     tda.reset()
     assert not torch.isfinite(tda.pos.entropy).any() and not torch.isfinite(tda.neg.entropy).any()
+
+
+@pytest.mark.parametrize(
+    ("dataset", "views", "per_image"),
+    [
+        ("digits", "official", 1),  # corruption / other sets: the image alone
+        (None, "official", 1),  # outside a run
+        ("imagenet_c", "official", 1),
+        ("imagenet_a", "official", 64),  # natural shifts: original + 63 AugMix views
+        ("imagenet_sketch", "official", 64),
+        ("imagenet_a", "single", 1),  # forced
+        ("digits", "multi", 64),
+    ],
+)
+def test_tda_views_follow_the_dataset(classifier, batch, dataset, views, per_image):
+    model = copy.deepcopy(classifier)
+    model.dataset = dataset
+    seen = []
+    model.visual.register_forward_hook(lambda _m, args, _out: seen.append(len(args[0])))
+    tda = TDA(model, dataclasses.replace(TDA.Config(), views=views))
+    tda.setup()
+    tda.reseed(0)
+    out = tda.step(batch[:2])
+    assert sum(seen) == 2 * per_image
+    assert out.shape == (2, 10) and torch.isfinite(out).all()
+    with pytest.raises(ValueError, match="available: official, single, multi"):
+        TDA(model, dataclasses.replace(TDA.Config(), views="all")).setup()
+
+
+def test_tda_multi_view_keeps_the_confident_views(classifier, batch):
+    """Multi-view input (official get_clip_logits): the 10% lowest-entropy of the 64 views
+    (int(64 * 0.1) = 6) give the mean logits and the cache key, their mean feature (not
+    renormalised). On an empty cache the image meets only itself: its class gains
+    alpha' exp(-beta (1 - |key|^2))."""
+    model = copy.deepcopy(classifier)
+    tda = TDA(model, dataclasses.replace(TDA.Config(), views="multi", neg_entropy_upper=0.0))
+    tda.setup()
+    tda.reseed(0)
+    views = _tda_views(tda, batch[:1])
+    with torch.no_grad():
+        feats = model.encode_image(views.flatten(0, 1))
+    logits = model.logits_from_features(feats).view(64, 1, -1)
+    chosen = view_entropy(logits).argsort(dim=0)[:6, 0]
+    expected = logits[chosen, 0].mean(dim=0)
+    key = feats[chosen].mean(dim=0)
+    alpha = 2.0 * float(model.logit_scale) / 100
+    expected[expected.argmax()] += alpha * torch.exp(-5.0 * (1 - key @ key))
+    tda.reseed(0)
+    torch.testing.assert_close(tda.step(batch[:1])[0], expected, rtol=0, atol=1e-4)
+
+
+def _tda_views(tda, images):
+    from mura_plugin.methods._views import configured_views
+    from mura_plugin.methods.tda import _view_settings
+
+    return configured_views(images, _view_settings(tda.config), tda.generator)
+
+
+def test_loss_scaler_follows_grad_scaler():
+    """GradScaler's rule per episode: unscale by the float32 reciprocal, skip non-finite
+    rows, halve per skipped episode (in order), double after 2,000 finite steps."""
+    scaler = LossScaler(1000.0, enabled=True)
+    copies = torch.zeros(3, 2, requires_grad=True)
+    copies.grad = torch.tensor([[1000.0, 2000.0], [float("inf"), 0.0], [3000.0, 0.0]])
+    skipped = scaler.unscale([copies], episodes=3)
+    assert skipped.tolist() == [False, True, False]
+    torch.testing.assert_close(copies.grad[0], torch.tensor([1.0, 2.0]))
+    scaler.update(skipped)
+    assert (scaler.scale, scaler.tracker) == (500.0, 1)
+    scaler.update(torch.zeros(1999, dtype=torch.bool))
+    assert (scaler.scale, scaler.tracker) == (1000.0, 0)
+    off = LossScaler(1000.0, enabled=False)
+    assert off.scale == 1.0 and not off.unscale([copies], episodes=3).any()
+
+
+def test_scaler_only_for_fp16_on_cuda(classifier):
+    """The official GradScaler runs with fp16 autocast; the CPU computes float32, unscaled."""
+    lora = _build(LoRA, classifier, **FAST)
+    assert lora.config.precision == "fp16" and not lora.loss_scaler.enabled
+
+
+def test_a_skipped_episode_leaves_the_other_samples_adapting(classifier, batch):
+    """With loss scaling on, an episode whose gradients are not finite keeps its adapters
+    (torch's GradScaler would skip the whole batch's step); the others step as usual."""
+    bad = batch.clone()
+    bad[1] = float("nan")
+    scaled = _build(LoRA, classifier, **FAST)
+    scaled.loss_scaler = LossScaler(1000.0, enabled=True)  # as on CUDA with fp16
+    plain = _build(LoRA, classifier, **FAST)
+    for method in (scaled, plain):
+        method.reseed(4)
+    out_scaled, out_plain = scaled.step(bad), plain.step(batch)
+    keep = [0, 2, 3, 4, 5]
+    # the same adaptation of the finite samples (scale 1000 then 1/1000: float32 rounding
+    # of the gradient, which Adam's first step normalises away)
+    torch.testing.assert_close(out_scaled[keep], out_plain[keep], rtol=0, atol=1e-4)
+    assert scaled.loss_scaler.scale == 500.0  # one overflowing episode: one backoff
+    with torch.no_grad():
+        assert not torch.allclose(out_plain[keep], classifier(batch[keep]), atol=1e-3)

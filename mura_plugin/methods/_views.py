@@ -25,10 +25,27 @@ gradients, whatever the loss needs from the frozen parts (TPT: image features; M
 tokens entering the first adapted block). Cost accounting: view encoding, adaptation and
 restores count as ``adapt``, the final prediction as ``predict``; ``last_loss`` is the mean
 per-sample loss of the batch's last step.
+
+Text heads (``text_head``, shared by every method of this plugin): ``protocol`` classifies
+with the protocol's templates (``model.templates``, the zero-shot head ``zeroshot`` uses);
+``official`` with the head of the method's official code (``class_head``).
+
+Loss scaling: TPT's and TTL's official code trains under fp16 autocast with
+``torch.cuda.amp.GradScaler(init_scale=1000)``, which keeps small fp16 gradients from
+flushing to zero. ``LossScaler`` applies the same rule (scale the loss, unscale the
+gradients, skip a step whose gradients are not finite and halve the scale, double it after
+2,000 finite steps) whenever a method runs fp16 on CUDA (``grad_scale``, None = off).
+torch's GradScaler decides per optimiser, so in batched episodes one overflowing sample
+would skip every sample's step; ``LossScaler`` decides per episode (a skipped episode keeps
+its parameters and optimiser state) and updates the scale once per episode in sample order,
+as the sequential loop would. What remains different there: all samples of a batch run with
+the scale of the batch's start, and with several steps a skipped episode continues with the
+others' Adam step count.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -36,9 +53,27 @@ import torch
 from torch import nn
 
 from mura_plugin.augment import make_views
-from tta_bench.method import GradientConfig, GradientMethod, build_optimizer
+from tta_bench.method import GradientConfig, GradientMethod, build_optimizer, effective_precision
+from tta_bench.model import ZeroShotClassifier
 
-__all__ = ["EPISODIC", "SEPARABLE_LOSSES", "MultiViewConfig", "MultiViewMethod"]
+__all__ = [
+    "EPISODIC",
+    "SEPARABLE_LOSSES",
+    "SINGLE_PROMPT",
+    "TEXT_HEADS",
+    "LossScaler",
+    "MultiViewConfig",
+    "MultiViewMethod",
+    "check_text_head",
+    "class_head",
+    "configured_views",
+]
+
+#: protocol: the protocol's templates (``model.templates``, as ``zeroshot``); official: the
+#: head of the method's official code.
+TEXT_HEADS = ("protocol", "official")
+#: The single prompt of TPT's, TTL's and ZERO's official code ("a photo of a" + class + ".").
+SINGLE_PROMPT = ("a photo of a {}.",)
 
 EPISODIC = ("sample", "batch", "online")
 
@@ -60,13 +95,92 @@ class MultiViewConfig(GradientConfig):
     # Images per chunk of the batched forward/backward (whole samples, at least one): chunks
     # that fit the CPU caches run ~2x faster than one huge batch; gradients accumulate.
     chunk_views: int = 256
-    # TPT/TTL's official code runs CLIP under fp16 autocast on CUDA (CPU: float32).
+    augmix: bool = False  # AugMix each crop (TPT/TTL: on for their fine-grained sets only)
+    text_head: str = "protocol"  # protocol | official (see the module docstring)
+    # TPT/TTL's official code runs CLIP under fp16 autocast on CUDA (CPU: float32) ...
     precision: str = "fp16"
+    # ... with GradScaler(init_scale=1000): the initial loss scale for fp16 (None: none),
+    # applied per episode by ``LossScaler``
+    grad_scale: float | None = 1000.0
+
+
+def check_text_head(text_head: str) -> None:
+    if text_head not in TEXT_HEADS:
+        raise ValueError(f"unknown text_head {text_head!r}; available: {', '.join(TEXT_HEADS)}")
+
+
+def class_head(model: ZeroShotClassifier, text_head: str, official: Sequence[str]) -> torch.Tensor:
+    """Class embeddings ``[C, D]`` a method classifies with: ``protocol`` = the model's own
+    head (a copy of ``model.class_embeddings``, built from ``model.templates``); ``official``
+    = ``model.encode_templates(official)``. The model is never changed."""
+    check_text_head(text_head)
+    if text_head == "protocol":
+        return model.class_embeddings.detach().clone()
+    return model.encode_templates(list(official)).to(model.class_embeddings)
+
+
+class LossScaler:
+    """Dynamic loss scaling with ``torch.amp.GradScaler``'s rule (growth 2, backoff 1/2,
+    interval 2,000), deciding per episode (see the module docstring). ``scale`` is a float;
+    ``enabled`` False makes every call a no-op (scale 1)."""
+
+    growth_factor = 2.0
+    backoff_factor = 0.5
+    growth_interval = 2000
+
+    def __init__(self, init_scale: float, enabled: bool):
+        self.enabled = bool(enabled) and init_scale > 0
+        self.scale = float(init_scale) if self.enabled else 1.0
+        self.tracker = 0
+
+    def state(self) -> dict[str, float | int]:
+        return {"scale": self.scale, "tracker": self.tracker}
+
+    def load_state(self, state: dict[str, float | int]) -> None:
+        self.scale, self.tracker = float(state["scale"]), int(state["tracker"])
+
+    def unscale(self, params: Sequence[torch.Tensor], episodes: int | None = None) -> torch.Tensor:
+        """Divide the gradients of ``params`` by the scale (in place, as GradScaler: times
+        the float32 reciprocal) and return which updates must be skipped: ``[episodes]``
+        bool for per-episode copies ``[episodes, ...]`` (a copy's row is skipped when its
+        gradient is not finite; a shared parameter with a non-finite gradient skips all),
+        or ``[1]`` for plain parameters."""
+        rows = 1 if episodes is None else episodes
+        dev = params[0].device
+        skip = torch.zeros(rows, dtype=torch.bool, device=dev)
+        if not self.enabled:
+            return skip
+        inv = torch.tensor(1.0 / self.scale, dtype=torch.float64).float().item()
+        for p in params:
+            if p.grad is None:
+                continue
+            p.grad.mul_(inv)
+            bad = ~torch.isfinite(p.grad)
+            if episodes is not None and p.dim() > 0 and p.shape[0] == episodes:
+                skip |= bad.flatten(1).any(dim=1)
+            else:
+                skip |= bad.any()
+        return skip
+
+    def update(self, skipped: torch.Tensor) -> None:
+        """One GradScaler update per entry of ``skipped`` (in order)."""
+        if not self.enabled:
+            return
+        for bad in skipped.tolist():
+            if bad:
+                self.scale *= self.backoff_factor
+                self.tracker = 0
+            else:
+                self.tracker += 1
+                if self.tracker == self.growth_interval:
+                    self.scale *= self.growth_factor
+                    self.tracker = 0
 
 
 def configured_views(images: torch.Tensor, cfg: Any, generator: torch.Generator) -> torch.Tensor:
     """``[V, B, C, H, W]`` views of ``images`` as a config with ``views``,
-    ``include_original``, ``crop_scale_min`` and ``flip`` asks (shared with ZERO)."""
+    ``include_original``, ``crop_scale_min``, ``flip`` and (optionally) ``augmix`` asks
+    (shared with ZERO and TDA)."""
     return make_views(
         images,
         cfg.views,
@@ -74,6 +188,7 @@ def configured_views(images: torch.Tensor, cfg: Any, generator: torch.Generator)
         include_original=cfg.include_original,
         scale=(cfg.crop_scale_min, 1.0),
         flip=cfg.flip,
+        augmix_views=bool(getattr(cfg, "augmix", False)),
     )
 
 
@@ -88,13 +203,19 @@ class MultiViewMethod(GradientMethod):
             raise ValueError(f"unknown episodic {cfg.episodic!r}; available: {', '.join(EPISODIC)}")
         if cfg.adapt_every < 1:
             raise ValueError(f"adapt_every must be >= 1, got {cfg.adapt_every}")
-        if cfg.steps < 1:
-            raise ValueError(f"steps must be >= 1, got {cfg.steps}")
+        if cfg.steps < 0:
+            raise ValueError(f"steps must be >= 0, got {cfg.steps}")
+        check_text_head(cfg.text_head)
         if cfg.chunk_views < 1:
             raise ValueError(f"chunk_views must be >= 1, got {cfg.chunk_views}")
         if not 0.0 < cfg.crop_scale_min <= 1.0:
             raise ValueError(f"crop_scale_min must be in (0, 1], got {cfg.crop_scale_min}")
         self._batches = 0
+        #: The optimisation step running (0 = the first of an episode), for losses whose
+        #: later steps reuse what the first one decided (TPT's confident views).
+        self.step_index = 0
+        fp16 = effective_precision(cfg.precision, self.device) == "fp16"
+        self.loss_scaler = LossScaler(cfg.grad_scale or 0.0, enabled=fp16)
         super().setup()
         episode = {id(p) for p in self.episode_parameters()}
         self._episode_index = [i for i, p in enumerate(self.params) if id(p) in episode]
@@ -142,24 +263,34 @@ class MultiViewMethod(GradientMethod):
         return loss, logits[0]
 
     def extra_state(self) -> dict[str, Any]:
-        return {"batches": self._batches}
+        return {"batches": self._batches, "loss_scaler": self.loss_scaler.state()}
 
     def load_extra_state(self, state: dict[str, Any]) -> None:
         self._batches = int(state["batches"])
+        self.loss_scaler.load_state(state["loss_scaler"])
+
+    def _new_scaler(self) -> None:
+        """No ``torch.amp.GradScaler``: these loops scale per episode (``loss_scaler``)."""
+        return None
 
     # -- the loop ------------------------------------------------------------------------
     def make_views(self, images: torch.Tensor) -> torch.Tensor:
         return configured_views(images, self.config, self.generator)
 
     def adapt_on(self, inputs: Any) -> None:
-        """``config.steps`` optimiser steps on the mean of ``view_loss(inputs)``."""
-        for _ in range(self.config.steps):
+        """``config.steps`` optimiser steps on the mean of ``view_loss(inputs)`` (loss
+        scaled as GradScaler does when ``self.loss_scaler`` is enabled)."""
+        for index in range(self.config.steps):
+            self.step_index = index
             with torch.enable_grad(), self.autocast():
                 per_sample = self.view_loss(inputs)[0]
                 loss = per_sample.mean()
             self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
-            self.optimizer.step()
+            (loss * self.loss_scaler.scale).backward()
+            skipped = self.loss_scaler.unscale(self.params)
+            if not bool(skipped.any()):
+                self.optimizer.step()
+            self.loss_scaler.update(skipped)
             self.last_loss = loss.detach()
 
     @torch.no_grad()
@@ -193,7 +324,8 @@ class MultiViewMethod(GradientMethod):
         persistent = len(self._episode_index) < len(self.params)
         views = cfg.views + int(cfg.include_original)
         per_chunk = max(1, cfg.chunk_views // views)
-        for _ in range(cfg.steps):
+        for index in range(cfg.steps):
+            self.step_index = index
             episode_opt.zero_grad(set_to_none=True)
             self.optimizer.zero_grad(set_to_none=True)
             losses = []
@@ -203,17 +335,22 @@ class MultiViewMethod(GradientMethod):
                     self.select_episodes(rows)
                     per_sample = self.view_loss(_slice(inputs, rows))[0]
                 # sample i's copy gets sample i's gradient only; shared ones get the sum
-                per_sample.sum().backward()
+                (per_sample.sum() * self.loss_scaler.scale).backward()
                 losses.append(per_sample.detach())
             self.select_episodes(slice(0, n))
-            episode_opt.step()
-            if persistent:  # the shared episode parameters have no gradient: skipped
+            skipped = self.loss_scaler.unscale(copies, episodes=n)
+            if persistent:
+                shared = self.loss_scaler.unscale(self.params)
+                skipped = skipped | shared
+            _step_rows(episode_opt, copies, skip=skipped)
+            if persistent and not bool(shared.any()):  # no gradient: the shared ones skip
                 self.optimizer.step()
+            self.loss_scaler.update(skipped)
             self.last_loss = torch.cat(losses).mean()
 
     def step(self, images: torch.Tensor) -> torch.Tensor:
         cfg = self.config
-        adapt = self._batches % cfg.adapt_every == 0
+        adapt = cfg.steps > 0 and self._batches % cfg.adapt_every == 0
         self._batches += 1
         if not adapt:
             with self.timed("predict"):
@@ -249,6 +386,37 @@ class MultiViewMethod(GradientMethod):
                 self.restore_episode()
         self.last_loss = torch.stack(losses).mean()
         return torch.cat(out, dim=0)
+
+
+@torch.no_grad()
+def _step_rows(optimizer: torch.optim.Optimizer, copies: list[torch.Tensor], skip: torch.Tensor):
+    """``optimizer.step()`` on per-episode copies ``[n, ...]``, except that the rows where
+    ``skip`` is True keep their values and optimiser state (a skipped episode's step)."""
+    if not bool(skip.any()):
+        optimizer.step()
+        return
+    rows = skip.nonzero()[:, 0]
+    saved = [
+        (p, p[rows].clone(), {k: v[rows].clone() for k, v in _row_state(optimizer, p)})
+        for p in copies
+    ]
+    optimizer.step()
+    for p, values, state in saved:
+        p[rows] = values
+        for k, v in _row_state(optimizer, p):
+            if k in state:
+                v[rows] = state[k]
+            elif v.dim() > 0:
+                v[rows] = 0  # created by this step: a skipped row has none yet
+
+
+def _row_state(optimizer: torch.optim.Optimizer, p: torch.Tensor):
+    """The per-element state tensors of ``p`` (Adam's moments, SGD's momentum buffer)."""
+    return [
+        (k, v)
+        for k, v in optimizer.state.get(p, {}).items()
+        if isinstance(v, torch.Tensor) and v.shape == p.shape
+    ]
 
 
 def _slice(inputs: Any, rows: slice) -> Any:

@@ -2,20 +2,52 @@
 
 Paper: Imam et al., "Test-Time Low Rank Adaptation via Confidence Maximization for
 Zero-Shot Generalization of Vision-Language Models", WACV 2025 (arXiv 2407.15913).
-Official code: https://github.com/Razaimam45/TTL-Test-Time-Low-Rank-Adaptation
-Setting (defaults): LoRA r = 16 on the q and v projections of the last 3 vision blocks,
-B = 0 init, 64 views (63 random resized crops + flip, plus the original), loss =
-per-view entropy weighted by the detached ``exp(-(H - 0.4))`` (``weighted_entropy``),
-AdamW 5e-3 (torch's default weight decay 0.01), 1 step, adapters and optimiser reset after
-every sample, prediction on the original image after the update.
-What differs: TTL's augmentations are torchvision transforms on PIL images; here the crops
-are drawn in one batched ``grid_sample`` (bilinear) on the device. The LoRA scale is
-``alpha / r = 1``. Implementation: MuRA's adapter machinery with one component and fixed
-weight 1 (``fusion=none``, ``init=zero``), so MuRA with ``ranks=[16]`` and the same placement
-computes exactly this (tests/test_methods.py checks it). The 64 per-sample episodes of a batch
-run in parallel, each with its own adapter copy, and the blocks below the adapted ones run
-once per batch without gradients (see mura.py and _views.py): the same computation as the
-per-sample loop, to ~1e-6 (``method.episode_batching=false`` runs the loop).
+Official code: https://github.com/Razaimam45/TTL-Test-Time-Low-Rank-Adaptation, read at
+commit cc754dfdfeee0c85d0364b89112271714e43ce49 (ttl.py, deyo.py, clip/custom_clip.py,
+data/datautils.py, scripts/test_ttl.sh).
+
+Setting (defaults = the official script): peft ``LoraConfig(r=16, lora_alpha=32,
+target_modules=["q_proj", "v_proj"], bias="none")``, so scale ``alpha / r = 2``; trained in
+the last 3 vision blocks (``layer_range 9,11`` of ViT-B/16's 12); ``LoRA_AB`` re-initialises
+A xavier-normal (``init_method=xavier``), B = 0; 64 views (original + 63
+RandomResizedCrop + horizontal flip); loss = per-view entropy weighted by the detached
+``exp(-(H - 0.4))`` (deyo.py with ``reweight_ent=1, deyo_margin_e0=0.4``; its entropy filter
+``H <= ln 1000`` keeps every view when C <= 1000, PLPD filtering is off): ``weighted_entropy``;
+AdamW lr 5e-3 with torch's defaults (weight decay 0.01, betas (0.9, 0.999), eps 1e-8),
+1 step; before every sample the adapters go back to the same initial A and B and the
+optimiser state is reloaded; the prediction is made on the original image after the
+update; on CUDA fp16 autocast over fp32 weights with ``GradScaler(init_scale=1000)``.
+The first update is therefore ``dW = 2 (1 - lr wd) B A0`` with ``|B| = lr`` entry-wise
+(Adam's first step), ~4.6x (width 128) to 4.9x (ViT-B/16) the update of scale 1 with
+kaiming-uniform A used before (tests/test_methods.py pins it).
+Official head (``text_head=official``): "a photo of a {}." (the prompt learner's prefix
+"a photo of a" + class + "."); the default ``protocol`` is the protocol's templates.
+
+What differs and why:
+* ``lora_dropout=0.05`` is inert in the official run (``model.eval()`` before adapting;
+  DeYO's ``configure_model``, which would call ``train()``, is never called): no dropout.
+* peft also places adapters (B = 0, never trained) in the 9 frozen blocks: they compute
+  nothing, so only the 3 trained ones exist here. ``prepare_model_for_int8_training``
+  changes nothing for fp32 weights.
+* The tower is open_clip's (the official adapts HF ``CLIPModel``): the adapters sit beside
+  the q and v linears of ``SplitAttention``, numerically ``nn.MultiheadAttention``.
+* Views: torchvision's RandomResizedCrop boxes drawn on the image at the model's size and
+  resized by one bilinear ``grid_sample`` (augment.py); the official crops the raw image
+  and resizes with PIL, and turns AugMix on for its fine-grained sets (``augmix=true``).
+* Loss scaling per episode (``_views.LossScaler``) instead of one GradScaler over the
+  sample stream: the same unless an fp16 step overflows (see _views.py).
+* Implementation: MuRA's adapter machinery with one component and fixed weight 1
+  (``fusion=none``, ``init=zero``), so MuRA with ``ranks=[16]`` and the same placement
+  computes exactly this (tests/test_methods.py checks it). The 64 per-sample episodes of a
+  batch run in parallel, each with its own adapter copy, and the blocks below the adapted
+  ones run once per batch without gradients (see mura.py and _views.py): the same
+  computation as the per-sample loop, to ~1e-6 (``method.episode_batching=false`` runs it).
+
+Measured (digits-c, gaussian_noise / glass_blur / motion_blur / elastic_transform x 360
+images, seed 0, CPU; zero-shot 36.25%): before this parameterisation (scale 1,
+kaiming-uniform A, clipped crops) 35.62%; now 35.42% (scale 1 with xavier A: 35.42%; the
+official parameters with the old clipped crops: 35.42%): all within one standard error
+(~1.3 points) on this tiny model.
 """
 
 from __future__ import annotations
@@ -32,7 +64,7 @@ class LoRAConfig(MuRAConfig):
     ranks: list[int] = field(default_factory=lambda: [16])
     blocks: int = 3
     targets: list[str] = field(default_factory=lambda: ["attn.q", "attn.v"])
-    alpha: float = 16.0
+    alpha: float = 32.0  # peft lora_alpha: scale alpha / r = 2
     init: str = "zero"
     fusion: str = "none"
     router_persist: bool = False

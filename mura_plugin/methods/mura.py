@@ -22,10 +22,23 @@ cosine similarity of view features); ``episodic=batch`` is its per-batch reset.
 What is assumed where the description is silent (and why):
 * projections adapted: ``attn.q`` and ``attn.v`` (TTL's choice, so that MuRA with one rank
   and fixed weight *is* TTL's LoRA: the ablation isolates multi-rank/fusion/init/depth);
-* augmentation, optimiser and learning rate are TTL/TPT's (RandomResizedCrop + flip,
-  AdamW 5e-3, weight decay 0.01 = torch's AdamW default used by their code);
-* scaling ``alpha / r_k`` with ``alpha = 16`` (scale 1 for the rank-16 component);
-* the singular-vector slices are taken from the top, in the order of ``ranks``.
+* augmentation, optimiser, learning rate and precision are TTL/TPT's (RandomResizedCrop +
+  flip, AdamW 5e-3, weight decay 0.01 = torch's AdamW default used by their code; fp16
+  autocast with GradScaler(init_scale=1000) on CUDA);
+* scale and init per component, consistent with TTL's LoRA (lora.py): ``alpha`` is each
+  component's LoRA alpha, 32 as TTL's ``lora_alpha``, so component k is scaled by
+  ``alpha / r_k`` (8, 4, 2 for ranks 4, 8, 16) and, with ``init=zero``, has its own
+  xavier-normal ``A_k`` (std ``sqrt(2 / (in + r_k))``) and ``B_k = 0``: one component is
+  exactly TTL's LoRA (r = 16: scale 2), and K components are K standalone LoRAs mixed by
+  the fusion weights. With ``init=svd`` the scale only sets how each component's initial
+  product ``U_k S_k V_k^T`` is split between ``A_k`` and ``B_k`` (see adapters.py), hence
+  the size of the Adam steps on the product;
+* the singular-vector slices are taken from the top, in the order of ``ranks``;
+* the official head (``text_head=official``) is TTL's "a photo of a {}."; the default is
+  the protocol's templates.
+Measured (digits-c, gaussian_noise / glass_blur / motion_blur / elastic_transform x 360
+images, seed 0, CPU; zero-shot 36.25%): alpha 16 with clipped crops (before) 33.26%;
+alpha 32 with torchvision's crop boxes 32.92%.
 Cost: the frozen blocks before the first adapted one run once per batch for all V x B
 views without gradients (``encode_views``, open_clip ViTs; other towers detach the input
 of the first adapted block instead), the adaptation forward/backward covers only the
@@ -58,7 +71,7 @@ from mura_plugin.adapters import (
     split_vision_forward,
     vision_blocks,
 )
-from mura_plugin.methods._views import MultiViewConfig, MultiViewMethod
+from mura_plugin.methods._views import SINGLE_PROMPT, MultiViewConfig, MultiViewMethod, class_head
 from tta_bench.model import ZeroShotClassifier
 
 __all__ = ["MuRA", "MuRAConfig", "FUSIONS"]
@@ -73,7 +86,7 @@ class MuRAConfig(MultiViewConfig):
     ranks: list[int] = field(default_factory=lambda: [4, 8, 16])
     blocks: int = 1  # adapt the deepest N vision blocks
     targets: list[str] = field(default_factory=lambda: ["attn.q", "attn.v"])
-    alpha: float = 16.0  # component k is scaled by alpha / rank_k
+    alpha: float = 32.0  # each component's LoRA alpha: component k is scaled by alpha / rank_k
     init: str = "svd"
     fusion: str = "router"
     router_persist: bool = True
@@ -127,6 +140,12 @@ class MuRA(MultiViewMethod):
         self._batch_first = bool(getattr(transformer, "batch_first", True))
         self._episode_merge: torch.Tensor | None = None  # copies in use ([n, K])
         self._episode_merge_all: torch.Tensor | None = None
+        # no official code: the official head is TTL's ("a photo of a {}.")
+        self.head = class_head(model, cfg.text_head, SINGLE_PROMPT)
+
+    def class_embeddings(self) -> torch.Tensor:
+        """The text head this method classifies with ``[C, D]`` (``text_head``)."""
+        return self.head
 
     def collect_params(self, model: ZeroShotClassifier) -> list[nn.Parameter]:
         params: list[nn.Parameter] = [] if self.merge_logits is None else [self.merge_logits]
@@ -206,7 +225,7 @@ class MuRA(MultiViewMethod):
         x = inputs["tokens"] if "tokens" in inputs else inputs["images"]
         v, b = x.shape[:2]
         feats = self._features(inputs, x.transpose(0, 1).flatten(0, 1))  # [B * V, D]
-        logits = self.model.logits_from_features(feats)
+        logits = self.model.logits_from_features(feats, self.head)
         feats = feats.view(b, v, -1).transpose(0, 1)
         logits = logits.view(b, v, -1).transpose(0, 1)
         return self.loss_fn(logits, features=feats), logits
@@ -220,9 +239,11 @@ class MuRA(MultiViewMethod):
         self._set_fusion()
         with self.autocast():  # view 0 is the original image: restart from its tokens
             feats = self._features(inputs, inputs["tokens"][0])
-            return self.model.logits_from_features(feats).float()
+            return self.model.logits_from_features(feats, self.head).float()
 
+    @torch.no_grad()
     def predict(self, images: torch.Tensor) -> torch.Tensor:
-        with torch.no_grad():
-            self._set_fusion()
-        return super().predict(images)
+        self._set_fusion()
+        with self.autocast():
+            feats = self.model.encode_image(images)
+            return self.model.logits_from_features(feats, self.head).float()

@@ -1,40 +1,119 @@
 """TDA: training-free dynamic adapter with positive and negative caches (online).
 
 Paper: Karmanov et al., "Efficient Test-Time Adaptation of Vision-Language Models",
-CVPR 2024. Official code: https://github.com/kdiAAA/TDA (tda_runner.py, configs/).
-Setting (defaults = the official ImageNet config): a positive cache of 3 shots per
-pseudo-class (alpha 2.0, beta 5.0) and a negative cache of 2 shots per pseudo-class
-(alpha 0.117, beta 1.0) filled only by samples whose entropy / log2(C) lies in (0.2, 0.5)
-(the official normalisation), whose values are the masks ``0.03 < p < 1.0`` of their
-predicted probabilities. A cache keeps, per class, the lowest-entropy samples. Per test
-image: update the caches with it, then predict
-``clip_logits + A_pos(f) - A_neg(f)``, ``A(f) = alpha * exp(-beta (1 - f K^T)) V``.
-One view per image (the official setting for corruption and cross-domain sets).
+CVPR 2024. Official code: https://github.com/kdiAAA/TDA, read at commit
+e697fb0c8078cdeff93daa56bcf8860702542069 (tda_runner.py, utils.py, configs/*.yaml,
+datasets/*.py, datasets/utils.py, datasets/augmix_ops.py, clip/clip.py).
+
+Setting (defaults = the official configs): a positive cache of 3 shots per pseudo-class and
+a negative cache of 2 shots per pseudo-class (alpha 0.117, beta 1.0) filled only by samples
+whose entropy / log2(C) lies in (0.2, 0.5) (the official normalisation: nats over log2),
+whose values are the masks ``0.03 < p < 1.0`` of their predicted probabilities. A cache
+keeps, per class, the lowest-entropy samples. Per test image: update the caches with it,
+then predict ``clip_logits + A_pos(f) - A_neg(f)``, ``A(f) = alpha * exp(-beta (1 - f K^T)) V``.
+Per dataset, as the official code selects them (``self.model.dataset``):
+
+* input (``views=official``): the image alone on ImageNet, its corruptions and every other
+  set; on the natural shifts (ImageNet-A, -V2, -R, -Sketch: ``get_ood_preprocess``) the
+  image + 63 AugMix views (RandomResizedCrop + flip, then the official AugMix, augment.py),
+  of which the ``int(64 * 0.1) = 6`` lowest-entropy give the mean logits, the entropy of
+  their mean probability, their mean probability, and the cache key: their mean feature,
+  not renormalised (``get_clip_logits``). ``views=single|multi`` forces one input;
+* positive cache (alpha, beta) (``pos_alpha`` / ``pos_beta`` None): ImageNet and -A
+  (2.0, 5.0), -V2 and -R (1.0, 8.0), -Sketch (2.363, 7.45); ImageNet's elsewhere;
+* official head (``text_head=official``): the 7-template ensemble of its ImageNet, -A and
+  -V2 loaders, CLIP's 80 templates for -R and -Sketch (``official_templates``); the
+  default ``protocol`` is the protocol's templates. The head is the method's own tensor:
+  the shared model is never changed.
 Caches persist across batches (online) and are emptied by ``reset()``.
-What differs and why: the official code assumes CLIP's logit scale of 100, to which its
-alphas are tuned; here ``scale_alpha`` (default on) multiplies both alphas by
-``logit_scale / 100`` so the cache terms keep their weight relative to the CLIP logits of a
-model with another temperature. Caches are fixed-size tensors per class instead of lists
-(same contents; sorting is irrelevant to the sum).
+
+What differs and why:
+* The official code assumes CLIP's logit scale of 100, to which its alphas are tuned;
+  ``scale_alpha`` (default on) multiplies both alphas by ``logit_scale / 100`` so the cache
+  terms keep their weight relative to the CLIP logits of a model with another temperature.
+* Precision: the official model is fp16 throughout (``clip.load`` converts the weights;
+  cache values and affinities are half too); here fp16 autocast on CUDA over fp32 weights
+  (LayerNorm, softmax and the cache arithmetic in float32), float32 on the CPU.
+* Sets the official code does not cover follow the nearest rule: ImageNet-C as ImageNet
+  (one view, 7 templates); the mixed ``imagenet_ood`` suite takes multi-view and the 7
+  templates and ImageNet's alphas, since the run names the suite, not the domain (the
+  official -R / -Sketch heads and alphas need the domain's own dataset name); other sets
+  use the single prompt "a photo of a {}." as the official head.
+* Views: torchvision's RandomResizedCrop boxes on the image at the model's size, one
+  batched ``grid_sample`` (augment.py), not PIL transforms of the raw image.
+* Caches are fixed-size tensors per class instead of sorted lists (same contents; the
+  order is irrelevant to the sum).
+
+Measured (digits-c, gaussian_noise / glass_blur / motion_blur / elastic_transform x 360
+images, seed 0, CPU): the default (single view, protocol head, ImageNet's alphas) 36.53%,
+identical to before; ``text_head=official`` (here "a photo of a {}.") 37.43%; forcing
+``views=multi`` 19.93% (AugMix'd crops of 32 px digits; not the official setting for
+corruptions). Zero-shot: 36.25% (protocol head), 37.50% (the single prompt).
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass
+from types import SimpleNamespace
 
 import torch
 
+from mura_plugin.datasets._common import templates as catalogue_templates
+from mura_plugin.losses import view_entropy
+from mura_plugin.methods._views import SINGLE_PROMPT, check_text_head, class_head, configured_views
 from tta_bench.method import Method, autocast_context, check_precision
 
-__all__ = ["TDA", "TDAConfig"]
+__all__ = ["TDA", "TDAConfig", "VIEWS", "official_templates", "uses_views"]
+
+#: official: per dataset as the official code (``multi`` on the natural-shift sets);
+#: single: the image alone; multi: the image + ``n_views`` AugMix views, confident ones kept.
+VIEWS = ("official", "single", "multi")
+#: Where the official code (utils.py: ``get_ood_preprocess``) uses the multi-view input.
+MULTI_VIEW_SETS = ("imagenet_a", "imagenet_r", "imagenet_v2", "imagenet_sketch", "imagenet_ood")
+#: The 7-template ensemble of the official ImageNet, ImageNet-A and ImageNet-V2 loaders.
+IMAGENET_7 = (
+    "itap of a {}.",
+    "a bad photo of the {}.",
+    "a origami {}.",
+    "a photo of the large {}.",
+    "a {} in a video game.",
+    "art of the {}.",
+    "a photo of the small {}.",
+)
+#: Positive-cache (alpha, beta) of the official configs/*.yaml (imagenet.yaml elsewhere).
+POSITIVE = {
+    "imagenet": (2.0, 5.0),
+    "imagenet_a": (2.0, 5.0),
+    "imagenet_v2": (1.0, 8.0),
+    "imagenet_r": (1.0, 8.0),
+    "imagenet_sketch": (2.363, 7.45),
+}
+
+
+def official_templates(dataset: str | None) -> list[str]:
+    """The official head for ``dataset``: 7 templates on ImageNet, -A, -V2 (and -C and the
+    mixed ``imagenet_ood`` suite, which the official code does not cover), CLIP's 80 on
+    ImageNet-R and -Sketch, else (no official loader) the single prompt."""
+    if dataset in ("imagenet_r", "imagenet_sketch"):
+        return catalogue_templates("clip-imagenet-80")
+    if dataset in ("imagenet", "imagenet_c", "imagenet_a", "imagenet_v2", "imagenet_ood"):
+        return list(IMAGENET_7)
+    return list(SINGLE_PROMPT)
+
+
+def uses_views(views: str, dataset: str | None) -> bool:
+    """Whether ``views`` means the multi-view input on ``dataset``."""
+    if views not in VIEWS:
+        raise ValueError(f"unknown views {views!r}; available: {', '.join(VIEWS)}")
+    return views == "multi" or (views == "official" and dataset in MULTI_VIEW_SETS)
 
 
 @dataclass
 class TDAConfig:
     pos_shots: int = 3
-    pos_alpha: float = 2.0
-    pos_beta: float = 5.0
+    pos_alpha: float | None = None  # None: the official value for the dataset (POSITIVE)
+    pos_beta: float | None = None
     neg_shots: int = 2
     neg_alpha: float = 0.117
     neg_beta: float = 1.0
@@ -43,7 +122,16 @@ class TDAConfig:
     neg_mask_lower: float = 0.03
     neg_mask_upper: float = 1.0
     scale_alpha: bool = True  # alphas are tuned for logit scale 100: rescale to the model's
-    precision: str = "fp16"  # autocast on CUDA, as the official code runs CLIP; CPU: fp32
+    views: str = "official"  # official | single | multi (see VIEWS)
+    # the multi-view input (official: original + 63 AugMix views, 10% lowest-entropy kept)
+    n_views: int = 63
+    selection: float = 0.1
+    augmix: bool = True
+    crop_scale_min: float = 0.08
+    flip: bool = True
+    chunk_views: int = 256  # views per forward
+    text_head: str = "protocol"  # protocol | official (official_templates)
+    precision: str = "fp16"  # autocast on CUDA (the official code runs CLIP in fp16); CPU: fp32
 
 
 class _Cache:
@@ -78,27 +166,72 @@ class TDA(Method):
     def setup(self) -> None:
         cfg = self.config
         check_precision(cfg.precision)
+        check_text_head(cfg.text_head)
         if cfg.pos_shots < 1 or cfg.neg_shots < 1:
             raise ValueError(f"shots must be >= 1, got {cfg.pos_shots} and {cfg.neg_shots}")
+        if not 0.0 < cfg.selection <= 1.0:
+            raise ValueError(f"selection must be in (0, 1], got {cfg.selection}")
+        if cfg.n_views < 1:
+            raise ValueError(f"n_views must be >= 1, got {cfg.n_views}")
+        dataset = self.model.dataset
+        self.multi_view = uses_views(cfg.views, dataset)
+        alpha, beta = POSITIVE.get(dataset or "", POSITIVE["imagenet"])
+        self.pos_alpha = alpha if cfg.pos_alpha is None else cfg.pos_alpha
+        self.pos_beta = beta if cfg.pos_beta is None else cfg.pos_beta
+        # the method's own head: the shared model is never changed (adapts = False)
+        self.head = class_head(self.model, cfg.text_head, official_templates(dataset))
         self.reset()
 
+    def class_embeddings(self) -> torch.Tensor:
+        """The text head this method classifies with ``[C, D]`` (``text_head``)."""
+        return self.head
+
     def reset(self) -> None:
-        c, d = self.model.class_embeddings.shape
+        c, d = self.head.shape
         dev = self.device
         self.pos = _Cache(c, self.config.pos_shots, d, c, dev)
         self.neg = _Cache(c, self.config.neg_shots, d, c, dev)
 
+    def _inputs(self, images: torch.Tensor):
+        """Per image: cache key ``[B, D]``, CLIP logits ``[B, C]``, entropy ``[B]`` (nats),
+        probabilities ``[B, C]`` (official ``get_clip_logits``). Multi-view: of the original
+        + ``n_views`` AugMix views, the ``int(V * selection)`` lowest-entropy ones give the
+        mean feature (not renormalised), the mean logits, the entropy of the mean
+        probability and the mean probability."""
+        cfg = self.config
+        scale = self.model.logit_scale
+        if not self.multi_view:
+            with autocast_context(cfg.precision, self.device):
+                feats = self.model.encode_image(images)
+            feats = feats.float()
+            feats = feats / feats.norm(dim=-1, keepdim=True)
+            logits = self.model.logits_from_features(feats, self.head).float()
+            return feats, logits, view_entropy(logits), logits.softmax(dim=-1)
+        views = configured_views(images, _view_settings(cfg), self.generator)
+        v, b = views.shape[:2]
+        flat = views.flatten(0, 1)
+        with autocast_context(cfg.precision, self.device):
+            feats = torch.cat(
+                [
+                    self.model.encode_image(flat[i : i + cfg.chunk_views])
+                    for i in range(0, v * b, cfg.chunk_views)
+                ]
+            )
+        feats = feats.float().view(v, b, -1)
+        logits = scale * feats @ self.head.t().float()  # [V, B, C]
+        k = max(1, int(v * cfg.selection))
+        chosen = view_entropy(logits).argsort(dim=0)[:k]  # [k, B]
+        kept = logits.gather(0, chosen[..., None].expand(-1, -1, logits.shape[-1]))
+        key = feats.gather(0, chosen[..., None].expand(-1, -1, feats.shape[-1])).mean(dim=0)
+        log_mean = kept.log_softmax(dim=-1).logsumexp(dim=0) - math.log(k)
+        probs = kept.softmax(dim=-1).mean(dim=0)
+        return key, kept.mean(dim=0), -(log_mean.exp() * log_mean).sum(dim=-1), probs
+
     @torch.no_grad()
     def step(self, images: torch.Tensor) -> torch.Tensor:
         cfg = self.config
-        with autocast_context(cfg.precision, self.device):
-            feats = self.model.encode_image(images)
-        feats = feats.float()
-        feats = feats / feats.norm(dim=-1, keepdim=True)
-        logits = self.model.logits_from_features(feats).float()
-        probs = logits.softmax(dim=-1)
+        feats, logits, ent, probs = self._inputs(images)
         c = logits.shape[-1]
-        ent = -(probs * probs.clamp_min(1e-12).log()).sum(dim=-1)
         prop = ent / math.log2(c)  # the official normalisation
         ratio = float(self.model.logit_scale) / 100.0 if cfg.scale_alpha else 1.0
         eye = torch.eye(c, device=logits.device)
@@ -110,7 +243,18 @@ class TDA(Method):
                 mask = (probs[i] > cfg.neg_mask_lower) & (probs[i] < cfg.neg_mask_upper)
                 self.neg.offer(pred, feats[i], float(ent[i]), mask.float())
             final = logits[i].clone()
-            final += self.pos.logits(feats[i], cfg.pos_alpha * ratio, cfg.pos_beta)
+            final += self.pos.logits(feats[i], self.pos_alpha * ratio, self.pos_beta)
             final -= self.neg.logits(feats[i], cfg.neg_alpha * ratio, cfg.neg_beta)
             out.append(final)
         return torch.stack(out)
+
+
+def _view_settings(cfg: TDAConfig) -> SimpleNamespace:
+    """``configured_views``' fields for TDA's multi-view input (the original always first)."""
+    return SimpleNamespace(
+        views=cfg.n_views,
+        include_original=True,
+        crop_scale_min=cfg.crop_scale_min,
+        flip=cfg.flip,
+        augmix=cfg.augmix,
+    )

@@ -2,7 +2,8 @@
 
 Paper: Radford et al., "Learning Transferable Visual Models From Natural Language
 Supervision", ICML 2021. Official code: https://github.com/openai/CLIP.
-Differences: none; this is the reference row of every table.
+Differences: none; this is the reference row of every table. Its head is the protocol's
+(``model.templates``): every other method's ``text_head=protocol`` starts from it.
 """
 
 from __future__ import annotations
