@@ -36,21 +36,20 @@ What is assumed where the description is silent (and why):
 * the singular-vector slices are taken from the top, in the order of ``ranks``;
 * the official head (``text_head=official``) is TTL's "a photo of a {}."; the default is
   the protocol's templates.
-Measured (digits-c, gaussian_noise / glass_blur / motion_blur / elastic_transform x 360
-images, seed 0, CPU; zero-shot 36.25%): alpha 16 with clipped crops (before) 33.26%;
-alpha 32 with torchvision's crop boxes 32.92%.
-Cost: the frozen blocks before the first adapted one run once per batch for all V x B
-views without gradients (``encode_views``, open_clip ViTs; other towers detach the input
-of the first adapted block instead), the adaptation forward/backward covers only the
-adapted block(s), and the prediction on the original image restarts from its cached
-tokens (view 0). With ``episodic=sample`` the B per-sample episodes of a batch run in one
-batched forward/backward, each sample with its own adapter copy (``episode_batching``,
-default; exactly the per-sample loop, see _views.py).
-Router persistence in batched mode (CRU, ``router_persist=true``): the shared router is
-updated once per batch, by one optimiser step on the gradient of the *sum* of the batch's
-per-sample losses (its optimiser state persists across batches), instead of once per
-sample: every sample of a batch adapts with the router as it was at the start of the
-batch and is predicted with the router after the batch's step.
+Measured (digits-c@v1, severity table v1, gaussian_noise / glass_blur / motion_blur /
+elastic_transform x 360 images, seed 0, CPU; zero-shot 36.25%): alpha 16 with clipped crops
+(before) 33.26%; alpha 32 with torchvision's crop boxes 32.92%. Cost: the frozen blocks
+before the first adapted one run once per batch for all V x B views without gradients
+(``encode_views``, open_clip ViTs; other towers detach the input of the first adapted block
+instead), the adaptation forward/backward covers only the adapted block(s), and the
+prediction on the original image restarts from its cached tokens (view 0). With
+``episodic=sample`` the B per-sample episodes of a batch run in one batched
+forward/backward, each sample with its own adapter copy (``episode_batching``, default;
+exactly the per-sample loop, see _views.py). Router persistence in batched mode (CRU,
+``router_persist=true``): the shared router is updated once per batch, by one optimiser step
+on the gradient of the *sum* of the batch's per-sample losses (its optimiser state persists
+across batches), instead of once per sample: every sample of a batch adapts with the router
+as it was at the start of the batch and is predicted with the router after the batch's step.
 ``method.episode_batching=false`` restores the sequential per-sample router updates (the
 exact CRU order, slower) for exactness studies.
 """

@@ -44,11 +44,12 @@ What differs and why:
 * Caches are fixed-size tensors per class instead of sorted lists (same contents; the
   order is irrelevant to the sum).
 
-Measured (digits-c, gaussian_noise / glass_blur / motion_blur / elastic_transform x 360
-images, seed 0, CPU): the default (single view, protocol head, ImageNet's alphas) 36.53%,
-identical to before; ``text_head=official`` (here "a photo of a {}.") 37.43%; forcing
-``views=multi`` 19.93% (AugMix'd crops of 32 px digits; not the official setting for
-corruptions). Zero-shot: 36.25% (protocol head), 37.50% (the single prompt).
+Measured (digits-c@v1, severity table v1, gaussian_noise / glass_blur / motion_blur /
+elastic_transform x 360 images, seed 0, CPU): the default (single view, protocol head,
+ImageNet's alphas) 36.53%, identical to before; ``text_head=official`` (here "a photo of a
+{}.") 37.43%; forcing ``views=multi`` 19.93% (AugMix'd crops of 32 px digits; not the
+official setting for corruptions). Zero-shot: 36.25% (protocol head), 37.50% (the single
+prompt).
 """
 
 from __future__ import annotations

@@ -44,11 +44,12 @@ What differs and why:
 * The official ``avg_entropy`` clamps the log of the mean probability at the dtype's
   minimum; here it is computed in float32 log space (no clamp is reached).
 
-Measured (digits-c, gaussian_noise / glass_blur / motion_blur / elastic_transform x 360
-images, seed 0, CPU): before (single prompt, clipped crops) 37.08%; ``official`` head with
-the old crops 37.08% (the same numbers: at 1 step the selection rule does not matter);
-``official`` head with torchvision's crop boxes 36.74%; ``protocol`` head 36.11%. The
-zero-shot heads they start from: protocol templates 36.25%, "a photo of a {}." 37.50%.
+Measured (digits-c@v1, severity table v1, gaussian_noise / glass_blur / motion_blur /
+elastic_transform x 360 images, seed 0, CPU): before (single prompt, clipped crops) 37.08%;
+``official`` head with the old crops 37.08% (the same numbers: at 1 step the selection rule
+does not matter); ``official`` head with torchvision's crop boxes 36.74%; ``protocol`` head
+36.11%. The zero-shot heads they start from: protocol templates 36.25%, "a photo of a {}."
+37.50%.
 """
 
 from __future__ import annotations
