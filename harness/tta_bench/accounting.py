@@ -171,12 +171,15 @@ class CellBook:
             cell.logits.append(logits_cpu[sel])
             cell.labels.append(labels_cpu[sel])
 
-    def diverge(self, batch: Batch, reason: str) -> None:
-        """Mark the cell(s) of ``batch`` diverged: they are reported, never scored."""
+    def diverge(self, batch: Batch, reason: str, at: int | None = None) -> None:
+        """Mark the cell(s) of ``batch`` diverged: reported, never scored. ``at``: the batch
+        where the method's output first turned non-finite (default: this one); a stateful
+        group's later cells carry it too, since their state was lost there."""
         for d, sel in _rows_by_domain(batch):
             cell = self.cells.setdefault(d, _Cell())
             if cell.diverged is None:
-                cell.diverged = {"batch": batch.number, "reason": reason}
+                first = batch.number if at is None or at < 0 else at
+                cell.diverged = {"batch": first, "reason": reason}
             cell.n += len(batch) if isinstance(sel, slice) else int(sel.sum())
             cell.batches += 1
 

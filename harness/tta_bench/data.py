@@ -587,9 +587,14 @@ class DecodingSource:
                 out[len(kept)] = decode_one(raw, self.size)
                 kept.append(pos)
             except (OSError, ValueError, SyntaxError) as exc:  # PIL's decode errors
-                bad.append(_bad_entry(i, raw, exc))
-        _check_bad(self._stream, bad, self.on_bad_image)
+                bad.append({**_bad_entry(i, raw, exc), "source": self.name})
+        # Bad images are reported, not raised, here (maybe a loader worker): the main
+        # process applies the on_bad_image policy, with the message the decoded path gives.
         return Fetched(out[: len(kept)], np.asarray(kept, dtype=np.int64), bad)
+
+    def check_bad(self, bad: list[dict[str, Any]]) -> None:
+        """Raise ``BadImageError`` for ``bad`` (reported by ``fetch``) unless skipping."""
+        _check_bad(self._stream, bad, self.on_bad_image)
 
     def __getstate__(self) -> dict[str, Any]:
         return dict(self.__dict__)

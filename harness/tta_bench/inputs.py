@@ -208,10 +208,8 @@ class RunInputs:
             x = item["images"].to(self.device, non_blocking=non_blocking)
             y = item["labels"].to(self.device, non_blocking=non_blocking)
             kept = item["kept"].numpy()
-            if item["bad"]:  # images skipped while decoding on demand
-                dom = batch.single_domain()
-                name = "mixed" if dom is None else self.streams[stream.domains[dom]].name
-                self.bad_images.setdefault(name, []).extend(item["bad"])
+            if item["bad"]:  # unreadable images met while decoding on demand
+                self._report_bad(item["bad"])
             if len(kept) != len(batch):
                 batch = _subbatch(batch, kept)
             if len(batch) == 0:
@@ -222,6 +220,21 @@ class RunInputs:
             if self.kernels:
                 x = self._shift(x, batch, stream, seed)
         return x, y, batch
+
+    def _report_bad(self, bad: list[dict[str, Any]]) -> None:
+        """Fail the run naming them (``on_bad_image=fail``), or record each skipped image
+        once under its split's name (the same image is met again by every domain of a
+        synthetic suite, and by every seed)."""
+        by_name = {getattr(s, "name", None): s for s in self.sources}
+        for entry in bad:
+            name = entry.get("source", "?")
+            source = by_name.get(name)
+            if source is not None and hasattr(source, "check_bad"):
+                source.check_bad([entry])  # raises unless the policy is skip
+            known = self.bad_images.setdefault(name, [])
+            if all(b["index"] != entry["index"] for b in known):
+                known.append({k: v for k, v in entry.items() if k != "source"})
+                known.sort(key=lambda b: b["index"])
 
     def _takes_uint8(self, batch: Batch, stream: Stream) -> bool:
         """Whether ``batch`` goes to its kernel as uint8 (one domain, a kernel with a

@@ -84,6 +84,7 @@ def resolve_run(
     except ValueError as exc:  # a broken preset file
         raise UsageError(str(exc)) from exc
     registry("models").origin(model)
+    _check_override_keys(overrides, method, model)
     extra = [f"suite={suite}"]
     if output:
         extra.append(f"output={output}")
@@ -111,6 +112,27 @@ def resolve_run(
         raise
     _check_spec(spec)
     return cfg, spec
+
+
+def _check_override_keys(overrides: Sequence[str], method: str, model: str) -> None:
+    """``method.x=``/``model.x=`` overrides must name a field, however they are spelled
+    (Hydra itself answers a plain unknown key with "use +method.x", which would then be
+    refused too): the same message for every spelling, before composing."""
+    import re
+
+    from tta_bench.config import factory_config
+
+    kinds = {
+        "method": (method, registry("methods").get(method).Config),
+        "model": (model, factory_config(model, registry("models").get(model))),
+    }
+    for override in overrides:
+        m = re.match(r"^[+~]*(method|model)\.([A-Za-z_]\w*)", override.strip())
+        if m is None:
+            continue
+        kind, key = m.groups()
+        name, config_cls = kinds[kind]
+        _check_keys(kind, name, {key: None}, config_cls)
 
 
 def _check_keys(kind: str, name: str, node: Any, config_cls: Any, factory: Any = None) -> None:

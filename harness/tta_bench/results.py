@@ -17,12 +17,14 @@ e.g. another seed) is kept, so concurrent runs lose nothing.
 
 from __future__ import annotations
 
+import contextlib
 import datetime as dt
 import importlib.metadata as md
 import json
 import platform
 import subprocess
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -133,6 +135,30 @@ def write_json_atomic(path: Path, data: dict[str, Any]) -> None:
 LOCK_TIMEOUT_S = 120.0
 
 
+@contextlib.contextmanager
+def results_lock(path: Path, timeout: float | None = None) -> Iterator[None]:
+    """Hold the exclusive lock of a results file (``<file>.lock``), as every write does;
+    an ``OSError`` naming the file and the lock when another process holds it longer than
+    ``timeout`` (default ``LOCK_TIMEOUT_S``)."""
+    from filelock import FileLock, Timeout
+
+    path = Path(path)
+    lock_path = path.with_name(path.name + ".lock")
+    wait = LOCK_TIMEOUT_S if timeout is None else timeout
+    try:
+        lock = FileLock(str(lock_path), timeout=wait)
+        lock.acquire()
+    except Timeout as exc:
+        raise OSError(
+            f"results file {path} is locked by another process ({lock_path}) for over "
+            f"{wait:g} s; nothing was written"
+        ) from exc
+    try:
+        yield
+    finally:
+        lock.release()
+
+
 class ResultsFile:
     """One results file written by one run, possibly alongside other runs of the same run
     key (other seeds): every write merges what is on disk under an exclusive lock."""
@@ -147,18 +173,10 @@ class ResultsFile:
     def write(self, record: dict[str, Any]) -> dict[str, Any]:
         """Merge ``record`` with the file's other cells and write it atomically; returns
         the merged record. Raises ``OSError`` when the lock cannot be had."""
-        from filelock import FileLock, Timeout
-
         self.path.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            with FileLock(str(self.lock_path), timeout=LOCK_TIMEOUT_S):
-                merged = self._merge(record)
-                write_json_atomic(self.path, merged)
-        except Timeout as exc:
-            raise OSError(
-                f"results file {self.path} is locked by another process ({self.lock_path}) "
-                f"for over {LOCK_TIMEOUT_S:.0f} s; nothing was written"
-            ) from exc
+        with results_lock(self.path):
+            merged = self._merge(record)
+            write_json_atomic(self.path, merged)
         self._written = True
         return merged
 
@@ -179,12 +197,14 @@ class ResultsFile:
             )
         mine = {cell_key(c) for c in record["cells"]}
         extra = [c for c in disk["cells"] if cell_key(c) not in mine]
-        if not extra:
-            return record
         merged = dict(record)
         merged["cells"] = list(record["cells"]) + extra
-        merged["seeds"] = sorted(set(record["seeds"]) | {int(c["seed"]) for c in extra})
-        merged["summary"] = summarize(merged["cells"])
+        # the file's seeds: every seed its cells hold, and every seed a writer runs
+        merged["seeds"] = sorted(
+            set(record["seeds"]) | set(disk["seeds"]) | {int(c["seed"]) for c in merged["cells"]}
+        )
+        if extra:
+            merged["summary"] = summarize(merged["cells"])
         return merged
 
 

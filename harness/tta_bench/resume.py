@@ -77,9 +77,16 @@ def previous_record(output: Path, fresh: dict[str, Any], resume: bool) -> dict[s
     """The existing record to continue, or None to start afresh; raises
     ``ResumeMismatchError`` when ``output`` holds another run (weights included)."""
     output = Path(output)
-    # Temporary files of a write that a killed run left behind are never results.
-    for stale in output.parent.glob(f".{output.name}.*.tmp"):
-        stale.unlink(missing_ok=True)
+    # Temporary files of a write that a killed run left behind are never results. Only
+    # when the file's lock is free: a live writer holds it while its temporary file exists
+    # (a killed one's lock dies with it), so what is found then is stale.
+    if output.parent.exists():
+        try:
+            with results.results_lock(output, timeout=0):
+                for stale in output.parent.glob(f".{output.name}.*.tmp"):
+                    stale.unlink(missing_ok=True)
+        except OSError:
+            pass  # another run is writing this file now: its temporary file is live
     if not resume or not output.exists():
         return None
     old = results.load_results(output)  # raises on a corrupt file: never overwrite it

@@ -209,6 +209,7 @@ class Evaluation:
             self.skipped_cells += sum(len(stream.groups[g]) for g in finished[seed])
             streams.append(stream.without_groups(finished[seed]))
         record["cells"] = resume.drop_unfinished(record["cells"], streams, finished)
+        record["seeds"] = sorted(set(spec.seeds) | {int(c["seed"]) for c in record["cells"]})
         record["skipped_cells"] = self.skipped_cells
         record["summary"] = results.summarize(record["cells"])
         return record, streams
@@ -241,7 +242,7 @@ class Evaluation:
         writer = results.SnapshotWriter(self.output)
         writer.submit(record)
         plan = [(s, b) for s in streams for b in s.batches][: self.max_batches]
-        it = iter(self.inputs.loader([b for _, b in plan], self.spec.seeds[0]))
+        it = _Batches(self.inputs.loader([b for _, b in plan], self.spec.seeds[0]))
         from tqdm.auto import tqdm
 
         bar = tqdm(
@@ -269,6 +270,7 @@ class Evaluation:
                 record["summary"] = results.summarize(record["cells"])
                 writer.submit(record)
         finally:
+            it.close()  # loader workers end now, not when a traceback's frames are collected
             writer.close()  # also on an error or Ctrl-C: every finished group is saved
             self.meter.close()
             bar.close()
@@ -305,6 +307,7 @@ class Evaluation:
             per_class=spec.per_class_accuracy,
         )
         diverged: str | None = None
+        diverged_at = -1
         positions: dict[int, int] = {}  # batches seen per domain: keys the method's seed
         with PeakMemory(self.device) as memory:
             for batch in group:
@@ -324,12 +327,14 @@ class Evaluation:
                         measured["passes_done"]()
                         loss = method.last_loss if method.adapts else None
                         diverged = non_finite(logits, loss)
+                        if diverged is not None:  # later batches: the state is lost from here
+                            diverged_at = batch.number
                     ref = None
                     if diverged is None and (spec.reference or self._log is not None):
                         with meter.phase("reference"), torch.no_grad():
                             ref = base(x).argmax(dim=1)
                 if diverged is not None:  # reported, never scored; the state is lost
-                    book.diverge(batch, diverged)
+                    book.diverge(batch, diverged, at=diverged_at)
                 else:
                     book.fold(batch, logits, y, ref if spec.reference else None, measured["cost"])
                     if self._log is not None:
@@ -340,6 +345,24 @@ class Evaluation:
         if resolved:
             record["method_resolved"] = resolved
         return book.entries(seed, memory)
+
+
+class _Batches:
+    """The loader's iterator, dropped on ``close()`` so that its worker processes shut down
+    at once (an iterator referenced from a traceback lives until garbage collection)."""
+
+    def __init__(self, loader: Any):
+        self._it: Any = iter(loader)
+
+    def __next__(self) -> dict[str, Any]:
+        return next(self._it)
+
+    def close(self) -> None:
+        it, self._it = self._it, None
+        shutdown = getattr(it, "_shutdown_workers", None)
+        if callable(shutdown):
+            shutdown()
+        del it
 
 
 def _first_domain(batch: Batch) -> int:
