@@ -155,7 +155,8 @@ def _check_keys(kind: str, name: str, node: Any, config_cls: Any, factory: Any =
         hints = []
         for k in unknown:
             close = difflib.get_close_matches(str(k), known, n=1)
-            hints.append(f"{k!r}" + (f" (did you mean {close[0]!r}?)" if close else ""))
+            hint = f" (did you mean '{kind}.{close[0]}'?)" if close else ""
+            hints.append(f"'{kind}.{k}'{hint}")
         raise UsageError(
             f"unknown {kind} option(s) for {name}: {', '.join(hints)}; "
             f"{name} takes: {', '.join(known) or 'no options'}"
