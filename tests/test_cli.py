@@ -110,7 +110,7 @@ def test_cfg_prints_the_resolved_config(capsys):
     assert main(["run", "--method", "mura", "method.lr=0.001", "seeds=[0,1,2]", "--cfg"]) == 0
     out = capsys.readouterr().out
     assert "name: mura" in out and "lr: 0.001" in out and "- 2" in out
-    assert "# protocol: digits-c@v1" in out
+    assert "# protocol: digits-c@v2" in out
 
 
 def test_ls_methods_lists_the_methods(capsys):
