@@ -175,14 +175,27 @@ class RunInputs:
         text head (one per distinct label set; ``bundle`` is needed the first time)."""
         stream = self.streams[domain]
         templates = list(self.protocol.templates or stream.templates)
-        key = (*stream.classnames, "\x1f", *templates)
+        dataset = self._dataset_of(stream)
+        key = (dataset, *stream.classnames, "\x1f", *templates)
         if key not in self._bases:
             if bundle is None:
                 raise KeyError(f"no classifier built for domain {domain}")
             self._bases[key] = ZeroShotClassifier(
-                bundle, stream.classnames, templates, dataset=self.protocol.dataset
+                bundle, stream.classnames, templates, dataset=dataset
             ).to(self.device)
         return self._bases[key]
+
+    def _dataset_of(self, stream: DomainStream) -> str:
+        """The registered dataset a domain's images are (methods whose official code picks
+        settings per dataset read it): the stream's ``metadata["dataset"]``, else its name
+        when that is a registered dataset (a natural-shift suite's ImageNet-A domain), else
+        the protocol's dataset."""
+        named = stream.metadata.get("dataset")
+        if named:
+            return str(named)
+        if stream.name in registry("datasets"):
+            return stream.name
+        return self.protocol.dataset
 
     def loader(self, plan: list[Batch], seed: int) -> Any:
         """The batches of ``plan`` in order, read by the loader's workers."""

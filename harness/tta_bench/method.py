@@ -163,7 +163,9 @@ class Method(abc.ABC):
             active.discard(phase)
 
 
-def build_optimizer(params: list[torch.Tensor], config: GradientConfig) -> torch.optim.Optimizer:
+def build_optimizer(params: list[Any], config: GradientConfig) -> torch.optim.Optimizer:
+    """The config's optimiser over ``params``: tensors, or torch parameter groups (dicts with
+    ``params`` and per-group settings such as ``lr``, which override the config's)."""
     name = config.optimizer.lower()
     if name == "adam":
         return torch.optim.Adam(params, lr=config.lr, weight_decay=config.weight_decay)
@@ -225,9 +227,14 @@ class GradientMethod(Method):
         # A method with a fixed objective (no ``loss`` field) computes it in compute_loss.
         loss = getattr(self.config, "loss", None)
         self.loss_fn = _load_loss(loss) if loss is not None else None
-        self.optimizer = build_optimizer(self.params, self.config)
+        self.optimizer = build_optimizer(self.param_groups(), self.config)
         self.scaler = self._new_scaler()
         self._snapshot = self._capture()
+
+    def param_groups(self) -> list[Any]:
+        """What the optimiser is built over: ``self.params`` (default), or torch parameter
+        groups giving some parameters their own learning rate (MuRA's router)."""
+        return list(self.params)
 
     def _new_scaler(self) -> Any:
         """A GradScaler when the config asks for one and fp16 autocast is on, else None."""
@@ -274,7 +281,7 @@ class GradientMethod(Method):
                 if k in snap["buffers"]:
                     b.copy_(snap["buffers"][k])
         self.load_extra_state(_clone(snap["extra"]))
-        self.optimizer = build_optimizer(self.params, self.config)
+        self.optimizer = build_optimizer(self.param_groups(), self.config)
         self.scaler = self._new_scaler()
 
     # -- adaptation --------------------------------------------------------------------

@@ -57,7 +57,7 @@ exact CRU order, slower) for exactness studies.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
@@ -94,6 +94,9 @@ class MuRAConfig(MultiViewConfig):
     lr: float = 5e-3
     weight_decay: float = 0.01
     steps: int = 1
+    #: The router's learning rate (None: ``lr``); the router persists across samples, so
+    #: it takes one step per batch where the adapters take one per sample.
+    router_lr: Optional[float] = None
 
 
 def _detach_inputs(_module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -151,6 +154,16 @@ class MuRA(MultiViewMethod):
         for adapter in self.adapters.values():
             params += adapter.adapter_parameters() + adapter.router_parameters()
         return params
+
+    def param_groups(self) -> list[Any]:
+        """One group, or two when the router has its own learning rate (``router_lr``)."""
+        router = {id(p) for a in self.adapters.values() for p in a.router_parameters()}
+        if self.config.router_lr is None or not router:
+            return list(self.params)
+        return [
+            {"params": [p for p in self.params if id(p) not in router]},
+            {"params": [p for p in self.params if id(p) in router], "lr": self.config.router_lr},
+        ]
 
     def episode_parameters(self) -> list[nn.Parameter]:
         """Adapters (and global fusion weights) reset per episode; the router persists
