@@ -38,9 +38,8 @@ template modes stack one logit column per prompt rather than per class; only its
 template mode is well defined.)
 
 What differs from the official code and why:
-* No gradient scaler: the official code wraps fp16 autocast in a ``GradScaler`` (initial
-  scale 1000); the harness's ``GradientMethod`` applies none. Expected effect on CUDA: small
-  fp16 gradients may underflow to zero in some steps; none on the CPU (float32).
+* fp16 loss scaling as officially (``GradScaler``, initial scale 1000, ``grad_scale``), on
+  CUDA only; the CPU computes in float32 without scaling.
 * The loss terms are computed in float32 from the (autocast) features, the prototypes by one
   scatter-add instead of a Python loop over classes (same sums, another summation order).
 * The text prompts are cut after the longest end token before the text transformer (exact
@@ -59,6 +58,7 @@ text tower over C x T prompts twice (without gradients, then with, see above).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -98,8 +98,10 @@ class BATCLIPConfig(GradientConfig):
     i2t_weight: float = 1.0  # prototype-text alignment (subtracted)
     inter_weight: float = 1.0  # inter-class separation (subtracted)
     text_head: str = "protocol"  # protocol | official ("a photo of a {}.")
-    # The official forward runs under fp16 autocast on CUDA; CPU: fp32.
+    # The official forward runs under fp16 autocast on CUDA with GradScaler(init_scale=1000);
+    # CPU: fp32, no scaling.
     precision: str = "fp16"
+    grad_scale: Optional[float] = 1000.0
 
 
 def class_prototypes(
@@ -223,9 +225,15 @@ class BATCLIP(GradientMethod):
                 loss, logits = self.batch_loss(images, text)
                 loss = loss.mean()
             self.optimizer.zero_grad(set_to_none=True)
-            loss.backward()
+            # fp16 loss scaling as officially: the text gradient of the second pass is taken
+            # from the scaled loss, so the scaler unscales both before stepping
+            (loss if self.scaler is None else self.scaler.scale(loss)).backward()
             self._text_backward(text.grad)
-            self.optimizer.step()
+            if self.scaler is None:
+                self.optimizer.step()
+            else:
+                self.scaler.step(self.optimizer)
+                self.scaler.update()
             self.last_loss = loss.detach()
         return logits
 

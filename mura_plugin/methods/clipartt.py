@@ -53,7 +53,7 @@ What differs from the official code and why:
 
 Cost per batch: ``steps`` x (one image forward + backward, one text forward of <= B x T
 prompts) + one prediction forward: 10 forward/backward passes against tent's 1 in the
-original setting (this plugin's tent defaults to 5).
+official setting.
 """
 
 from __future__ import annotations

@@ -35,10 +35,11 @@ What differs and why:
   cache values and affinities are half too); here fp16 autocast on CUDA over fp32 weights
   (LayerNorm, softmax and the cache arithmetic in float32), float32 on the CPU.
 * Sets the official code does not cover follow the nearest rule: ImageNet-C as ImageNet
-  (one view, 7 templates); the mixed ``imagenet_ood`` suite takes multi-view and the 7
-  templates and ImageNet's alphas, since the run names the suite, not the domain (the
-  official -R / -Sketch heads and alphas need the domain's own dataset name); other sets
-  use the single prompt "a photo of a {}." as the official head.
+  (one view, 7 templates); the domains of the ``imagenet-ood`` suite are named by their own
+  dataset (the harness gives each domain's classifier its dataset), so they follow their
+  official rules; a stream named only ``imagenet_ood`` takes multi-view and the 7
+  templates and ImageNet's alphas; other sets use the single prompt "a photo of a {}." as
+  the official head.
 * Views: torchvision's RandomResizedCrop boxes on the image at the model's size, one
   batched ``grid_sample`` (augment.py), not PIL transforms of the raw image.
 * Caches are fixed-size tensors per class instead of sorted lists (same contents; the
