@@ -7,9 +7,10 @@ Two settings, measured in one run:
       (random class names, prompt "a photo of a {}."), 1 image; multi-view methods use
       their default 63 views + the original. CPU unless --device says otherwise.
 Each method is set up, warmed up with one step, then reset, reseeded and timed on one
-``step`` ``--repeats`` times (the minimum is reported: robust to other load on a shared
-machine; TPT on ViT-B-32, ~1 min a step, once); peak memory is the CPU RSS growth (or
-the CUDA allocator peak) during those steps.
+``step`` ``--repeats`` times: the median and the range are reported (TPT on ViT-B-32,
+~1 min a step, twice); peak memory is the CPU RSS growth (or the CUDA allocator peak)
+during those steps. Methods that ask for clean source images (EATA's Fisher) get that
+many random images of the setting's size, outside the timing.
 
 Usage: python benchmarks/method_cost.py [--methods a,b] [--skip-tiny] [--skip-vit]
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 import argparse
 import copy
 import random
+import statistics
 import string
 import time
 
@@ -37,7 +39,10 @@ def tiny_setting(device: torch.device) -> tuple[ZeroShotClassifier, torch.Tensor
 
     bundle = registry("models").get("tiny-clip-digits")()
     stream = registry("datasets").get("digits")(split="test")
-    model = ZeroShotClassifier(bundle, stream.classnames, stream.templates).to(device)
+    from tta_bench.protocol import load_protocol
+
+    templates = list(load_protocol("digits-c").templates)
+    model = ZeroShotClassifier(bundle, stream.classnames, templates).to(device)
     x, _ = digits_arrays("test")
     images = torch.from_numpy(x[:64]).permute(0, 3, 1, 2).float() / 255.0
     noise = torch.randn(images.shape, generator=torch.Generator().manual_seed(0))
@@ -80,12 +85,16 @@ def measure(
     method_cls = registry("methods").get(name)
     torch.manual_seed(0)
     method = method_cls(copy.deepcopy(model), method_cls.Config())
+    needed = method.source_images_needed()
+    if needed:  # EATA's Fisher information: set up outside the timing
+        gen = torch.Generator().manual_seed(1)
+        method.set_source(torch.rand(needed, *images.shape[1:], generator=gen).to(images.device))
     method.setup()
     method.reseed(0)
     method.step(images)  # warm-up: lazy allocations, kernel selection
     device = images.device
-    seconds, peak = float("inf"), 0
-    for rep in range(max(1, repeats)):  # the minimum is robust to other load on the machine
+    times, peak = [], 0
+    for rep in range(max(1, repeats)):
         method.reset()
         method.reseed(1 + rep)
         with PeakMemory(device) as mem:
@@ -95,10 +104,13 @@ def measure(
             method.step(images)
             if device.type == "cuda":
                 torch.cuda.synchronize(device)
-            seconds = min(seconds, time.perf_counter() - start)
+            times.append(time.perf_counter() - start)
         peak = max(peak, mem.peak_bytes)
+    n = images.shape[0]
     return {
-        "s_per_sample": seconds / images.shape[0],
+        "s_per_sample": statistics.median(times) / n,
+        "min": min(times) / n,
+        "max": max(times) / n,
         "peak_mb": peak / 2**20,
         "trainable": sum(p.numel() for p in method.trainable_parameters()),
     }
@@ -111,7 +123,7 @@ def report(title: str, rows: dict[str, dict[str, float]]) -> None:
     table = [
         [
             name,
-            f"{r['s_per_sample'] * 1000:.1f}",
+            f"{r['s_per_sample'] * 1000:.1f} ({r['min'] * 1000:.1f}-{r['max'] * 1000:.1f})",
             f"{r['s_per_sample'] / ref:.1f}x" if ref else "-",
             f"{r['peak_mb']:.0f}",
             f"{r['trainable']:,}",
@@ -119,7 +131,8 @@ def report(title: str, rows: dict[str, dict[str, float]]) -> None:
         for name, r in rows.items()
     ]
     print(f"\n{title}")
-    print(tabulate(table, headers=["method", "ms/sample", "vs zeroshot", "peak MB", "trainable"]))
+    headers = ["method", "ms/sample: median (range)", "vs zeroshot", "peak MB", "trainable"]
+    print(tabulate(table, headers=headers, tablefmt="github"))
     if {"mura", "tpt", "lora"} <= rows.keys():
         m, t, lo = (rows[k]["s_per_sample"] for k in ("mura", "tpt", "lora"))
         print(f"mura/tpt = {m / t:.2f} (target <= 0.5), mura/lora = {m / lo:.2f} (target < 1)")
@@ -153,7 +166,7 @@ def main() -> None:
         model, images = build(device)
         rows = {}
         for name in names:
-            repeats = 1 if name == "tpt" and "ViT" in title else args.repeats  # tpt: ~1 min
+            repeats = 2 if name == "tpt" and "ViT" in title else args.repeats  # tpt: ~1 min
             rows[name] = measure(name, model, images, repeats)
             print(f"  {name}: {rows[name]['s_per_sample'] * 1000:.1f} ms/sample", flush=True)
         report(title, rows)
