@@ -65,19 +65,20 @@ class SplitAttention(nn.Module):
         self.num_heads = mha.num_heads
         self.batch_first = mha.batch_first
         bias = mha.in_proj_bias is not None
-        dev, dt = mha.in_proj_weight.device, mha.in_proj_weight.dtype
+        # Views of the frozen fused weights, not copies: the split costs no memory, and
+        # adapters built over a shared backbone (tta_bench.adapter) keep sharing it.
+        weight = mha.in_proj_weight.detach()
         self.q_proj, self.k_proj, self.v_proj = (
-            nn.Linear(d, d, bias=bias, device=dev, dtype=dt) for _ in range(3)
+            _frozen_linear(
+                weight[i * d : (i + 1) * d],
+                mha.in_proj_bias.detach()[i * d : (i + 1) * d] if bias else None,
+            )
+            for i in range(3)
         )
-        self.out_proj = nn.Linear(d, d, bias=mha.out_proj.bias is not None, device=dev, dtype=dt)
-        with torch.no_grad():
-            for i, proj in enumerate((self.q_proj, self.k_proj, self.v_proj)):
-                proj.weight.copy_(mha.in_proj_weight[i * d : (i + 1) * d])
-                if bias:
-                    proj.bias.copy_(mha.in_proj_bias[i * d : (i + 1) * d])
-            self.out_proj.weight.copy_(mha.out_proj.weight)
-            if mha.out_proj.bias is not None:
-                self.out_proj.bias.copy_(mha.out_proj.bias)
+        self.out_proj = _frozen_linear(
+            mha.out_proj.weight.detach(),
+            None if mha.out_proj.bias is None else mha.out_proj.bias.detach(),
+        )
 
     def forward(
         self, query, key, value, need_weights=False, attn_mask=None, key_padding_mask=None, **_
@@ -102,6 +103,16 @@ class SplitAttention(nn.Module):
         if not self.batch_first:
             out = out.transpose(0, 1)
         return out, None
+
+
+def _frozen_linear(weight: torch.Tensor, bias: torch.Tensor | None) -> nn.Linear:
+    """An ``nn.Linear`` whose parameters are (views of) ``weight`` and ``bias``, frozen."""
+    out_f, in_f = weight.shape
+    linear = nn.Linear(in_f, out_f, bias=bias is not None, device="meta")
+    linear.weight = nn.Parameter(weight, requires_grad=False)
+    if bias is not None:
+        linear.bias = nn.Parameter(bias, requires_grad=False)
+    return linear
 
 
 def vision_blocks(visual: nn.Module) -> list[nn.Module]:
