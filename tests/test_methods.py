@@ -101,6 +101,7 @@ def test_single_rank_mura_equals_lora(classifier, batch):
         init="zero",
         fusion="softmax",
         router_persist=False,
+        lr=LoRA.Config().lr,  # the same settings: TTL's learning rate (MuRA's default is lower)
         **FAST,
     )
     for m in (lora, mura):

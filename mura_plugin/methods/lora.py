@@ -68,6 +68,7 @@ class LoRAConfig(MuRAConfig):
     init: str = "zero"
     fusion: str = "none"
     router_persist: bool = False
+    lr: float = 5e-3  # TTL's AdamW learning rate (MuRA's own default is lower)
 
 
 class LoRA(MuRA):
