@@ -39,7 +39,7 @@ def run_cli(capsys, tmp_path):
         (["--method", "norm_tnet"], "unknown method 'norm_tnet'. Did you mean 'norm_tent'?"),
         (["--suite", "tiny-shfits"], "unknown suite 'tiny-shfits'. Did you mean 'tiny-shifts'"),
         (["--model", "tiny-clap"], "unknown model 'tiny-clap'. Did you mean 'tiny-clip'?"),
-        (["--method", "norm_tent", "+method.lrr=1"], "'lrr' (did you mean 'lr'?)"),
+        (["--method", "norm_tent", "+method.lrr=1"], "'method.lrr' (did you mean 'method.lr'?)"),
         (["--method", "norm_tent", "method.lrr=1"], "lrr"),
         (["--method", "norm_tent", "method.loss=entropie"], "unknown loss 'entropie'"),
         (["model.widht=3"], "model.widht"),
@@ -105,7 +105,10 @@ def test_an_output_holding_another_run_is_refused(run_cli, tmp_path, capsys):
     [
         ({"seeds": []}, "seeds=[] names no seed"),
         ({"device": "tpu"}, "'tpu'"),
-        ({"method": "norm_tent", "overrides": ["+method.lrr=1"]}, "'lrr' (did you mean 'lr'?)"),
+        (
+            {"method": "norm_tent", "overrides": ["+method.lrr=1"]},
+            "'method.lrr' (did you mean 'method.lr'?)",
+        ),
         ({"overrides": ["cache=sometimes"]}, "unknown cache policy 'sometimes'"),
         ({"overrides": ["protocol.shifts=[nosie]"]}, "unknown shift 'nosie'"),
         ({"method": "needs_source", "suite": "tiny-continual"}, "declares no source split"),

@@ -187,7 +187,8 @@ def collect(results_dir: str | Path, suite: str, protocol_id: str | None = None)
         try:
             record = results.load_results(path)
         except (ValueError, OSError) as exc:
-            left_out.append((path.name, f"unreadable: {exc}"))
+            reason = str(exc).removeprefix(f"{path}: ")  # the file is named already
+            left_out.append((path.name, f"unreadable: {reason}"))
             continue
         if record.get("suite") != suite:
             left_out.append((path.name, f"suite {record.get('suite')!r}, not {suite!r}"))
