@@ -38,23 +38,14 @@ from pathlib import Path
 
 import numpy as np
 
-CORRUPTIONS = [
-    "gaussian_noise",
-    "shot_noise",
-    "impulse_noise",
-    "defocus_blur",
-    "glass_blur",
-    "motion_blur",
-    "zoom_blur",
-    "snow",
-    "frost",
-    "fog",
-    "brightness",
-    "contrast",
-    "elastic_transform",
-    "pixelate",
-    "jpeg_compression",
-]
+
+def corruptions() -> tuple[str, ...]:
+    """The ImageNet-C corruptions in their pinned order (the suite's own list)."""
+    from tta_bench.protocol import load_protocol
+
+    return load_protocol("imagenet-c-50k").shifts
+
+
 FULL_IMAGES = 50_000 * 15 * 5
 
 
@@ -70,7 +61,7 @@ def build(root: Path, per_class: int) -> Path:
     wnids = entry("datasets", "imagenet")["wnids"]
     rng = np.random.default_rng(0)
     start = time.perf_counter()
-    for k, corruption in enumerate(CORRUPTIONS):
+    for k, corruption in enumerate(corruptions()):
         for c, wnid in enumerate(wnids):
             folder = root / corruption / "5" / wnid
             folder.mkdir(parents=True, exist_ok=True)
