@@ -338,7 +338,13 @@ def build_parser() -> argparse.ArgumentParser:
         description="Test-time adaptation benchmark for CLIP-style models.",
     )
     sub = p.add_subparsers(dest="command", required=True)
+    for add in (_add_run, _add_ls, _add_sweep, _add_profile, _add_env_and_cache, _add_reports):
+        add(sub)
+    _add_deployment(sub)
+    return p
 
+
+def _add_run(sub: Any) -> None:
     r = sub.add_parser(
         "run",
         help="evaluate one method on a suite",
@@ -362,10 +368,14 @@ def build_parser() -> argparse.ArgumentParser:
     r.add_argument("overrides", nargs="*", help="Hydra overrides (key=value)")
     r.set_defaults(func=cmd_run)
 
-    ls = sub.add_parser("ls", help="list registered components and suites")
+
+def _add_ls(sub: Any) -> None:
+    ls = sub.add_parser("ls", help="list registered components, suites and presets")
     ls.add_argument("kind", nargs="?", choices=LIST_KINDS)
     ls.set_defaults(func=cmd_ls)
 
+
+def _add_sweep(sub: Any) -> None:
     sw = sub.add_parser(
         "sweep",
         help="run a grid of runs as Hydra multirun jobs (resumable)",
@@ -388,6 +398,8 @@ def build_parser() -> argparse.ArgumentParser:
     sw.add_argument("overrides", nargs="*", help="Hydra overrides, sweeps as a,b")
     sw.set_defaults(func=cmd_sweep)
 
+
+def _add_profile(sub: Any) -> None:
     pr = sub.add_parser(
         "profile",
         help="run a few batches and report where the time goes",
@@ -402,22 +414,24 @@ def build_parser() -> argparse.ArgumentParser:
     pr.add_argument("overrides", nargs="*", help="Hydra overrides (key=value)")
     pr.set_defaults(func=cmd_profile, output=None, cfg=False, quiet=True)
 
+
+def _add_env_and_cache(sub: Any) -> None:
     e = sub.add_parser("env", help="versions, device, cache dir, plugin distributions")
     e.set_defaults(func=cmd_env)
-
     c = sub.add_parser("cache", help="list or clear the decoded-image and text-head caches")
     c.add_argument("action", choices=("list", "clear"))
     c.add_argument("names", nargs="*", help="clear: only these domains' decoded images")
     c.add_argument("--kind", choices=("all", "decoded", "text"), default="all")
     c.set_defaults(func=cmd_cache)
 
+
+def _add_reports(sub: Any) -> None:
     t = sub.add_parser("table", help="render tables from results files")
     t.add_argument("results", nargs="+", help="results JSON files (one protocol)")
     t.add_argument("--format", default="github", help="github | latex | csv | html | plain")
     t.add_argument("--baseline", default="zeroshot", help="method to pair against ('' for none)")
     t.add_argument("--test", default="t", choices=("t", "bootstrap"), help="paired test")
     t.set_defaults(func=cmd_table)
-
     lb = sub.add_parser("leaderboard", help="write a ranked leaderboard of a results directory")
     lb.add_argument("results_dir", help="directory of results JSON files")
     lb.add_argument("--suite", required=True, help="suite to rank (tta-bench ls suites)")
@@ -427,6 +441,8 @@ def build_parser() -> argparse.ArgumentParser:
     lb.add_argument("--no-plots", action="store_true", help="tables only")
     lb.set_defaults(func=cmd_leaderboard)
 
+
+def _add_deployment(sub: Any) -> None:
     pd = sub.add_parser(
         "predict",
         help="adapt and predict over an image folder (a resumable batch job)",
@@ -448,7 +464,6 @@ def build_parser() -> argparse.ArgumentParser:
     )
     serve_arguments(sv)
     sv.set_defaults(func=cmd_serve)
-    return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -298,66 +298,100 @@ def plan_batches(
             "use reset=per_batch or never"
         )
     ignored = [str(p.relative_to(root)) for p in top if not _is_image(p)]
-
-    def rel(p: Path) -> str:
-        return p.relative_to(root).as_posix()
-
-    batches: list[PlannedBatch] = []
     if layout == "folder":
-        ignored += [rel(d) + "/" for d in image_dirs]
-        files = [rel(p) for p in top_images]
-        if shuffle:
-            random.Random(seed).shuffle(files)
-        for i in range(0, len(files), batch_size):
-            chunk = files[i : i + batch_size]
-            batches.append(PlannedBatch(f"batch-{i // batch_size:05d}", ".", chunk, None))
+        ignored += [_rel(root, d) + "/" for d in image_dirs]
+        batches = _plan_folder(root, top_images, batch_size, shuffle, seed)
     else:
-        ignored += [rel(p) for p in top_images]
+        ignored += [_rel(root, p) for p in top_images]
+        files = _folder_files(root, image_dirs, classnames, layout, ignored)
         if layout == "classes":
-            unknown = [d.name for d in image_dirs if d.name not in classnames]
-            if unknown:
-                raise ValueError(
-                    f"layout classes: subfolder(s) {unknown} of {str(root)!r} are not class "
-                    f"names; the classes are: {', '.join(classnames)}"
-                )
-        labeled_files: list[tuple[str, int | None, str]] = []
-        for d in image_dirs:
-            files = _visible_files(d, recursive=True)
-            ignored += [rel(p) for p in files if not _is_image(p)]
-            label = classnames.index(d.name) if layout == "classes" else None
-            labeled_files += [(rel(p), label, d.name) for p in files if _is_image(p)]
-        if layout == "classes":
-            if shuffle:
-                random.Random(seed).shuffle(labeled_files)
-            for i in range(0, len(labeled_files), batch_size):
-                chunk = labeled_files[i : i + batch_size]
-                batches.append(
-                    PlannedBatch(
-                        f"batch-{i // batch_size:05d}",
-                        ".",
-                        [f for f, _, _ in chunk],
-                        [int(lab) for _, lab, _ in chunk],  # type: ignore[arg-type]
-                    )
-                )
+            batches = _plan_classes(files, batch_size, shuffle, seed)
         else:
-            names: set[str] = set()
-            for d in image_dirs:
-                files = [f for f, _, folder in labeled_files if folder == d.name]
-                if shuffle:
-                    random.Random(f"{seed}/{d.name}").shuffle(files)
-                base = _safe_name(d.name)
-                if base in names:  # two folder names that clean to the same file name
-                    base = f"{base}-{len(names)}"
-                names.add(base)
-                chunks = [files[i : i + batch_size] for i in range(0, len(files), batch_size)]
-                for j, chunk in enumerate(chunks):
-                    name = base if len(chunks) == 1 else f"{base}-{j:05d}"
-                    batches.append(PlannedBatch(name, d.name, chunk, None))
+            batches = _plan_subfolders(image_dirs, files, batch_size, shuffle, seed)
     if not batches:
         raise ValueError(
             f"no images ({', '.join(IMAGE_EXTENSIONS)}) found in {str(root)!r} for layout {layout}"
         )
     return Plan(layout, batches, layout == "classes", sorted(ignored))
+
+
+def _rel(root: Path, p: Path) -> str:
+    return p.relative_to(root).as_posix()
+
+
+def _plan_folder(
+    root: Path, images: list[Path], batch_size: int, shuffle: bool, seed: int
+) -> list[PlannedBatch]:
+    """``folder``: the top-level images cut into ``batch-00000``, ..."""
+    files = [_rel(root, p) for p in images]
+    if shuffle:
+        random.Random(seed).shuffle(files)
+    return [
+        PlannedBatch(f"batch-{i // batch_size:05d}", ".", files[i : i + batch_size], None)
+        for i in range(0, len(files), batch_size)
+    ]
+
+
+def _folder_files(
+    root: Path, image_dirs: list[Path], classnames: list[str], layout: str, ignored: list[str]
+) -> list[tuple[str, int | None, str]]:
+    """``(file, label or None, folder)`` of every image below the subfolders (non-images
+    are added to ``ignored``); in the classes layout every subfolder must be a class."""
+    if layout == "classes":
+        unknown = [d.name for d in image_dirs if d.name not in classnames]
+        if unknown:
+            raise ValueError(
+                f"layout classes: subfolder(s) {unknown} of {str(root)!r} are not class "
+                f"names; the classes are: {', '.join(classnames)}"
+            )
+    out: list[tuple[str, int | None, str]] = []
+    for d in image_dirs:
+        files = _visible_files(d, recursive=True)
+        ignored += [_rel(root, p) for p in files if not _is_image(p)]
+        label = classnames.index(d.name) if layout == "classes" else None
+        out += [(_rel(root, p), label, d.name) for p in files if _is_image(p)]
+    return out
+
+
+def _plan_classes(
+    files: list[tuple[str, int | None, str]], batch_size: int, shuffle: bool, seed: int
+) -> list[PlannedBatch]:
+    """``classes``: all labeled images (sorted, or shuffled by ``seed``) cut into batches."""
+    if shuffle:
+        random.Random(seed).shuffle(files)
+    batches = []
+    for i in range(0, len(files), batch_size):
+        chunk = files[i : i + batch_size]
+        labels = [int(lab) for _, lab, _ in chunk]  # type: ignore[arg-type]
+        batches.append(
+            PlannedBatch(f"batch-{i // batch_size:05d}", ".", [f for f, _, _ in chunk], labels)
+        )
+    return batches
+
+
+def _plan_subfolders(
+    image_dirs: list[Path],
+    files: list[tuple[str, int | None, str]],
+    batch_size: int,
+    shuffle: bool,
+    seed: int,
+) -> list[PlannedBatch]:
+    """``subfolders``: each subfolder a batch (cut into ``<name>-00000``, ... when larger)."""
+    names: set[str] = set()
+    batches = []
+    for d in image_dirs:
+        mine = [f for f, _, folder in files if folder == d.name]
+        if shuffle:
+            random.Random(f"{seed}/{d.name}").shuffle(mine)
+        base = _safe_name(d.name)
+        if base in names:  # two folder names that clean to the same file name
+            base = f"{base}-{len(names)}"
+        names.add(base)
+        chunks = [mine[i : i + batch_size] for i in range(0, len(mine), batch_size)]
+        for j, chunk in enumerate(chunks):
+            name = base if len(chunks) == 1 else f"{base}-{j:05d}"
+            batches.append(PlannedBatch(name, d.name, chunk, None))
+    return batches
 
 
 def _detect_layout(
@@ -404,13 +438,100 @@ def _memory(device: Any) -> tuple[int, str]:
     return int(rss_bytes()), "cpu_rss"
 
 
+class _ResultStore:
+    """The job's files in ``output_dir``: per-batch results (atomic), the log, the
+    summary, and which batches an earlier run of the same job (``fingerprint``) finished."""
+
+    def __init__(self, output_dir: Path, fingerprint: str):
+        self.output_dir = output_dir
+        self.fingerprint = fingerprint
+
+    def result_path(self, batch: PlannedBatch) -> Path:
+        return self.output_dir / f"{batch.name}{RESULT_SUFFIX}"
+
+    def prepare(self, resume: bool) -> None:
+        """Create the folders, drop a killed write's temporary files, and refuse (or, with
+        ``resume`` false, clear) the results of another job."""
+        self.output_dir.mkdir(parents=True, exist_ok=True)
+        (self.output_dir / "logs").mkdir(exist_ok=True)
+        for stale in self.output_dir.glob(".*.tmp"):  # a killed write's temporary file
+            stale.unlink(missing_ok=True)
+        results = sorted(self.output_dir.glob(f"*{RESULT_SUFFIX}"))
+        if not resume:
+            for p in results:
+                p.unlink()
+            return
+        for p in results:
+            old = self.read(p)
+            if old is not None and old.get("job") != self.fingerprint:
+                raise ValueError(
+                    f"output_dir {str(self.output_dir)!r} holds results of another job "
+                    f"({p.name}: job {old.get('job')}, this job is {self.fingerprint}: the "
+                    "method, its config, the model, classes, batching or seed differ); use "
+                    "another output_dir, or set resume to false to start it afresh"
+                )
+
+    @staticmethod
+    def read(path: Path) -> dict[str, Any] | None:
+        try:
+            data = json.loads(path.read_text(encoding="utf-8"))
+        except (OSError, json.JSONDecodeError):
+            return None
+        return data if isinstance(data, dict) else None
+
+    def finished(self, batch: PlannedBatch) -> dict[str, Any] | None:
+        """The batch's result from an earlier run of this job, or None."""
+        old = self.read(self.result_path(batch))
+        if old and old.get("job") == self.fingerprint and old.get("files") == batch.files:
+            return old
+        return None
+
+    def write_result(self, batch: PlannedBatch, result: dict[str, Any]) -> None:
+        atomic_write_text(self.result_path(batch), json.dumps(result, indent=1, allow_nan=False))
+
+    def open_log(self) -> Any:
+        return open(self.output_dir / "logs" / LOG_NAME, "a", encoding="utf-8")  # noqa: SIM115
+
+    def write_summary(self, summary: dict[str, Any]) -> None:
+        atomic_write_text(
+            self.output_dir / "summary.json", json.dumps(summary, indent=1, allow_nan=False)
+        )
+
+
+def _log_line(
+    log: Any, device: Any, batch: PlannedBatch, attempt: int, status: str,
+    result: dict[str, Any] | None, seconds: dict[str, float], error: str | None = None,
+) -> None:  # fmt: skip
+    """One JSONL line per batch attempt: status, loss, seconds, memory."""
+    memory, kind = _memory(device)
+    line = {
+        "time": _now(),
+        "batch": batch.name,
+        "attempt": attempt,
+        "status": status,
+        "n": None if result is None else result["n"],
+        "bad_images": None if result is None else len(result["bad_images"]),
+        "loss": None if result is None else result["loss"],
+        "seconds": seconds,
+        "memory_bytes": memory,
+        "memory_kind": kind,
+    }
+    if error is not None:
+        line["error"] = error
+    log.write(json.dumps(line, allow_nan=False) + "\n")
+    log.flush()
+
+
+def _seconds(start: float, loaded: float, done: float) -> dict[str, float]:
+    return {"load": loaded - start, "method": done - loaded, "total": done - start}
+
+
 class _Job:
-    """One run of a job: plan, adapter, results on disk (``run_job`` drives it)."""
+    """One run of a job: plan, adapter, its result store (``run_job`` drives it)."""
 
     def __init__(self, job: PredictJob, adapter: Any = None):
         self.job = job
         self.input_dir = Path(job.input_dir)
-        self.output_dir = Path(job.output_dir)
         if adapter is None:
             from tta_bench.adapter import Adapter
 
@@ -435,7 +556,7 @@ class _Job:
             seed=job.seed,
             reset=job.reset,
         )
-        self.fingerprint = self._fingerprint()
+        self.store = _ResultStore(Path(job.output_dir), self._fingerprint())
         self.bad_images: list[dict[str, Any]] = []
         self.failed: list[dict[str, Any]] = []
 
@@ -461,44 +582,9 @@ class _Job:
         blob = json.dumps(key, sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
-    def result_path(self, batch: PlannedBatch) -> Path:
-        return self.output_dir / f"{batch.name}{RESULT_SUFFIX}"
-
-    # -- resume -----------------------------------------------------------------------------
-    def _prepare_output(self) -> None:
-        self.output_dir.mkdir(parents=True, exist_ok=True)
-        (self.output_dir / "logs").mkdir(exist_ok=True)
-        for stale in self.output_dir.glob(".*.tmp"):  # a killed write's temporary file
-            stale.unlink(missing_ok=True)
-        results = sorted(self.output_dir.glob(f"*{RESULT_SUFFIX}"))
-        if not self.job.resume:
-            for p in results:
-                p.unlink()
-            return
-        for p in results:
-            old = self._read(p)
-            if old is not None and old.get("job") != self.fingerprint:
-                raise ValueError(
-                    f"output_dir {str(self.output_dir)!r} holds results of another job "
-                    f"({p.name}: job {old.get('job')}, this job is {self.fingerprint}: the "
-                    "method, its config, the model, classes, batching or seed differ); use "
-                    "another output_dir, or set resume to false to start it afresh"
-                )
-
-    @staticmethod
-    def _read(path: Path) -> dict[str, Any] | None:
-        try:
-            data = json.loads(path.read_text(encoding="utf-8"))
-        except (OSError, json.JSONDecodeError):
-            return None
-        return data if isinstance(data, dict) else None
-
-    def finished(self, batch: PlannedBatch) -> dict[str, Any] | None:
-        """The batch's result from an earlier run of this job, or None."""
-        old = self._read(self.result_path(batch))
-        if old and old.get("job") == self.fingerprint and old.get("files") == batch.files:
-            return old
-        return None
+    @property
+    def fingerprint(self) -> str:
+        return self.store.fingerprint
 
     # -- one batch --------------------------------------------------------------------------
     def _load(self, batch: PlannedBatch) -> tuple[list[Any], list[int], list[dict[str, Any]]]:
@@ -521,9 +607,24 @@ class _Job:
             )
         return images, keep, bad
 
+    def _predict(self, batch: PlannedBatch, images: list[Any], keep: list[int]) -> tuple:
+        """``(predictions per file, loss)``: adapt on the batch and predict it."""
+        adapter, predictions, loss = self.adapter, [], None
+        if images:
+            pred = adapter(adapter.preprocess(images))
+            loss = pred.loss
+            for pos, row in zip(keep, pred.records(self.job.top_k)):
+                entry = {"file": batch.files[pos], **row}
+                if batch.labels is not None:
+                    truth = batch.labels[pos]
+                    entry["true_label"] = adapter.classnames[truth]
+                    entry["correct"] = row["index"] == truth
+                predictions.append(entry)
+        return predictions, loss
+
     def run_batch(self, batch: PlannedBatch, log: Any) -> dict[str, Any] | None:
         """Predict one batch, retrying; its result (written), or None when it failed."""
-        job, adapter = self.job, self.adapter
+        job, device = self.job, self.adapter.device
         error = ""
         for attempt in range(1, job.max_retry + 2):
             start = time.perf_counter()
@@ -531,34 +632,22 @@ class _Job:
             try:
                 images, keep, bad = self._load(batch)
                 loaded = time.perf_counter()
-                predictions: list[dict[str, Any]] = []
-                loss = None
-                if images:
-                    x = adapter.preprocess(images)
-                    stepped = True
-                    pred = adapter(x)
-                    loss = pred.loss
-                    for pos, row in zip(keep, pred.records(job.top_k)):
-                        entry = {"file": batch.files[pos], **row}
-                        if batch.labels is not None:
-                            truth = batch.labels[pos]
-                            entry["true_label"] = adapter.classnames[truth]
-                            entry["correct"] = row["index"] == truth
-                        predictions.append(entry)
+                stepped = bool(images)
+                predictions, loss = self._predict(batch, images, keep)
                 done = time.perf_counter()
                 result = self._result(batch, predictions, bad, loss, attempt, start, loaded, done)
-                atomic_write_text(
-                    self.result_path(batch), json.dumps(result, indent=1, allow_nan=False)
-                )
-                self._log(log, batch, attempt, "ok", result, start, loaded, done)
+                self.store.write_result(batch, result)
+                seconds = _seconds(start, loaded, done)
+                _log_line(log, device, batch, attempt, "ok", result, seconds)
                 self.bad_images += [{**b, "batch": batch.name} for b in bad]
                 return result
             except Exception as exc:  # noqa: BLE001 - any batch failure is retried/reported
                 error = f"{type(exc).__name__}: {exc}"
                 now = time.perf_counter()
-                self._log(log, batch, attempt, "failed", None, start, now, now, error=error)
+                seconds = _seconds(start, now, now)
+                _log_line(log, device, batch, attempt, "failed", None, seconds, error=error)
                 if stepped:  # a step that raised may have half-updated the state
-                    adapter.reset()
+                    self.adapter.reset()
         self.failed.append({"batch": batch.name, "attempts": job.max_retry + 1, "error": error})
         return None
 
@@ -585,58 +674,18 @@ class _Job:
             "accuracy": (sum(p["correct"] for p in labeled) / len(labeled) if labeled else None),
             "loss": loss,
             "attempts": attempt,
-            "seconds": {"load": loaded - start, "method": done - loaded, "total": done - start},
+            "seconds": _seconds(start, loaded, done),
             "method": self.adapter.method_name,
             "finished": _now(),
         }
-
-    def _log(
-        self,
-        log: Any,
-        batch: PlannedBatch,
-        attempt: int,
-        status: str,
-        result: dict[str, Any] | None,
-        start: float,
-        loaded: float,
-        done: float,
-        error: str | None = None,
-    ) -> None:
-        memory, kind = _memory(self.adapter.device)
-        line = {
-            "time": _now(),
-            "batch": batch.name,
-            "attempt": attempt,
-            "status": status,
-            "n": None if result is None else result["n"],
-            "bad_images": None if result is None else len(result["bad_images"]),
-            "loss": None if result is None else result["loss"],
-            "seconds": {"load": loaded - start, "method": done - loaded, "total": done - start},
-            "memory_bytes": memory,
-            "memory_kind": kind,
-        }
-        if error is not None:
-            line["error"] = error
-        log.write(json.dumps(line, allow_nan=False) + "\n")
-        log.flush()
 
     # -- the job ----------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:
         from tqdm.auto import tqdm
 
-        self._prepare_output()
-        groups = self.plan.groups(self.job.reset)
-        results: dict[str, dict[str, Any]] = {}
-        todo: list[list[PlannedBatch]] = []
-        for group in groups:
-            old = [self.finished(b) for b in group]
-            if all(o is not None for o in old):
-                results.update({b.name: o for b, o in zip(group, old)})  # type: ignore[misc]
-            else:
-                todo.append(group)
+        self.store.prepare(self.job.resume)
+        results, todo = self._resume()
         skipped = len(results)
-        for old in results.values():
-            self.bad_images += [{**b, "batch": old["batch"]} for b in old.get("bad_images", [])]
         start = time.perf_counter()
         status = "running"
         self._write_summary(results, skipped, 0, status, 0.0)
@@ -649,7 +698,7 @@ class _Job:
         )
         computed = 0
         try:
-            with open(self.output_dir / "logs" / LOG_NAME, "a", encoding="utf-8") as log:
+            with self.store.open_log() as log:
                 for group in todo:
                     self.adapter.reset()  # each group starts from the state after setup
                     for batch in group:
@@ -668,6 +717,21 @@ class _Job:
                 results, skipped, computed, status, time.perf_counter() - start
             )
         return summary
+
+    def _resume(self) -> tuple[dict[str, dict[str, Any]], list[list[PlannedBatch]]]:
+        """The results of groups an earlier run finished, and the groups still to run (a
+        group of batches that share adaptation state counts only when whole)."""
+        results: dict[str, dict[str, Any]] = {}
+        todo: list[list[PlannedBatch]] = []
+        for group in self.plan.groups(self.job.reset):
+            old = [self.store.finished(b) for b in group]
+            if all(o is not None for o in old):
+                results.update({b.name: o for b, o in zip(group, old)})  # type: ignore[misc]
+            else:
+                todo.append(group)
+        for old in results.values():
+            self.bad_images += [{**b, "batch": old["batch"]} for b in old.get("bad_images", [])]
+        return results, todo
 
     def _write_summary(
         self,
@@ -708,9 +772,7 @@ class _Job:
             "wall_s": wall_s,
             "updated": _now(),
         }
-        atomic_write_text(
-            self.output_dir / "summary.json", json.dumps(summary, indent=1, allow_nan=False)
-        )
+        self.store.write_summary(summary)
         return summary
 
 

@@ -520,18 +520,7 @@ def create_app(service: Service) -> Any:
         return JSONResponse({"detail": exc.message}, status_code=exc.status, headers=exc.headers)
 
     def authorised(request: Request) -> None:
-        if service.token is None:
-            return
-        scheme, _, credential = request.headers.get("authorization", "").partition(" ")
-        good = scheme.lower() == "bearer" and hmac.compare_digest(
-            credential.strip().encode(), service.token.encode()
-        )
-        if not good:
-            raise ClientError(
-                401,
-                "missing or wrong bearer token: send the header 'Authorization: Bearer <token>'",
-                {"WWW-Authenticate": "Bearer"},
-            )
+        _authorise(service, request)
 
     guarded = [Depends(authorised)]
 
@@ -545,34 +534,63 @@ def create_app(service: Service) -> Any:
 
     @app.post("/predict", dependencies=guarded)
     async def predict(request: Request, session: str | None = None, top_k: int | None = None):
-        header = request.headers.get(SESSION_HEADER)
-        if session is not None and header is not None and session != header:
-            raise ClientError(
-                422, f"two sessions named: ?session={session!r} and {SESSION_HEADER}: {header!r}"
-            )
-        sid = session if session is not None else header
-        classes = len(service.template.classnames)
-        k = service.limits.top_k if top_k is None else top_k
-        if not 1 <= k <= classes:
-            raise ClientError(422, f"top_k must be in 1..{classes} (the classes), got {k}")
-        if service.pending >= service.limits.max_pending:
-            raise ClientError(
-                503,
-                f"busy: {service.pending} requests in progress, the limit (--max-pending); "
-                "retry shortly",
-                {"Retry-After": "1"},
-            )
-        service.pending += 1
-        try:
-            if sid is not None:
-                service.session(sid)  # unknown or expired: 404 before reading the body
-            body = await read_body(request, service.limits.max_body_bytes)
-            uploads = split_uploads(
-                body, request.headers.get("content-type", ""), service.limits.max_images
-            )
-            return await service.predict(uploads, sid, k)
-        finally:
-            service.pending -= 1
+        return await _predict(service, request, session, top_k)
+
+    _add_session_routes(app, service, guarded)
+    return app
+
+
+def _authorise(service: Service, request: Any) -> None:
+    """Every endpoint but ``/health``: the bearer token, when the service has one."""
+    if service.token is None:
+        return
+    scheme, _, credential = request.headers.get("authorization", "").partition(" ")
+    good = scheme.lower() == "bearer" and hmac.compare_digest(
+        credential.strip().encode(), service.token.encode()
+    )
+    if not good:
+        raise ClientError(
+            401,
+            "missing or wrong bearer token: send the header 'Authorization: Bearer <token>'",
+            {"WWW-Authenticate": "Bearer"},
+        )
+
+
+async def _predict(service: Service, request: Any, session: str | None, top_k: int | None):
+    """``POST /predict``: checks first (session names, top_k, the pending limit, the
+    session exists), then the body is read in memory, split and predicted."""
+    header = request.headers.get(SESSION_HEADER)
+    if session is not None and header is not None and session != header:
+        raise ClientError(
+            422, f"two sessions named: ?session={session!r} and {SESSION_HEADER}: {header!r}"
+        )
+    sid = session if session is not None else header
+    classes = len(service.template.classnames)
+    k = service.limits.top_k if top_k is None else top_k
+    if not 1 <= k <= classes:
+        raise ClientError(422, f"top_k must be in 1..{classes} (the classes), got {k}")
+    if service.pending >= service.limits.max_pending:
+        raise ClientError(
+            503,
+            f"busy: {service.pending} requests in progress, the limit (--max-pending); "
+            "retry shortly",
+            {"Retry-After": "1"},
+        )
+    service.pending += 1
+    try:
+        if sid is not None:
+            service.session(sid)  # unknown or expired: 404 before reading the body
+        body = await read_body(request, service.limits.max_body_bytes)
+        uploads = split_uploads(
+            body, request.headers.get("content-type", ""), service.limits.max_images
+        )
+        return await service.predict(uploads, sid, k)
+    finally:
+        service.pending -= 1
+
+
+def _add_session_routes(app: Any, service: Service, guarded: list[Any]) -> None:
+    """``/sessions``: create, describe, reset, delete."""
 
     @app.post("/sessions", dependencies=guarded, status_code=201)
     async def create_session() -> dict:
@@ -612,8 +630,6 @@ def create_app(service: Service) -> Any:
         service.session(sid)
         service.sessions.pop(sid, None)
         return {"session": sid, "deleted": True}
-
-    return app
 
 
 def _locked(s: Session, fn: Any) -> Any:

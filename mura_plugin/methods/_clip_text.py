@@ -19,6 +19,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tta_bench.model import ZeroShotClassifier
+from tta_bench.text_head import encode_text_cut
 
 __all__ = [
     "TEXT_HEADS",
@@ -91,30 +92,14 @@ def _causal_open_clip(clip: nn.Module) -> bool:
 
 def encode_text(clip: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     """Unnormalised text features ``[N, D]`` of token ids ``[N, L]``, differentiable with
-    respect to the text tower. Equal to ``clip.encode_text(tokens)``; for a causal open_clip
-    text transformer the sequences are first cut after the longest prompt's end token (exact:
-    causal attention never lets the end token see the padding), several times cheaper with
-    77-token contexts. ValueError when the model has no text tower to drive."""
-    if not _causal_open_clip(clip):
-        if not hasattr(clip, "encode_text"):
-            raise ValueError(
-                f"{type(clip).__name__} has no text tower (encode_text) to encode prompts with"
-            )
-        return clip.encode_text(tokens)
-    if clip.text_pool_type == "eos":
-        end = (tokens == clip.text_eos_id).int().argmax(dim=-1)
-    else:
-        end = tokens.argmax(dim=-1)
-    n = int(end.max()) + 1
-    cast = clip.transformer.get_cast_dtype()
-    x = clip.token_embedding(tokens[:, :n]).to(cast) + clip.positional_embedding[:n].to(cast)
-    x = clip.transformer(x, attn_mask=clip.attn_mask[:n, :n])
-    x = clip.ln_final(x)
-    x = x[torch.arange(x.shape[0], device=x.device), end]
-    proj = clip.text_projection
-    if proj is not None:
-        x = proj(x) if isinstance(proj, nn.Linear) else x @ proj
-    return x
+    respect to the text tower: the harness's ``encode_text_cut`` (a causal open_clip text
+    transformer is cut after the longest prompt's end token; other towers run
+    ``encode_text``). ValueError when the model has no text tower to drive."""
+    if not _causal_open_clip(clip) and not hasattr(clip, "encode_text"):
+        raise ValueError(
+            f"{type(clip).__name__} has no text tower (encode_text) to encode prompts with"
+        )
+    return encode_text_cut(clip, tokens)
 
 
 def prompt_tokens(

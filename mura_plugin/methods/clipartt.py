@@ -69,7 +69,7 @@ from mura_plugin.methods._clip_text import (
     prompt_features,
     vision_layer_norm_parameters,
 )
-from tta_bench.method import GradientMethod, build_optimizer, check_precision
+from tta_bench.method import GradientMethod
 from tta_bench.model import ZeroShotClassifier
 
 __all__ = [
@@ -157,17 +157,10 @@ class CLIPArTT(GradientMethod):
             raise ValueError(f"clipartt: temperature must be > 0, got {cfg.temperature}")
 
     def setup(self) -> None:
-        # GradientMethod.setup minus the registered per-sample loss, which this objective
-        # (a batch-level cross-entropy against transductive targets) does not use.
+        # The objective (a batch-level cross-entropy against transductive targets) is
+        # fixed: the config has no ``loss`` field, so GradientMethod loads none.
         self.check_config()
-        check_precision(self.config.precision)
-        self.model.requires_grad_(False)
-        self.configure(self.model)
-        self.params = list(self.collect_params(self.model))
-        for p in self.params:
-            p.requires_grad_(True)
-        self.optimizer = build_optimizer(self.params, self.config)
-        self._snapshot = self._capture()
+        super().setup()
 
     def configure(self, model: ZeroShotClassifier) -> None:
         if self.config.text_head == "official":
