@@ -160,22 +160,30 @@ def test_profile_command(default_bundle):
 
 
 @pytest.mark.parametrize("high_water_mark", [True, False], ids=["vmhwm", "sampler"])
-def test_peak_memory_sees_a_transient_allocation(monkeypatch, high_water_mark):
+def test_peak_memory_sees_a_transient_allocation(high_water_mark):
     """A 200 MB buffer allocated and freed inside the context shows up in the CPU peak,
-    through the kernel's high-water mark and through the sampling fallback."""
-    from tta_bench import cost
-
-    if not high_water_mark:
-        monkeypatch.setattr(cost, "_reset_high_water_mark", lambda: False)
-    with cost.PeakMemory(torch.device("cpu"), interval_s=0.01) as mem:
-        buf = np.ones(25_000_000)  # 200 MB, touched
-        if not high_water_mark:
-            import time
-
-            time.sleep(0.1)  # the sampler needs to see it
-        del buf
-    assert mem.kind == "cpu_rss_growth"
-    assert 150e6 < mem.peak_bytes < 400e6, mem.peak_bytes
+    through the kernel's high-water mark and through the sampling fallback. In a fresh
+    process: what a long test session's heap already holds resident can absorb the
+    buffer without any RSS growth (seen in the full suite)."""
+    code = f"""
+import time
+import numpy as np
+import torch
+from tta_bench import cost
+if not {high_water_mark!r}:
+    cost._reset_high_water_mark = lambda: False
+with cost.PeakMemory(torch.device("cpu"), interval_s=0.01) as mem:
+    buf = np.ones(25_000_000)  # 200 MB, touched
+    if not {high_water_mark!r}:
+        time.sleep(0.1)  # the sampler needs to see it
+    del buf
+print(mem.kind, mem.peak_bytes)
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr[-2000:]
+    kind, peak = done.stdout.split()
+    assert kind == "cpu_rss_growth"
+    assert 150e6 < int(peak) < 400e6, peak
 
 
 @pytest.mark.parametrize("mode", ["RGB", "L"])

@@ -113,4 +113,4 @@ def test_out_of_tree_method_and_shift_run_end_to_end(tmp_path):
     origins = {(p["group"], p["name"]): p["distribution"] for p in record["provenance"]["plugins"]}
     assert origins[("tta_bench.methods", "flip_vote")] == "flipvote-plugin"
     assert origins[("tta_bench.shifts", "invert")] == "flipvote-plugin"
-    assert origins[("tta_bench.datasets", "digits")] == "tta-bench"
+    assert origins[("tta_bench.datasets", "digits")] == "mura-plugin"

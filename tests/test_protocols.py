@@ -34,7 +34,7 @@ def test_every_policy_has_a_distinct_stable_id():
     assert len(set(ids.values())) == len(POLICIES)
     for r, pid in ids.items():
         assert pid == _protocol(r).id  # stable
-        assert f"-{r}" in pid and "@v1-" in pid
+        assert f"-{r}" in pid and "@v2-" in pid
     assert "-non_iid-d0.1-" in ids["non_iid"]
     assert _protocol("non_iid", dirichlet_delta=1.0).id != ids["non_iid"]
     # An unused new field does not enter the identity (old ids hold).

@@ -43,7 +43,7 @@ def run_cli(capsys, tmp_path):
         (["--method", "norm_tent", "method.lrr=1"], "lrr"),
         (["--method", "norm_tent", "method.loss=entropie"], "unknown loss 'entropie'"),
         (["model.widht=3"], "model.widht"),
-        (["+model.widht=3"], "'widht' (did you mean 'width'?)"),
+        (["+model.widht=3"], "'model.widht' (did you mean 'model.width'?)"),
         (["model.width=0"], "model tiny-clip: width must be >= 1, got 0"),
         (["protocol.shifts=[nosie]"], "unknown shift 'nosie'. Did you mean 'noise'?"),
         (["protocol.severities=[7]"], "severities must be in 1..5, got [7]"),
