@@ -4,10 +4,11 @@ numpy, one image at a time) on the same batches.
     python benchmarks/corruptions.py [--batch 64] [--ref-images 16] [--sizes 224 32]
 
 For each size (224 px with the ``imagenet`` table, 32 px with ``cifar``) and each
-corruption the reference implements, prints images/s of ours (whole batch, best of
-``--repeats``) and of the reference (per image, averaged over ``--ref-images`` images of the
-batch, best of ``--repeats`` passes), their ratio, and the totals (time for every
-corruption once, summed). Adds the CUDA figure when a GPU is present. A kernel with a
+corruption the reference implements, ``--repeats`` pairs are timed back to back: one call of
+ours on the whole batch, then the reference image by image on ``--ref-images`` images of
+it. It prints images/s of both (median over the pairs), the median ratio with its range
+over the pairs, and the totals (every corruption once, summed, per pair; median and
+range). Adds the CUDA figure when a GPU is present. A kernel with a
 ``from_uint8`` entry (``jpeg_compression``: its codec is 8-bit) is timed through it on the
 uint8 batch, as the runner calls it and as the reference gets it; its float-input figure is
 printed under the table.
@@ -23,12 +24,16 @@ Allocator: both sides run with the default allocator and page size (no tuning on
 from __future__ import annotations
 
 import argparse
+import statistics
 import time
 
 import numpy as np
 import torch
 
-from tta_bench.inputs import uint8_entry
+try:
+    from tta_bench.inputs import uint8_entry
+except ImportError:  # an older tree (before/after comparisons): it lived in the runner
+    from tta_bench.runner import uint8_entry
 from tta_bench.registry import registry
 from tta_bench.rng import SampleGenerator
 
@@ -60,40 +65,44 @@ def make_batch(batch: int, size: int) -> np.ndarray:
 
 
 def time_ours(
-    name: str, x: torch.Tensor, table: str, repeats: int, device: torch.device, uint8: bool = False
+    name: str, x: torch.Tensor, table: str, device: torch.device, uint8: bool = False
 ) -> float:
-    """Best wall time (s) of one batched call, generator construction included; with
-    ``uint8`` the kernel's ``from_uint8`` entry on ``x`` (uint8 ``[B, H, W, C]``)."""
+    """Wall time (s) of one batched call, generator construction included; with ``uint8``
+    the kernel's ``from_uint8`` entry on ``x`` (uint8 ``[B, H, W, C]``)."""
     kernel = registry("shifts").get(name)
     if uint8:
         kernel = uint8_entry(kernel)
-    best = float("inf")
-    for r in range(repeats + 1):  # the first call warms caches (texture, coefficients)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        t0 = time.perf_counter()
-        gen = SampleGenerator.for_samples(range(len(x)), 0, name, 3, device=device)
-        kernel(x, 3, generator=gen, table=table)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        if r:
-            best = min(best, time.perf_counter() - t0)
-    return best
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    gen = SampleGenerator.for_samples(range(len(x)), 0, name, 3, device=device)
+    kernel(x, 3, generator=gen, table=table)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
 
 
-def time_reference(name: str, u8: np.ndarray, repeats: int) -> float:
-    """Mean wall time (s) per image of corrupt-tta on ``u8`` images (best of ``repeats``)."""
+def time_reference(name: str, u8: np.ndarray) -> float:
+    """Mean wall time (s) per image of corrupt-tta on ``u8`` images."""
+    import corrupt_tta
+
+    t0 = time.perf_counter()
+    for im in u8:
+        corrupt_tta.corrupt(im, 3, corruption_name=name)
+    return (time.perf_counter() - t0) / len(u8)
+
+
+def warm_up(name: str, src: torch.Tensor, u8: np.ndarray, table: str, direct: bool) -> None:
+    """One untimed call of each side (caches: textures, filters, coefficients)."""
     import corrupt_tta
 
     np.random.seed(0)
-    corrupt_tta.corrupt(u8[0], 3, corruption_name=name)  # warm-up
-    best = float("inf")
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        for im in u8:
-            corrupt_tta.corrupt(im, 3, corruption_name=name)
-        best = min(best, (time.perf_counter() - t0) / len(u8))
-    return best
+    time_ours(name, src, table, torch.device("cpu"), uint8=direct)
+    corrupt_tta.corrupt(u8[0], 3, corruption_name=name)
+
+
+def span(values: list[float], fmt: str = ".1f") -> str:
+    return f"{statistics.median(values):{fmt}} ({min(values):{fmt}}-{max(values):{fmt}})"
 
 
 def set_threads(n: int) -> str:
@@ -111,53 +120,68 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--batch", type=int, default=64)
     parser.add_argument("--ref-images", type=int, default=16)
-    parser.add_argument("--repeats", type=int, default=2)
+    parser.add_argument("--repeats", type=int, default=5, help="(ours, reference) pairs")
     parser.add_argument("--sizes", type=int, nargs="+", default=[224, 32])
     parser.add_argument("--threads", type=int, default=1)
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     print(set_threads(args.threads))
     print(
-        f"batch {args.batch} (ours: whole batch, best of {args.repeats}); reference: first "
-        f"{args.ref_images} images one by one, best of {args.repeats}; severity 3; CUDA {cuda}"
+        f"batch {args.batch} (ours: whole batch); reference: first {args.ref_images} images "
+        f"one by one; {args.repeats} pairs each, back to back; severity 3; CUDA {cuda}"
     )
+    cpu = torch.device("cpu")
     for size in args.sizes:
         table = TABLE_FOR_SIZE.get(size, "imagenet" if size > 100 else "cifar")
         u8 = make_batch(args.batch, size)
         x = torch.from_numpy(u8).permute(0, 3, 1, 2).float().div(255.0).contiguous()
-        xg = x.cuda() if cuda else None
-        u8_g = torch.from_numpy(u8).cuda() if cuda else None
-        header = f"{'corruption':18s} {'ours img/s':>11s} {'ref img/s':>10s} {'ratio':>7s}"
-        print(f"\n{size} px, table {table!r}\n" + header + ("  cuda img/s" if cuda else ""))
-        tot_ours = tot_ref = tot_cuda = 0.0
-        notes = []
+        print(f"\n{size} px, table {table!r}")
+        rows, notes = [], []
+        tot_ours, tot_ref = [0.0] * args.repeats, [0.0] * args.repeats
         for name in ORDER:
             # A kernel with a ``from_uint8`` entry is timed through it on the uint8 batch
             # (the reference's input, and what the runner hands it); its float entry is
             # printed below the table.
             direct = uint8_entry(registry("shifts").get(name)) is not None
-            cpu = torch.device("cpu")
-            src, src_g = (torch.from_numpy(u8), u8_g) if direct else (x, xg)
-            t_ours = time_ours(name, src, table, args.repeats, cpu, uint8=direct) / len(x)
-            t_ref = time_reference(name, u8[: args.ref_images], args.repeats)
-            tot_ours, tot_ref = tot_ours + t_ours, tot_ref + t_ref
+            src = torch.from_numpy(u8) if direct else x
+            warm_up(name, src, u8, table, direct)
+            ours, ref = [], []
+            for r in range(args.repeats):
+                ours.append(time_ours(name, src, table, cpu, uint8=direct) / len(x))
+                ref.append(time_reference(name, u8[: args.ref_images]))
+                tot_ours[r] += ours[-1]
+                tot_ref[r] += ref[-1]
+            ratios = [b / a for a, b in zip(ours, ref)]
             label = name + ("*" if direct else "")
-            line = f"{label:18s} {1 / t_ours:11.1f} {1 / t_ref:10.1f} {t_ref / t_ours:7.1f}x"
-            if cuda:
-                t_cuda = time_ours(
-                    name, src_g, table, args.repeats, torch.device("cuda"), uint8=direct
-                ) / len(x)
-                tot_cuda += t_cuda
-                line += f" {1 / t_cuda:11.1f}"
-            print(line, flush=True)
+            rows.append(
+                [label, f"{1 / statistics.median(ours):.1f}", f"{1 / statistics.median(ref):.1f}"]
+                + [span(ratios) + "x"]
+            )
+            print(" | ".join(rows[-1]), flush=True)
             if direct:
-                t_float = time_ours(name, x, table, args.repeats, cpu) / len(x)
+                t_float = statistics.median(
+                    time_ours(name, x, table, cpu) / len(x) for _ in range(args.repeats)
+                )
                 notes.append(
                     f"* {name}: from the uint8 batch (its from_uint8 entry, the runner's "
-                    f"path); from float input {1 / t_float:.1f} img/s ({t_ref / t_float:.1f}x)"
+                    f"path); from float input {1 / t_float:.1f} img/s "
+                    f"({statistics.median(ref) / t_float:.1f}x)"
                 )
-        line = f"{'TOTAL':18s} {1 / tot_ours:11.1f} {1 / tot_ref:10.1f} {tot_ref / tot_ours:7.1f}x"
-        print(line + (f" {1 / tot_cuda:11.1f}" if cuda else ""))
+        totals = [b / a for a, b in zip(tot_ours, tot_ref)]
+        rows.append(
+            [
+                "TOTAL",
+                f"{1 / statistics.median(tot_ours):.1f}",
+                f"{1 / statistics.median(tot_ref):.1f}",
+                span(totals) + "x",
+            ]
+        )
+        from tabulate import tabulate
+
+        headers = ["corruption", "ours img/s", "ref img/s", "ratio: median (range)"]
+        print(tabulate(rows, headers=headers, tablefmt="github"))
+        slower = [r[0] for r in rows[:-1] if float(r[3].split()[0]) < 1.0]
+        print("slower than the reference: " + (", ".join(slower) if slower else "none"))
         for note in notes:
             print(note)
 
