@@ -161,3 +161,20 @@ def test_pass_counts_exclude_the_reference_forward(tmp_path):
         assert cell["reference_accuracy"] is not None
         assert cell["forward_passes_per_sample"] == 1.0
         assert cell["backward_passes_per_sample"] == 0.0
+
+
+def test_a_diverging_real_method_is_reported_never_scored(tmp_path):
+    """tent with an absurd step produces non-finite logits: the cells say diverged (with
+    the batch), the table prints it, the summary has no mean, the file is strict JSON."""
+    out = tmp_path / "div.json"
+    cmd = [sys.executable, "-m", "tta_bench.cli", "run", "--method", "tent-digits", "--quiet"]
+    cmd += ["--output", str(out), "method.lr=1e30", "protocol.max_images=64"]
+    cmd += ["protocol.shifts=[contrast,gaussian_noise]"]
+    done = subprocess.run(cmd, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "diverged" in done.stdout
+    record = json.loads(out.read_text(), parse_constant=lambda c: pytest.fail(f"bare {c}"))
+    assert all(c["diverged"]["reason"] == "non-finite logits" for c in record["cells"])
+    assert all(c["accuracy"] is None for c in record["cells"])
+    assert record["summary"]["mean_accuracy"] is None
+    assert record["summary"]["n_diverged"] == 2

@@ -65,7 +65,7 @@ def cmd_run(args: argparse.Namespace) -> int:
     for event in record.get("events", []):
         print(f"warning: {event}", file=sys.stderr)
     print(
-        f"\n{method} on {protocol.name} ({protocol.id}), model {model}, "
+        f"\n{spec.method_preset or method} on {protocol.name} ({protocol.id}), model {model}, "
         f"seeds {spec.seeds}: accuracy (%)"
     )
     print(tables.shift_table(record))
