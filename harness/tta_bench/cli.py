@@ -72,9 +72,12 @@ def cmd_run(args: argparse.Namespace) -> int:
     print("\ncost")
     print(tables.cost_table(record))
     mean = record["summary"]["mean_accuracy"]
-    print(
-        f"\nmean accuracy {100 * mean:.2f}%  wall {record['wall_time_s']:.1f}s  results: {output}"
-    )
+    wall = f"wall {record['wall_time_s']:.1f}s  results: {output}"
+    if mean is None:
+        diverged = record["summary"].get("n_diverged", 0)
+        print(f"\nmean accuracy: not scored ({diverged} cell(s) diverged)  {wall}")
+    else:
+        print(f"\nmean accuracy {100 * mean:.2f}%  {wall}")
     return 0
 
 
