@@ -185,3 +185,32 @@ def test_the_disk_budget_refuses_always_and_auto_streams_instead(
     cached = run(tmp_path / "cached.json", "zeroshot", "tiny-folder", data_dir=str(folder))
     assert cached["loop"]["sources"] == ["decoded"] and len(data.cache_entries()) == 1
     assert scores(cached) == scores(record)
+
+
+@pytest.mark.parametrize("workers", [0, 1])
+def test_auto_decodes_a_small_split_when_the_stream_reaches_it_not_in_setup(
+    tmp_path, fresh_cache, workers
+):
+    """A suite of many small domains waits for its first one only: before the first batch,
+    nothing is decoded; reading domain 0's batch decodes domain 0 alone (in the loader's
+    worker when there is one), with the pixels an up-front decode gives."""
+    from tta_bench.loader import LoaderSettings, StreamBatches, make_loader
+    from tta_bench.stream import Batch
+
+    streams = []
+    for name in ("a", "b"):
+        write_folder(tmp_path / name, per_class=3)
+        streams.append(_folder_stream(tmp_path / name))
+    sources = [data.open_source(s, 16, cache="auto") for s in streams]
+    assert [type(s).__name__ for s in sources] == ["CachingSource"] * 2
+    assert data.cache_entries() == []  # setup decoded nothing
+    n = len(streams[0])
+    batches = [Batch(0, np.arange(n), np.zeros(n, dtype=np.int64), False, 0)]
+    labels = [s.labels for s in streams]
+    settings = LoaderSettings(workers, False, 2 if workers else None, False)
+    loader = make_loader(StreamBatches(batches, sources, [0, 1], labels), settings)
+    (item,) = list(loader)
+    entries = data.cache_entries()
+    assert len(entries) == 1 and entries[0]["name"] == streams[0].name
+    expected = data.decode(streams[0], 16, use_cache=False).images
+    assert np.array_equal(np.asarray(item["images"]), expected)

@@ -11,13 +11,17 @@ Images reach the loop through a ``Source`` per distinct split:
   DataLoader workers), so the first batch reaches the model within seconds whatever the
   dataset's size, and nothing is written to disk.
 
+* ``CachingSource``: a small split decoded into the cache the first time a batch asks for
+  one of its images, then read like an ``ArraySource``.
+
 ``open_source`` picks one by the cache policy (``CACHE_POLICIES``): ``always`` decodes the
-whole split once into the cache and reads it from there; ``never`` decodes on demand;
-``auto`` (default) uses an existing cache entry, decodes small splits (up to
-``AUTO_DECODE_BYTES``) into the cache, where they are reused by every method and seed, and
-streams large ones. Both paths decode with the same function, so results are identical
-whichever policy (tested). The cache never grows beyond its disk budget
-(``TTA_BENCH_CACHE_BUDGET_GB``, default ``DEFAULT_BUDGET_GB``).
+whole split once into the cache (in setup) and reads it from there; ``never`` decodes on
+demand; ``auto`` (default) uses an existing cache entry, decodes small splits (up to
+``AUTO_DECODE_BYTES``) into the cache when the stream first reaches them (a suite of many
+small domains waits only for its first one before the first batch), where they are reused
+by every method and seed, and streams large ones. Every path decodes with the same
+function, so results are identical whichever policy (tested). The cache never grows
+beyond its disk budget (``TTA_BENCH_CACHE_BUDGET_GB``, default ``DEFAULT_BUDGET_GB``).
 
 Cache entries are keyed by the data's identity (the factory's fingerprint, the HF dataset
 fingerprint) *and* a signature of the image files' contents (size, mtime and ctime of every
@@ -600,7 +604,54 @@ class DecodingSource:
         return dict(self.__dict__)
 
 
-Source = ArraySource | DecodingSource
+class CachingSource:
+    """Images of one small split, decoded into the cache (``decode``: under the entry's lock,
+    so concurrent workers and processes decode it once) the first time a batch asks for
+    one of them, in whichever process calls ``fetch``; then read from the entry like an
+    ``ArraySource``. Bad images are reported per batch, as ``DecodingSource`` does."""
+
+    kind = "decoded"
+
+    def __init__(self, stream: DomainStream, size: int, on_bad_image: str = "fail"):
+        if on_bad_image not in ON_BAD_IMAGE:
+            raise ValueError(f"on_bad_image must be one of {ON_BAD_IMAGE}, got {on_bad_image!r}")
+        self.name = stream.name
+        self.size = size
+        self.on_bad_image = on_bad_image
+        self._stream = stream
+        self._array: ArraySource | None = None
+        self.bad: list[dict[str, Any]] = []
+
+    @property
+    def pending(self) -> bool:
+        """Whether the split is still to be decoded (in this process)."""
+        return self._array is None
+
+    def __len__(self) -> int:
+        return len(self._stream)
+
+    def _open(self) -> ArraySource:
+        if self._array is None:
+            dec = decode(self._stream, self.size, on_bad_image="skip")
+            images = dec.images
+            if isinstance(images, np.memmap) and images.nbytes <= IN_MEMORY_BYTES:
+                images = np.array(images)
+            self._array = ArraySource(self.name, images, dec.bad)
+        return self._array
+
+    def fetch(self, indices: np.ndarray) -> Fetched:
+        array = self._open()
+        got = array.fetch(indices)
+        asked = set(np.asarray(indices, dtype=np.int64).tolist())
+        bad = [{**b, "source": self.name} for b in array.bad if b["index"] in asked]
+        return Fetched(got.images, got.kept, bad)
+
+    def check_bad(self, bad: list[dict[str, Any]]) -> None:
+        """Raise ``BadImageError`` for ``bad`` (reported by ``fetch``) unless skipping."""
+        _check_bad(self._stream, bad, self.on_bad_image)
+
+
+Source = ArraySource | DecodingSource | CachingSource
 
 
 def open_source(
@@ -610,8 +661,11 @@ def open_source(
     cache: str = "auto",
     progress: bool = False,
     on_bad_image: str = "fail",
-) -> ArraySource | DecodingSource:
-    """The ``Source`` of one split under the cache policy (module docstring)."""
+    pending_bytes: int = 0,
+) -> Source:
+    """The ``Source`` of one split under the cache policy (module docstring).
+    ``pending_bytes``: what the run's other ``CachingSource`` splits will still write to the
+    cache (``auto`` streams a split that would take the cache past its budget)."""
     if cache not in CACHE_POLICIES:
         raise ValueError(f"unknown cache policy {cache!r}; available: {', '.join(CACHE_POLICIES)}")
     if on_bad_image not in ON_BAD_IMAGE:
@@ -625,8 +679,10 @@ def open_source(
     needed = len(stream) * size * size * 3
     if cache == "auto":
         found = _read_entry(stream, size, cache_path(stream, size))
-        if found is None and (needed > AUTO_DECODE_BYTES or not fits_budget(needed)):
-            return DecodingSource(stream, size, on_bad_image)
+        if found is None:
+            if needed > AUTO_DECODE_BYTES or not fits_budget(needed + pending_bytes):
+                return DecodingSource(stream, size, on_bad_image)
+            return CachingSource(stream, size, on_bad_image)
     dec = decode(stream, size, progress=progress, on_bad_image=on_bad_image)
     images = dec.images
     # A small decoded array is read into memory once, here in setup: gathering batches

@@ -137,15 +137,22 @@ class RunInputs:
             streams = {d: dataset_stream(protocol, data_dir, *d) for d in domains}
         sources: list[Any] = []
         by_id: dict[int, int] = {}
+        pending = 0  # bytes the run's lazily cached splits will write
         for stream in streams.values():
             if id(stream) not in by_id:
                 by_id[id(stream)] = len(sources)
-                sources.append(
-                    open_source(
-                        stream, size, cache=cache, progress=progress, on_bad_image=on_bad_image
-                    )
+                src = open_source(
+                    stream,
+                    size,
+                    cache=cache,
+                    progress=progress,
+                    on_bad_image=on_bad_image,
+                    pending_bytes=pending,
                 )
-        decoding = any(getattr(s, "kind", "") == "streamed" for s in sources)
+                if getattr(src, "pending", False):
+                    pending += len(stream) * size * size * 3
+                sources.append(src)
+        decoding = any(s.kind == "streamed" or getattr(s, "pending", False) for s in sources)
         bundle.clip.to(device)  # text heads are encoded (and cached) on the run's device
         kernels = (
             {s: registry("shifts").get(s) for s in protocol.shifts}
