@@ -33,6 +33,11 @@ def test_run_writes_the_results_schema(tmp_path, capsys):
     assert code == 0
     printed = capsys.readouterr().out
     assert "gaussian_noise" in printed and "mean" in printed and "ms/sample" in printed
+    # the mean over seeds with its 95% CI, and the paired difference to the frozen model
+    row = next(line for line in printed.splitlines() if line.startswith("tent  "))
+    mean = 100 * record["summary"]["mean_accuracy"]
+    assert f"{mean:.1f} ± " in row and " [" in row, row
+    assert "accuracy % (95% CI)" in printed and "no interval over seeds" not in printed
     for key in (
         "schema_version",
         "method",

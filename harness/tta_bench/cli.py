@@ -69,6 +69,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         f"seeds {spec.seeds}: accuracy (%)"
     )
     print(tables.shift_table(record))
+    print("\nover seeds (each seed: the mean over its cells)")
+    print(tables.summary_table([record]))
+    if len(spec.seeds) < 2:
+        print("one seed: no interval over seeds; add seeds=[0,1,2] for the 95% CIs")
     print("\ncost")
     print(tables.cost_table(record))
     mean = record["summary"]["mean_accuracy"]
