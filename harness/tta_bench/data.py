@@ -53,7 +53,7 @@ from tta_bench.paths import atomic_path, atomic_write_text, cache_dir
 RESIZE_RECIPE = "shorter-side-bicubic+center-crop/v1"
 ON_BAD_IMAGE = ("fail", "skip")
 CACHE_POLICIES = ("auto", "always", "never")
-#: ``auto`` decodes a split into the cache up front when its decoded size is at most this.
+#: ``auto`` decodes a split into the cache (when the stream reaches it) up to this decoded size.
 AUTO_DECODE_BYTES = 256 << 20
 DEFAULT_BUDGET_GB = 50.0
 BUDGET_ENV = "TTA_BENCH_CACHE_BUDGET_GB"
