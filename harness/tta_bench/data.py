@@ -562,11 +562,10 @@ class _Reopen:
         self.filename = filename
 
 
-class DecodingSource:
-    """Images of one split decoded when a batch asks for them (``decode_one``), in
-    whichever process calls ``fetch`` (DataLoader workers). Nothing is written."""
-
-    kind = "streamed"
+class _OnDemandSource:
+    """What the sources that read a split when a batch asks share: the split, the image
+    size, and the bad-image policy, applied in the main process (``check_bad``) to what
+    ``fetch`` reports (maybe from a loader worker)."""
 
     def __init__(self, stream: DomainStream, size: int, on_bad_image: str = "fail"):
         if on_bad_image not in ON_BAD_IMAGE:
@@ -575,11 +574,25 @@ class DecodingSource:
         self.size = size
         self.on_bad_image = on_bad_image
         self._stream = stream
-        self.dataset = _raw_dataset(stream)
         self.bad: list[dict[str, Any]] = []
 
     def __len__(self) -> int:
-        return len(self.dataset)
+        return len(self._stream)
+
+    def check_bad(self, bad: list[dict[str, Any]]) -> None:
+        """Raise ``BadImageError`` for ``bad`` (reported by ``fetch``) unless skipping."""
+        _check_bad(self._stream, bad, self.on_bad_image)
+
+
+class DecodingSource(_OnDemandSource):
+    """Images of one split decoded when a batch asks for them (``decode_one``), in
+    whichever process calls ``fetch`` (DataLoader workers). Nothing is written."""
+
+    kind = "streamed"
+
+    def __init__(self, stream: DomainStream, size: int, on_bad_image: str = "fail"):
+        super().__init__(stream, size, on_bad_image)
+        self.dataset = _raw_dataset(stream)
 
     def fetch(self, indices: np.ndarray) -> Fetched:
         indices = np.asarray(indices, dtype=np.int64)
@@ -596,15 +609,11 @@ class DecodingSource:
         # process applies the on_bad_image policy, with the message the decoded path gives.
         return Fetched(out[: len(kept)], np.asarray(kept, dtype=np.int64), bad)
 
-    def check_bad(self, bad: list[dict[str, Any]]) -> None:
-        """Raise ``BadImageError`` for ``bad`` (reported by ``fetch``) unless skipping."""
-        _check_bad(self._stream, bad, self.on_bad_image)
-
     def __getstate__(self) -> dict[str, Any]:
         return dict(self.__dict__)
 
 
-class CachingSource:
+class CachingSource(_OnDemandSource):
     """Images of one small split, decoded into the cache (``decode``: under the entry's lock,
     so concurrent workers and processes decode it once) the first time a batch asks for
     one of them, in whichever process calls ``fetch``; then read from the entry like an
@@ -613,22 +622,13 @@ class CachingSource:
     kind = "decoded"
 
     def __init__(self, stream: DomainStream, size: int, on_bad_image: str = "fail"):
-        if on_bad_image not in ON_BAD_IMAGE:
-            raise ValueError(f"on_bad_image must be one of {ON_BAD_IMAGE}, got {on_bad_image!r}")
-        self.name = stream.name
-        self.size = size
-        self.on_bad_image = on_bad_image
-        self._stream = stream
+        super().__init__(stream, size, on_bad_image)
         self._array: ArraySource | None = None
-        self.bad: list[dict[str, Any]] = []
 
     @property
     def pending(self) -> bool:
         """Whether the split is still to be decoded (in this process)."""
         return self._array is None
-
-    def __len__(self) -> int:
-        return len(self._stream)
 
     def _open(self) -> ArraySource:
         if self._array is None:
@@ -645,10 +645,6 @@ class CachingSource:
         asked = set(np.asarray(indices, dtype=np.int64).tolist())
         bad = [{**b, "source": self.name} for b in array.bad if b["index"] in asked]
         return Fetched(got.images, got.kept, bad)
-
-    def check_bad(self, bad: list[dict[str, Any]]) -> None:
-        """Raise ``BadImageError`` for ``bad`` (reported by ``fetch``) unless skipping."""
-        _check_bad(self._stream, bad, self.on_bad_image)
 
 
 Source = ArraySource | DecodingSource | CachingSource
