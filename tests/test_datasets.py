@@ -526,7 +526,8 @@ def test_cli_cifar10_c_on_fixture_and_missing_data(tmp_path, tmp_cache, monkeypa
         "openclip",
         "--quiet",
     ]
-    args = ["model.arch=ViT-S-32", "model.image_size=32", "model.allow_random=true", "device=cpu"]
+    args = ["model.arch=ViT-S-32", "model.image_size=32", "model.allow_random=true"]
+    args += ["device=cpu", "seeds=[0]"]
     rc = main([*common, "--data-dir", str(tmp_path / "data"), "--output", str(out), *args])
     assert rc == 0
     record = json.loads(out.read_text())

@@ -99,6 +99,7 @@ def test_out_of_tree_method_and_shift_run_end_to_end(tmp_path):
             "--quiet",
             "--output",
             str(out),
+            "seeds=[0]",
         ],
         env=env,
         capture_output=True,

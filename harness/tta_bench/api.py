@@ -41,7 +41,7 @@ def evaluate(
 
     ``model``: a registered model (default: the suite's). ``overrides``: Hydra overrides as
     on the command line (``method.lr=1e-3``, ``protocol.max_images=32``, ``model.arch=...``).
-    ``seeds``: default the config's (``[0]``). ``output``: the results JSON to write (and
+    ``seeds``: default the config's (``[0, 1, 2]``). ``output``: the results JSON to write (and
     resume from, as the CLI does); None runs into a temporary file that is removed after."""
     from tta_bench import runner
     from tta_bench.resolve import check_output, resolve_run

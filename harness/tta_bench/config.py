@@ -58,7 +58,8 @@ class RunConfig:
     method: Any = MISSING
     model: Any = MISSING
     suite: str = "digits-c"
-    seeds: list[int] = field(default_factory=lambda: [0])
+    #: Three seeds: the mean over seeds with its 95% interval, from one plain `run`.
+    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     #: Results JSON path; default: a timestamped file under ``results_dir``.
     output: Optional[str] = None
