@@ -192,6 +192,11 @@ def content_signature(stream: DomainStream) -> str:
     return signature
 
 
+def decoded_bytes(stream: DomainStream, size: int) -> int:
+    """What ``stream`` takes decoded at ``size`` px: uint8 ``[N, size, size, 3]``."""
+    return len(stream) * size * size * 3
+
+
 def cache_key(stream: DomainStream, size: int) -> str:
     blob = (
         f"{stream.fingerprint}|n={len(stream)}|{size}|{RESIZE_RECIPE}|"
@@ -300,7 +305,7 @@ def decode(
         with FileLock(str(path) + ".lock"):
             found = _read_entry(stream, size, path)  # another process may have built it
             if found is None:
-                _check_budget(len(stream) * size * size * 3, f"decoding {stream.name!r}")
+                _check_budget(decoded_bytes(stream, size), f"decoding {stream.name!r}")
                 found = _decode_into_cache(stream, size, path, progress, workers)
     _check_bad(stream, found.bad, on_bad_image)
     return found
@@ -633,10 +638,7 @@ class CachingSource(_OnDemandSource):
     def _open(self) -> ArraySource:
         if self._array is None:
             dec = decode(self._stream, self.size, on_bad_image="skip")
-            images = dec.images
-            if isinstance(images, np.memmap) and images.nbytes <= IN_MEMORY_BYTES:
-                images = np.array(images)
-            self._array = ArraySource(self.name, images, dec.bad)
+            self._array = _array_source(self.name, dec)
         return self._array
 
     def fetch(self, indices: np.ndarray) -> Fetched:
@@ -672,7 +674,7 @@ def open_source(
         return ArraySource(stream.name, native)
     if cache == "never":
         return DecodingSource(stream, size, on_bad_image)
-    needed = len(stream) * size * size * 3
+    needed = decoded_bytes(stream, size)
     if cache == "auto":
         found = _read_entry(stream, size, cache_path(stream, size))
         if found is None:
@@ -680,12 +682,17 @@ def open_source(
                 return DecodingSource(stream, size, on_bad_image)
             return CachingSource(stream, size, on_bad_image)
     dec = decode(stream, size, progress=progress, on_bad_image=on_bad_image)
+    return _array_source(stream.name, dec)
+
+
+def _array_source(name: str, dec: Decoded) -> ArraySource:
+    """The ``ArraySource`` of a decoded split. A small decoded array is read into memory
+    once, here (setup, or a split's first batch): gathering batches from the memory map
+    pays page faults inside the loop."""
     images = dec.images
-    # A small decoded array is read into memory once, here in setup: gathering batches
-    # from the memory map pays page faults inside the loop.
     if isinstance(images, np.memmap) and images.nbytes <= IN_MEMORY_BYTES:
         images = np.array(images)
-    return ArraySource(stream.name, images, dec.bad)
+    return ArraySource(name, images, dec.bad)
 
 
 #: Decoded arrays up to this size are read into memory (larger ones stay memory-mapped).

@@ -19,7 +19,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from tta_bench.data import DomainStream, open_source
+from tta_bench.data import DomainStream, decoded_bytes, open_source
 from tta_bench.loader import StreamBatches, make_loader, resolve_settings
 from tta_bench.model import ZeroShotClassifier
 from tta_bench.protocol import Protocol
@@ -150,7 +150,7 @@ class RunInputs:
                     pending_bytes=pending,
                 )
                 if getattr(src, "pending", False):
-                    pending += len(stream) * size * size * 3
+                    pending += decoded_bytes(stream, size)
                 sources.append(src)
         decoding = any(s.kind == "streamed" or getattr(s, "pending", False) for s in sources)
         bundle.clip.to(device)  # text heads are encoded (and cached) on the run's device
