@@ -11,7 +11,7 @@ import abc
 import contextlib
 import dataclasses
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar, Optional
 
@@ -245,16 +245,23 @@ class GradientMethod(Method):
             return None  # bf16 and fp32 gradients do not underflow: no scaling
         return torch.amp.GradScaler("cuda", init_scale=float(scale))
 
-    def optimizer_step(self, loss: torch.Tensor, optimizer: Any = None) -> None:
+    def optimizer_step(
+        self,
+        loss: torch.Tensor,
+        optimizer: Any = None,
+        after_backward: Callable[[], None] | None = None,
+    ) -> None:
         """``loss.backward()`` and one optimiser step, through the GradScaler when fp16
         loss scaling is on (a step with non-finite scaled gradients is skipped, as
-        ``GradScaler`` does)."""
+        ``GradScaler`` does). ``after_backward``: more gradient to accumulate between the
+        two (from the same, maybe scaled, loss), before the scaler unscales it."""
         optimizer = optimizer or self.optimizer
+        (loss if self.scaler is None else self.scaler.scale(loss)).backward()
+        if after_backward is not None:
+            after_backward()
         if self.scaler is None:
-            loss.backward()
             optimizer.step()
             return
-        self.scaler.scale(loss).backward()
         self.scaler.step(optimizer)
         self.scaler.update()
 

@@ -227,13 +227,7 @@ class BATCLIP(GradientMethod):
             self.optimizer.zero_grad(set_to_none=True)
             # fp16 loss scaling as officially: the text gradient of the second pass is taken
             # from the scaled loss, so the scaler unscales both before stepping
-            (loss if self.scaler is None else self.scaler.scale(loss)).backward()
-            self._text_backward(text.grad)
-            if self.scaler is None:
-                self.optimizer.step()
-            else:
-                self.scaler.step(self.optimizer)
-                self.scaler.update()
+            self.optimizer_step(loss, after_backward=lambda t=text: self._text_backward(t.grad))
             self.last_loss = loss.detach()
         return logits
 
