@@ -52,9 +52,7 @@ error (~1.3 points) on this tiny model.
 Measured on ``digits-c`` (protocol v2, the shipped weights, seed 0, CPU, 15 cells):
 ``text_head=official`` 57.6% against the default ``protocol`` head 56.6% (per cell median
 +0.8, range [-0.6, +2.5] points).
-The frozen zero-shot model with the single prompt "a photo of a {}." scores 57.9% against
-56.9% with the protocol's templates (same seed): the head alone moves a method by about a
-point here, which is why every method starts from the protocol's head by default.
+The frozen model itself gains about as much from the head alone (``_views.SINGLE_PROMPT``).
 """
 
 from __future__ import annotations

@@ -55,9 +55,7 @@ prompt).
 Measured on ``digits-c`` (protocol v2, the shipped weights, seed 0, CPU, 15 cells):
 ``text_head=official`` 58.5% against the default ``protocol`` head 57.6% (per cell median
 +0.8, range [-0.8, +2.8] points).
-The frozen zero-shot model with the single prompt "a photo of a {}." scores 57.9% against
-56.9% with the protocol's templates (same seed): the head alone moves a method by about a
-point here, which is why every method starts from the protocol's head by default.
+The frozen model itself gains about as much from the head alone (``_views.SINGLE_PROMPT``).
 """
 
 from __future__ import annotations

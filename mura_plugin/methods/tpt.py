@@ -54,9 +54,7 @@ does not matter); ``official`` head with torchvision's crop boxes 36.74%; ``prot
 Measured on ``digits-c`` (protocol v2, the shipped weights, seed 0, CPU, 15 cells):
 ``text_head=official`` 58.1% against the default ``protocol`` head 56.9% (per cell median
 +0.8, range [-0.8, +3.1] points).
-The frozen zero-shot model with the single prompt "a photo of a {}." scores 57.9% against
-56.9% with the protocol's templates (same seed): the head alone moves a method by about a
-point here, which is why every method starts from the protocol's head by default.
+The frozen model itself gains about as much from the head alone (``_views.SINGLE_PROMPT``).
 """
 
 from __future__ import annotations

@@ -44,9 +44,7 @@ image hurt this tiny model).
 Measured on ``digits-c`` (protocol v2, the shipped weights, seed 0, CPU, 15 cells):
 ``text_head=official`` 37.3% against the default ``protocol`` head 35.3% (per cell median
 +2.5, range [-1.4, +4.4] points).
-The frozen zero-shot model with the single prompt "a photo of a {}." scores 57.9% against
-56.9% with the protocol's templates (same seed): the head alone moves a method by about a
-point here, which is why every method starts from the protocol's head by default.
+The frozen model itself gains about as much from the head alone (``_views.SINGLE_PROMPT``).
 """
 
 from __future__ import annotations
