@@ -1,4 +1,4 @@
-"""The generic harness never imports the plugin (DESIGN §1)."""
+"""The generic harness never imports the plugin (docs/design.md#layers)."""
 
 from __future__ import annotations
 

@@ -1,19 +1,19 @@
-"""Tables from results only: the fixed results in tests/golden/ render to fixed tables in
-every format (set TTA_BENCH_UPDATE_GOLDEN=1 to rewrite the golden files after an intended
-change, then read the diff)."""
+"""Tables from results only: the fixed results in harness/tests/golden/ render to fixed
+tables in every format (set TTA_BENCH_UPDATE_GOLDEN=1 to rewrite the golden files after an
+intended change, then read the diff)."""
 
 from __future__ import annotations
 
 import copy
 import json
 import os
-from pathlib import Path
 
 import pytest
 
 from tta_bench import report, stats, tables
 
-GOLDEN = Path(__file__).parent / "golden"
+from .helpers import GOLDEN
+
 RESULTS = [GOLDEN / "golden_zeroshot.json", GOLDEN / "golden_tent.json"]
 SUFFIX = {"github": "md", "latex": "tex", "csv": "csv", "html": "html", "plain": "txt"}
 

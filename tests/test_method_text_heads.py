@@ -9,13 +9,13 @@ import dataclasses
 import pytest
 import torch
 
-from mura_plugin.datasets._common import templates as catalogue_templates
 from mura_plugin.methods.lora import LoRA
 from mura_plugin.methods.mura import MuRA
 from mura_plugin.methods.tda import IMAGENET_7, TDA
 from mura_plugin.methods.tpt import TPT, PromptTextEncoder
 from mura_plugin.methods.zero import Zero
 from mura_plugin.methods.zeroshot import ZeroShot
+from tta_bench.templates import resolve_templates
 
 METHODS = [LoRA, MuRA, TPT, Zero, TDA]
 # TPT encodes its prompts itself (sequence cut after the end token, its own template
@@ -63,8 +63,8 @@ def test_official_head_is_the_official_codes_prompt(cls, classifier):
         ("imagenet_a", list(IMAGENET_7)),
         ("imagenet_v2", list(IMAGENET_7)),
         ("imagenet", list(IMAGENET_7)),
-        ("imagenet_r", catalogue_templates("clip-imagenet-80")),
-        ("imagenet_sketch", catalogue_templates("clip-imagenet-80")),
+        ("imagenet_r", resolve_templates("clip-imagenet-80")),
+        ("imagenet_sketch", resolve_templates("clip-imagenet-80")),
     ],
 )
 def test_tda_official_head_follows_its_dataset_loader(classifier, dataset, templates):

@@ -1,11 +1,10 @@
 """Statistics over seeds and paired comparisons (hand-computed values on the golden results
-in tests/golden/), and the calibration / per-class metrics against plain numpy."""
+in harness/tests/golden/), and the calibration / per-class metrics against plain numpy."""
 
 from __future__ import annotations
 
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
@@ -14,7 +13,8 @@ import torch
 from tta_bench import metrics, stats
 from tta_bench.registry import RegistryError, registry, reset_registries
 
-GOLDEN = Path(__file__).parent / "golden"
+from .helpers import GOLDEN
+
 T_975_DF2 = 4.302652729911275  # Student t quantile 0.975, 2 degrees of freedom (tables)
 T_975_DF11 = 2.200985160082949  # ... 11 degrees of freedom
 
