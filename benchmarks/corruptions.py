@@ -33,7 +33,7 @@ import torch
 try:
     from tta_bench.inputs import uint8_entry
 except ImportError:  # an older tree (before/after comparisons): it lived in the runner
-    from tta_bench.runner import uint8_entry
+    from tta_bench.inputs import uint8_entry
 from tta_bench.registry import registry
 from tta_bench.rng import SampleGenerator
 

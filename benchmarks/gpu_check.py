@@ -167,14 +167,6 @@ def imagenet_classnames(n: int) -> list[str]:
     return list(catalog()["datasets"]["imagenet"]["classnames"])[:n]
 
 
-def resolve_templates(spec: str | Sequence[str]) -> list[str]:
-    from tta_bench.catalog import catalog
-
-    if isinstance(spec, str):
-        return list(catalog()["templates"][spec]["templates"])
-    return list(spec)
-
-
 # -- (a) shift kernels -------------------------------------------------------------------
 def compare(cpu_out: torch.Tensor, dev_out: torch.Tensor) -> dict[str, float]:
     diff = (dev_out.detach().cpu().double() - cpu_out.detach().double()).abs()
@@ -204,8 +196,8 @@ def _shift_case(
 ) -> dict[str, Any]:
     """One (table, severity, input) case: the kernel through the runner's ``apply_shift``
     on the CPU input and on the device input, with the same per-sample generators."""
+    from tta_bench.inputs import apply_shift
     from tta_bench.rng import SampleGenerator
-    from tta_bench.runner import apply_shift
 
     outs = []
     try:
@@ -234,8 +226,8 @@ def check_shifts(
 ) -> dict[str, Any]:
     """Every kernel (``kernels``, default: the registered ones, filtered by ``names``) on
     ``device`` against the CPU for each table and severity; see the module docstring."""
+    from tta_bench.inputs import to_float_images, uint8_entry
     from tta_bench.registry import registry
-    from tta_bench.runner import to_float_images, uint8_entry
 
     if kernels is None:
         reg = registry("shifts")
@@ -334,6 +326,8 @@ def check_text_head(bundle: Any, device: torch.device, settings: Settings) -> di
     from tta_bench.model import ZeroShotClassifier
 
     names = imagenet_classnames(settings.classes)
+    from tta_bench.templates import resolve_templates
+
     templates = resolve_templates(settings.templates)
     key = text_head.head_key(bundle.clip, bundle.tokenizer, names, templates)
     was_cached = text_head.entry_path(key).exists()
@@ -474,11 +468,12 @@ def run_method(
     from tta_bench import runner
     from tta_bench.method import config_dict
     from tta_bench.registry import registry
+    from tta_bench.spec import RunSpec
 
     method_cls = registry("methods").get(name)
     config = method_cls.Config()
     batch_log = workdir / f"{name}.batches.jsonl"
-    spec = runner.RunSpec(
+    spec = RunSpec(
         method=name,
         method_config=config,
         model=bundle.name,
@@ -770,7 +765,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     from tta_bench.paths import atomic_write_text
     from tta_bench.registry import registry
-    from tta_bench.runner import resolve_device
+    from tta_bench.spec import resolve_device
 
     checks_wanted = _subset(args.checks, CHECKS, "checks") or list(CHECKS)
     methods = _subset(args.methods, sorted(registry("methods").names()), "methods")

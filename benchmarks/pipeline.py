@@ -1,5 +1,5 @@
 """Harness overhead: end-to-end throughput of ``zeroshot`` through the runner vs the model
-alone on the same, already corrupted batches (DESIGN §5).
+alone on the same, already corrupted batches (docs/design.md#data-pipeline).
 
 For each model the harness runs the real loop (stream, loader over the decoded cache,
 transfer, shift kernels on the device, method step, scoring, one atomic results write per
@@ -34,6 +34,7 @@ from tta_bench import runner
 from tta_bench.method import NoConfig
 from tta_bench.protocol import load_protocol
 from tta_bench.registry import registry
+from tta_bench.spec import RunSpec
 
 
 def forward_seconds(model: torch.nn.Module, x: torch.Tensor) -> float:
@@ -63,7 +64,7 @@ def measure(
     back, so a change of load on a shared machine mostly hits both sides of one pair),
     printed with its range."""
     proto = load_protocol("digits-c", **protocol)
-    spec = runner.RunSpec(
+    spec = RunSpec(
         method="zeroshot",
         method_config=NoConfig(),
         model=model,

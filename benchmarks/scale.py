@@ -89,6 +89,7 @@ def time_to_first_batch(root: Path, arch: str) -> dict[str, float]:
 
     from tta_bench import data, runner
     from tta_bench.config import compose
+    from tta_bench.spec import spec_from_config
 
     cfg = compose(
         [
@@ -106,7 +107,7 @@ def time_to_first_batch(root: Path, arch: str) -> dict[str, float]:
         method="zeroshot",
         model="openclip",
     )
-    spec = runner.spec_from_config(cfg, "zeroshot", "openclip")
+    spec = spec_from_config(cfg, "zeroshot", "openclip")
     out: dict[str, float] = {}
     previous = os.environ.get("TTA_BENCH_CACHE")
     with tempfile.TemporaryDirectory(prefix="tta-scale-cache-") as cache:

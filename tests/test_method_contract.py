@@ -1,4 +1,4 @@
-"""The Method contract (DESIGN §3), checked on every registered method with the real
+"""The Method contract (docs/design.md#contracts), checked on every registered method with the real
 default model: reset() returns to the state after setup(); the frozen backbone is
 bit-identical after adaptation; only declared parameters change; methods never see labels."""
 
@@ -104,6 +104,7 @@ def test_methods_never_receive_labels(classifier, digits_stream):
     and nothing reachable from the method holds the labels."""
     from tta_bench import runner
     from tta_bench.protocol import load_protocol
+    from tta_bench.spec import RunSpec
 
     seen: list[tuple] = []
 
@@ -115,7 +116,7 @@ def test_methods_never_receive_labels(classifier, digits_stream):
     registry("methods").add("spy-labels", Spy)
     try:
         protocol = load_protocol("digits-c", shifts=["contrast"], max_images=40)
-        spec = runner.RunSpec(
+        spec = RunSpec(
             method="spy-labels",
             method_config=Spy.Config(),
             model="tiny-clip-digits",

@@ -15,11 +15,12 @@ from tta_bench import profile, runner
 from tta_bench.loader import StreamBatches, make_loader, resolve_settings
 from tta_bench.protocol import load_protocol
 from tta_bench.registry import registry
+from tta_bench.spec import RunSpec
 from tta_bench.stream import build_stream
 
 
-def _spec(loader=None, method: str = "tent", reset: str = "reset_each_shift") -> runner.RunSpec:
-    return runner.RunSpec(
+def _spec(loader=None, method: str = "tent", reset: str = "reset_each_shift") -> RunSpec:
+    return RunSpec(
         method=method,
         method_config=registry("methods").get(method).Config(),
         model="tiny-clip-digits",

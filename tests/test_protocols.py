@@ -10,6 +10,7 @@ import pytest
 from tta_bench import runner
 from tta_bench.protocol import RESET_POLICIES, STATEFUL, load_protocol
 from tta_bench.registry import registry
+from tta_bench.spec import RunSpec
 from tta_bench.stream import build_stream, dirichlet_order
 
 POLICIES = sorted(RESET_POLICIES)
@@ -119,7 +120,7 @@ def _record_stream(method: str, protocol, tmp_path) -> tuple[list, dict]:
         digest = hashlib.sha1(images.detach().cpu().numpy().tobytes()).hexdigest()
         seen.append((seed, batch.indices.tolist(), batch.domains.tolist(), digest))
 
-    spec = runner.RunSpec(
+    spec = RunSpec(
         method=method,
         method_config=registry("methods").get(method).Config(),
         model="tiny-clip-digits",

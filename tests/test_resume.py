@@ -16,6 +16,8 @@ import pytest
 from tta_bench import results, runner
 from tta_bench.protocol import load_protocol
 from tta_bench.registry import registry
+from tta_bench.resume import ResumeMismatchError
+from tta_bench.spec import RunSpec
 
 SMALL = ["protocol.max_images=24", "protocol.batch_size=24"]
 
@@ -75,8 +77,8 @@ def test_sigkill_mid_run_then_resume(tmp_path):
     assert out.stat().st_mtime_ns == mtime
 
 
-def _spec(method: str, reset: str, seeds: list[int]) -> runner.RunSpec:
-    return runner.RunSpec(
+def _spec(method: str, reset: str, seeds: list[int]) -> RunSpec:
+    return RunSpec(
         method=method,
         method_config=registry("methods").get(method).Config(),
         model="tiny-clip-digits",
@@ -123,7 +125,7 @@ def test_resume_refuses_a_different_run(tmp_path, default_bundle):
     out = tmp_path / "r.json"
     runner.run(_spec("zeroshot", "reset_each_shift", [0]), out)
     before = out.read_bytes()
-    with pytest.raises(runner.ResumeMismatchError, match="different run"):
+    with pytest.raises(ResumeMismatchError, match="different run"):
         runner.run(_spec("tent", "reset_each_shift", [0]), out)
     assert out.read_bytes() == before
     fresh = runner.run(_spec("zeroshot", "reset_each_shift", [0]), out)  # same run: no work

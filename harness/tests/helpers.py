@@ -13,6 +13,9 @@ from typing import Any
 
 HERE = Path(__file__).resolve().parent
 PLUGIN_DIR = HERE / "plugin"
+#: Fixed results and the tables/leaderboard they render to (``test_tables``,
+#: ``test_stats``, ``test_report_golden``); ``TTA_BENCH_UPDATE_GOLDEN=1`` rewrites the renders.
+GOLDEN = HERE / "golden"
 #: The distributions the harness tests load: the harness and its test plugin.
 PLUGINS = "tta-bench,tta-bench-testplugin"
 #: The fields of a cell that are numbers about the predictions (not timings).
@@ -69,7 +72,7 @@ def spec(
 
     from tta_bench.protocol import load_protocol
     from tta_bench.registry import registry
-    from tta_bench.runner import RunSpec
+    from tta_bench.spec import RunSpec
 
     config = registry("methods").get(method).Config(**(method_args or {}))
     factory = registry("models").get("tiny-clip")

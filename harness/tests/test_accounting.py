@@ -47,7 +47,7 @@ def mixed():
     """Batch 0 mixes domains a (rows 0, 1, 3) and b (row 2); batch 1 is all b."""
     b0 = _batch(0, [0, 1, 0, 2], [0, 0, 1, 0])
     b1 = _batch(1, [1, 2], [1, 1])
-    book = CellBook(_stream(b0, b1), reference=True, zeroshot=False, per_class=True)
+    book = CellBook(_stream(b0, b1), reference=True, is_reference=False, per_class=True)
     # batch 0: predicted [0, 1, 1, 2] vs labels [0, 1, 0, 2]; the reference predicts 0
     book.fold(
         b0,
@@ -106,7 +106,7 @@ def test_costs_of_a_mixed_batch_are_shared_by_row_count(mixed):
 def test_a_flop_counted_batch_is_left_out_of_the_times():
     b0 = _batch(0, [0, 1], [0, 0])
     b1 = _batch(1, [2, 3], [0, 0])
-    book = CellBook(_stream(b0, b1), reference=False, zeroshot=False, per_class=False)
+    book = CellBook(_stream(b0, b1), reference=False, is_reference=False, per_class=False)
     labels = torch.tensor([0, 1])
     book.fold(b0, _logits([0, 1]), labels, None, _cost(9, 9, 9, 0, 9, 2, 0, flops=1000.0))
     book.fold(b1, _logits([0, 0]), labels, None, _cost(0.1, 0.1, 0.2, 0, 0.1, 2, 0))
@@ -115,7 +115,7 @@ def test_a_flop_counted_batch_is_left_out_of_the_times():
     assert a["flops_per_sample"] == pytest.approx(500.0)
     assert a["method_time_per_sample_s"] == pytest.approx(0.1)
     assert a["reference_accuracy"] is None
-    only_counted = CellBook(_stream(b0), reference=False, zeroshot=False, per_class=False)
+    only_counted = CellBook(_stream(b0), reference=False, is_reference=False, per_class=False)
     only_counted.fold(b0, _logits([0, 1]), labels, None, _cost(1, 1, 1, 0, 1, 2, 0, flops=8.0))
     (c,) = _entries(only_counted).values()
     assert c["time_per_sample_s"] is None and c["samples_per_s"] is None
@@ -123,7 +123,7 @@ def test_a_flop_counted_batch_is_left_out_of_the_times():
 
 def test_the_zeroshot_reference_is_its_own_accuracy():
     b0 = _batch(0, [0, 1], [0, 0])
-    book = CellBook(_stream(b0), reference=True, zeroshot=True, per_class=False)
+    book = CellBook(_stream(b0), reference=True, is_reference=True, per_class=False)
     book.fold(b0, _logits([0, 2]), torch.tensor([0, 1]), None, _cost(0, 0, 0, 0, 0, 2, 0))
     (a,) = _entries(book).values()
     assert a["accuracy"] == a["reference_accuracy"] == 0.5
@@ -131,7 +131,7 @@ def test_the_zeroshot_reference_is_its_own_accuracy():
 
 def test_entries_hold_no_non_finite_float():
     b0 = _batch(0, [0, 1], [0, 0])
-    book = CellBook(_stream(b0), reference=True, zeroshot=False, per_class=False)
+    book = CellBook(_stream(b0), reference=True, is_reference=False, per_class=False)
     logits = torch.tensor([[3e38, -3e38, 0.0], [0.0, 1.0, 0.0]])  # row 0: log p(label) = -inf
     book.fold(b0, logits, torch.tensor([1, 1]), torch.tensor([0, 1]), _cost(0, 0, 0, 0, 0, 0, 0))
     (a,) = _entries(book).values()

@@ -1,6 +1,6 @@
-"""The harness stands alone (DESIGN §1): it never imports the plugin, its listing commands
-import no torch, its modules import each other without cycles, and with no plugin installed
-it says so and how to add one."""
+"""The harness stands alone (docs/design.md#layers): it never imports the plugin, its
+listing commands import no torch, its modules import each other without cycles, and with no
+plugin installed it says so and how to add one."""
 
 from __future__ import annotations
 

@@ -65,35 +65,47 @@ class CostMeter:
         return self.timer.phase(name)
 
     @contextlib.contextmanager
-    def batch(self, count_flops: bool = False) -> Iterator[dict[str, Any]]:
-        """Measure one batch; on exit the yielded dict holds ``cost`` (a ``BatchCost``).
+    def batch(self, count_flops: bool = False) -> Iterator[BatchMeasurement]:
+        """Measure one batch; on exit the yielded ``BatchMeasurement`` holds its ``cost``.
         The method's passes are read when ``passes_done()`` is called (before the
         reference forward, which may share the frozen tower), else at the end."""
         assert self._counter is not None and self._method is not None, "watch() first"
+        measured = BatchMeasurement(self._counter, count_flops)
         seconds_before = dict(self.timer.seconds)
-        passes_before = (self._counter.forward, self._counter.backward)
         adapt_before = self._method.timings.get("adapt", 0.0)
-        out: dict[str, Any] = {"flops": None}
-        counter = self._counter
-
-        def passes_done() -> None:
-            out.setdefault("passes", (counter.forward, counter.backward))
-
-        out["passes_done"] = passes_done
-        flop_mode = _flop_counter(count_flops)
-        out["flop_mode"] = flop_mode
-        yield out
-        passes_done()
+        yield measured
+        measured.passes_done()
         spent = {k: self.timer.seconds[k] - seconds_before.get(k, 0.0) for k in self.timer.seconds}
-        fwd, bwd = out["passes"]
-        out["cost"] = BatchCost(
-            seconds=spent,
-            adapt_s=min(
-                self._method.timings.get("adapt", 0.0) - adapt_before, spent.get("method", 0.0)
-            ),
-            forward=fwd - passes_before[0],
-            backward=bwd - passes_before[1],
-            flops=float(flop_mode.get_total_flops()) if count_flops else None,
+        adapt_s = self._method.timings.get("adapt", 0.0) - adapt_before
+        measured.finish(spent, min(adapt_s, spent.get("method", 0.0)))
+
+
+class BatchMeasurement:
+    """One batch being measured by ``CostMeter.batch``: ``flop_mode`` is the context the
+    method's step runs in (a FLOP counter when counting, else a no-op), ``passes_done()``
+    reads the encoder passes so far, and ``cost`` is set when the batch ends."""
+
+    def __init__(self, counter: PassCounter, count_flops: bool):
+        self._counter = counter
+        self._before = (counter.forward, counter.backward)
+        self._passes: tuple[int, int] | None = None
+        self.count_flops = count_flops
+        self.flop_mode: Any = _flop_counter(count_flops)
+        self.cost: BatchCost | None = None
+
+    def passes_done(self) -> None:
+        """Take the method's encoder passes now (the first call counts)."""
+        if self._passes is None:
+            self._passes = (self._counter.forward, self._counter.backward)
+
+    def finish(self, seconds: dict[str, float], adapt_s: float) -> None:
+        assert self._passes is not None
+        self.cost = BatchCost(
+            seconds=seconds,
+            adapt_s=adapt_s,
+            forward=self._passes[0] - self._before[0],
+            backward=self._passes[1] - self._before[1],
+            flops=float(self.flop_mode.get_total_flops()) if self.count_flops else None,
         )
 
 
@@ -128,10 +140,10 @@ class _Cell:
 class CellBook:
     """The cells of one group: predictions and costs folded in batch by batch."""
 
-    def __init__(self, stream: Stream, *, reference: bool, zeroshot: bool, per_class: bool):
+    def __init__(self, stream: Stream, *, reference: bool, is_reference: bool, per_class: bool):
         self.stream = stream
         self.reference = reference
-        self.zeroshot = zeroshot
+        self.is_reference = is_reference  # the method is the frozen model: its own reference
         self.per_class = per_class
         self.cells: dict[int, _Cell] = {}
 
@@ -203,7 +215,7 @@ class CellBook:
             logits, labels = torch.cat(c.logits), torch.cat(c.labels)
             entry.update(metrics.compute_all(logits, labels))
             entry["error"] = 1.0 - c.correct / c.n
-            ref = c.correct if self.zeroshot else c.ref_correct
+            ref = c.correct if self.is_reference else c.ref_correct
             entry["reference_accuracy"] = ref / c.n if self.reference else None
             if self.per_class:
                 entry["per_class_accuracy"] = metrics.per_class_accuracy(

@@ -1,8 +1,8 @@
 """A standalone test-time adapter: one registered method around one zero-shot classifier.
 
-The same ``Method`` objects the benchmark runs, outside the benchmark (DESIGN §9)::
+The same ``Method`` objects the benchmark runs, outside the benchmark (docs/deploy.md)::
 
-    adapter = Adapter.from_open_clip(model, tokenizer, classnames, method="mura")
+    adapter = Adapter.from_open_clip(model, tokenizer, classnames, method=name)
     pred = adapter(images)          # float [B, 3, S, S] in [0, 1], or PIL images / paths
     pred.labels, pred.scores, pred.top_k(5)
     adapter.reset()                 # back to the state right after setup
@@ -50,6 +50,7 @@ from tta_bench.method import Method, config_dict
 from tta_bench.model import ModelBundle, Preprocess, ZeroShotClassifier
 from tta_bench.registry import registry
 from tta_bench.rng import stable_seed
+from tta_bench.templates import resolve_templates
 
 __all__ = [
     "Adapter",
@@ -68,7 +69,16 @@ _SETUP_LOCK = threading.Lock()
 
 
 # -- configuration -------------------------------------------------------------------------
-def method_config(method: str, overrides: Mapping[str, Any] | Sequence[str] | None = None) -> Any:
+def default_method(method: str | None) -> str:
+    """``method``, or the catalogues' default method (``defaults: method``) when None."""
+    from tta_bench import catalog
+
+    return method if method is not None else catalog.default("method")
+
+
+def method_config(
+    method: str | None, overrides: Mapping[str, Any] | Sequence[str] | None = None
+) -> Any:
     """The ``Config`` dataclass of registered ``method`` with ``overrides`` applied: a mapping
     (``{"lr": 1e-3, "ranks": [4, 8]}``), ``key=value`` strings (``"ranks=[4,8]"``; a
     leading ``method.`` is accepted) or a ``Config`` instance (returned as is). Unknown
@@ -76,7 +86,7 @@ def method_config(method: str, overrides: Mapping[str, Any] | Sequence[str] | No
     from omegaconf import OmegaConf
     from omegaconf.errors import OmegaConfBaseException
 
-    cls = registry("methods").get(method)
+    cls = registry("methods").get(default_method(method))
     if isinstance(overrides, cls.Config):
         return overrides  # already a validated config of this method
     known = [f.name for f in dataclasses.fields(cls.Config)]
@@ -130,21 +140,15 @@ def dataset_text_head(dataset: str) -> tuple[list[str], list[str]]:
             f"the catalogue lists no class names for dataset {dataset!r}; give classnames "
             "(and templates) explicitly"
         )
-    templates = meta.get("templates") or list(DEFAULT_TEMPLATES)
-    if isinstance(templates, str):
-        sets = catalog.catalog()["templates"]
-        if templates not in sets:
-            raise ValueError(
-                f"dataset {dataset!r} names the template set {templates!r}, which the "
-                f"catalogue lacks; available: {', '.join(sorted(sets))}"
-            )
-        templates = sets[templates]["templates"]
-    return [str(c) for c in classnames], [str(t) for t in templates]
+    templates = resolve_templates(
+        meta.get("templates") or list(DEFAULT_TEMPLATES), owner=f"dataset {dataset!r}"
+    )
+    return [str(c) for c in classnames], templates
 
 
 def default_dataset(model: str) -> str | None:
     """The dataset of the first catalogue suite whose default model is ``model`` (the
-    classes a model was made for, e.g. digits for tiny-clip-digits), or None."""
+    classes a model was made for, e.g. the dataset of its pretraining), or None."""
     from tta_bench import catalog
 
     for meta in catalog.catalog()["suites"].values():
@@ -224,13 +228,14 @@ class SharedBackbone:
     def __init__(
         self,
         model: ZeroShotClassifier,
-        method: str = "zeroshot",
+        method: str | None = None,
         config: Any = None,
         *,
         seed: int = 0,
         source_images: torch.Tensor | None = None,
     ):
         self.model = model.eval()
+        method = default_method(method)
         self.method_name = method
         self.method_cls = registry("methods").get(method)
         self.config = config if config is not None else self.method_cls.Config()
@@ -391,7 +396,7 @@ class Adapter:
     def from_classifier(
         cls,
         classifier: ZeroShotClassifier,
-        method: str = "zeroshot",
+        method: str | None = None,
         overrides: Mapping[str, Any] | Sequence[str] | None = None,
         *,
         seed: int = 0,
@@ -410,7 +415,7 @@ class Adapter:
         templates: Sequence[str] | None = None,
         *,
         dataset: str | None = None,
-        method: str = "zeroshot",
+        method: str | None = None,
         overrides: Mapping[str, Any] | Sequence[str] | None = None,
         device: str | torch.device | None = "auto",
         seed: int = 0,
@@ -424,7 +429,7 @@ class Adapter:
                 raise ValueError("give classnames (and templates), or a dataset name")
             classnames, ds_templates = dataset_text_head(dataset)
             templates = ds_templates if templates is None else templates
-        templates = list(templates) if templates is not None else list(DEFAULT_TEMPLATES)
+        templates = resolve_templates(DEFAULT_TEMPLATES if templates is None else templates)
         current = next(bundle.clip.parameters()).device
         target = resolve_device(device, current)
         clf = ZeroShotClassifier(bundle, list(classnames), templates, dataset=dataset)
@@ -434,14 +439,19 @@ class Adapter:
     @classmethod
     def from_registry(
         cls,
-        model: str = "tiny-clip-digits",
+        model: str | None = None,
         model_args: Mapping[str, Any] | None = None,
         **kwargs: Any,
     ) -> Adapter:
-        """Around a registered model (``tta-bench ls models``); ``kwargs`` as ``from_bundle``.
-        The method and its overrides are checked before the model is built."""
+        """Around a registered model (``tta-bench ls models``; default: the catalogues'
+        ``defaults: model``); ``kwargs`` as ``from_bundle`` (``method`` default: the
+        catalogues' default method). The method and its overrides are checked before the
+        model is built."""
+        from tta_bench import catalog
+
+        model = model if model is not None else catalog.default("model")
         factory = registry("models").get(model)
-        method = kwargs.get("method", "zeroshot")
+        method = default_method(kwargs.get("method"))
         kwargs["overrides"] = method_config(method, kwargs.get("overrides"))
         torch_state = torch.random.get_rng_state()
         torch.manual_seed(0)  # model construction must not depend on ambient state
@@ -463,7 +473,7 @@ class Adapter:
         classnames: Sequence[str],
         templates: Sequence[str] | None = None,
         *,
-        method: str = "zeroshot",
+        method: str | None = None,
         overrides: Mapping[str, Any] | Sequence[str] | None = None,
         device: str | torch.device | None = None,
         image_size: int | None = None,

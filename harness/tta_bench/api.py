@@ -1,12 +1,12 @@
 """The Python API of a benchmark run: ``tta_bench.evaluate(...)`` is ``tta-bench run``.
 
-    record = tta_bench.evaluate(method="mura", suite="digits-c",
+    record = tta_bench.evaluate(method=name, suite=suite,   # tta-bench ls methods / suites
                                 overrides=["method.lr=1e-3", "protocol.max_images=64"],
                                 seeds=[0, 1])
 
 The config is composed exactly as the CLI composes it (``tta_bench.config.compose``:
 Hydra overrides, unknown keys are errors), turned into a ``RunSpec``
-(``tta_bench.runner.spec_from_config``) and run (``tta_bench.runner.run``), so the record is
+(``tta_bench.spec.spec_from_config``) and run (``tta_bench.runner.run``), so the record is
 the one ``tta-bench run`` writes for the same arguments. Bad input raises ``ValueError``
 (or ``tta_bench.registry.RegistryError`` for unknown names), naming the value and the options.
 
@@ -26,8 +26,8 @@ __all__ = ["evaluate"]
 
 
 def evaluate(
-    method: str = "zeroshot",
-    suite: str = "digits-c",
+    method: str | None = None,
+    suite: str | None = None,
     model: str | None = None,
     overrides: Sequence[str] = (),
     seeds: Sequence[int] | None = None,
@@ -39,6 +39,7 @@ def evaluate(
 ) -> dict[str, Any]:
     """Run ``method`` on ``suite`` and return the results record.
 
+    ``method``/``suite``: default the catalogues' (``tta-bench ls defaults``).
     ``model``: a registered model (default: the suite's). ``overrides``: Hydra overrides as
     on the command line (``method.lr=1e-3``, ``protocol.max_images=32``, ``model.arch=...``).
     ``seeds``: default the config's (``[0, 1, 2]``). ``output``: the results JSON to write (and

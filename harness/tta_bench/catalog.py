@@ -70,6 +70,39 @@ def entry(section: str, name: str) -> dict[str, Any]:
     return dict(catalog()[section].get(name) or {})
 
 
+#: The choices a catalogue's ``defaults:`` section makes: what ``tta-bench run`` uses when
+#: no ``--suite`` / ``--method`` / ``--model`` is given (a suite's own ``default_model``
+#: comes first), and ``reference``, the method a run is paired with in tables (its cells'
+#: own ``reference_accuracy`` when its results are not among the files).
+DEFAULT_KEYS = ("suite", "method", "model", "reference")
+
+
+class NoDefaultError(LookupError):
+    """No installed catalogue names a default for a choice."""
+
+
+def default(name: str) -> str:
+    """The catalogues' default ``name`` (one of ``DEFAULT_KEYS``); ``NoDefaultError`` when
+    none names it (the harness alone names no component: plugins do)."""
+    if name not in DEFAULT_KEYS:
+        raise KeyError(f"unknown default {name!r}; known: {', '.join(DEFAULT_KEYS)}")
+    value = catalog()["defaults"].get(name)
+    if not value:
+        raise NoDefaultError(
+            f"no installed catalogue names a default {name} (`defaults: {{{name}: ...}}` in a "
+            f"plugin's registry.yaml); give the {name} explicitly"
+        )
+    return str(value)
+
+
+def default_or_none(name: str) -> str | None:
+    """``default(name)``, or None when no catalogue names one."""
+    try:
+        return default(name)
+    except NoDefaultError:
+        return None
+
+
 def description(section: str, name: str) -> str:
     return str(entry(section, name).get("description", "")).strip()
 

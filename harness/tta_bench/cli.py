@@ -16,7 +16,9 @@ from tta_bench import catalog
 from tta_bench.registry import KINDS, SINGULAR, RegistryError, registry
 from tta_bench.resolve import NO_PLUGINS, UsageError, check_output, resolve_run
 
-LIST_KINDS = (*[k for k in KINDS if k != "configs"], "suites", "configs")
+LIST_KINDS = (*[k for k in KINDS if k != "configs"], "suites", "configs", "defaults")
+#: Listed only when asked for by name (``tta-bench ls configs``, ``ls defaults``).
+_ON_REQUEST = ("configs", "defaults")
 
 
 def _resolve_run(args: argparse.Namespace) -> tuple[Any, Any]:
@@ -135,8 +137,13 @@ def cmd_profile(args: argparse.Namespace) -> int:
 def cmd_ls(args: argparse.Namespace) -> int:
     from tabulate import tabulate
 
-    kinds = [args.kind] if args.kind else [k for k in LIST_KINDS if k != "configs"]
+    kinds = [args.kind] if args.kind else [k for k in LIST_KINDS if k not in _ON_REQUEST]
     for kind in kinds:
+        if kind == "defaults":
+            found = catalog.catalog()["defaults"]
+            rows = [[k, found.get(k, "-")] for k in catalog.DEFAULT_KEYS]
+            print(tabulate(rows, headers=["choice", "default"], tablefmt="simple"))
+            continue
         if kind == "configs":
             from tta_bench.config import presets
 
@@ -184,7 +191,7 @@ def cmd_env(args: argparse.Namespace) -> int:
 
     from tta_bench.data import BUDGET_ENV, cache_budget_bytes, cache_used_bytes
     from tta_bench.paths import cache_dir
-    from tta_bench.runner import resolve_device
+    from tta_bench.spec import resolve_device
     from tta_bench.text_head import text_head_entries
 
     device = resolve_device("auto")
@@ -286,11 +293,18 @@ def cmd_cache(args: argparse.Namespace) -> int:
 
 
 # -- table / leaderboard (implemented in tta_bench.report) -------------------------------
+def _baseline(args: argparse.Namespace) -> str | None:
+    """``--baseline``: unset means the catalogues' reference method, '' means none."""
+    from tta_bench.tables import REFERENCE
+
+    return REFERENCE if args.baseline is None else (args.baseline or None)
+
+
 def cmd_table(args: argparse.Namespace) -> int:
     from tta_bench import report
 
     try:
-        text = report.render_tables(args.results, args.format, args.baseline or None, args.test)
+        text = report.render_tables(args.results, args.format, _baseline(args), args.test)
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
     print(text, end="")
@@ -305,7 +319,7 @@ def cmd_leaderboard(args: argparse.Namespace) -> int:
             args.results_dir,
             args.suite,
             args.protocol,
-            args.baseline or None,
+            _baseline(args),
             args.test,
             with_plots=not args.no_plots,
         )
@@ -358,8 +372,8 @@ def _add_run(sub: Any) -> None:
         description="Evaluate a method on a shifted test stream. Extra "
         "arguments are Hydra overrides, e.g. method.lr=1e-3 seeds=[0,1,2].",
     )
-    r.add_argument("--method", help="method name (tta-bench ls methods); default zeroshot")
-    r.add_argument("--suite", help="suite name (tta-bench ls suites); default digits-c")
+    r.add_argument("--method", help=f"method name (tta-bench ls methods); {_CATALOGUE_DEFAULT}")
+    r.add_argument("--suite", help=f"suite name (tta-bench ls suites); {_CATALOGUE_DEFAULT}")
     r.add_argument("--model", help="model name (tta-bench ls models); default: the suite's")
     r.add_argument("--output", help="results JSON path; default: a timestamped file")
     r.add_argument("--data-dir", help="root of local data for hub-backed datasets")
@@ -386,7 +400,7 @@ def _add_sweep(sub: Any) -> None:
     sw = sub.add_parser(
         "sweep",
         help="run a grid of runs as Hydra multirun jobs (resumable)",
-        description="Hydra multirun over run overrides, e.g. method=tent,mura seeds=[0,1,2] "
+        description="Hydra multirun over run overrides, e.g. method=NAME1,NAME2 seeds=[0,1,2] "
         "hydra/launcher=joblib hydra.launcher.n_jobs=2. One job per method x model x seed; "
         "each writes a results JSON into --dir; rerunning skips finished cells. Launchers: "
         "basic (default), joblib, submitit_slurm (pip install 'tta-bench[sweep]').",
@@ -414,8 +428,8 @@ def _add_profile(sub: Any) -> None:
         "(data wait / shift / model), the data-wait share and a recommendation.",
     )
     pr.add_argument("--batches", type=int, default=20, help="batches to run (default 20)")
-    pr.add_argument("--method", help="method name; default zeroshot")
-    pr.add_argument("--suite", help="suite name; default digits-c")
+    pr.add_argument("--method", help=f"method name; {_CATALOGUE_DEFAULT}")
+    pr.add_argument("--suite", help=f"suite name; {_CATALOGUE_DEFAULT}")
     pr.add_argument("--model", help="model name; default: the suite's")
     pr.add_argument("--data-dir", help="root of local data for hub-backed datasets")
     pr.add_argument("overrides", nargs="*", help="Hydra overrides (key=value)")
@@ -432,18 +446,25 @@ def _add_env_and_cache(sub: Any) -> None:
     c.set_defaults(func=cmd_cache)
 
 
+BASELINE_HELP = (
+    "method to pair against; default: the catalogues' reference method (defaults: reference "
+    "in a plugin's registry.yaml; `tta-bench ls defaults`), '' for none"
+)
+_CATALOGUE_DEFAULT = "default: the catalogues' (tta-bench ls defaults)"
+
+
 def _add_reports(sub: Any) -> None:
     t = sub.add_parser("table", help="render tables from results files")
     t.add_argument("results", nargs="+", help="results JSON files (one protocol)")
     t.add_argument("--format", default="github", help="github | latex | csv | html | plain")
-    t.add_argument("--baseline", default="zeroshot", help="method to pair against ('' for none)")
+    t.add_argument("--baseline", help=BASELINE_HELP)
     t.add_argument("--test", default="t", choices=("t", "bootstrap"), help="paired test")
     t.set_defaults(func=cmd_table)
     lb = sub.add_parser("leaderboard", help="write a ranked leaderboard of a results directory")
     lb.add_argument("results_dir", help="directory of results JSON files")
     lb.add_argument("--suite", required=True, help="suite to rank (tta-bench ls suites)")
     lb.add_argument("--protocol", help="protocol id to rank; default: the suite's current one")
-    lb.add_argument("--baseline", default="zeroshot", help="method to pair against ('' for none)")
+    lb.add_argument("--baseline", help=BASELINE_HELP)
     lb.add_argument("--test", default="t", choices=("t", "bootstrap"), help="paired test")
     lb.add_argument("--no-plots", action="store_true", help="tables only")
     lb.set_defaults(func=cmd_leaderboard)

@@ -52,12 +52,15 @@ class LoaderConfig:
 
 @dataclass
 class RunConfig:
+    """A run's config; ``run_config()`` fills the default method, model and suite in from
+    the catalogues' ``defaults:`` section (the harness itself names none)."""
+
     defaults: list[Any] = field(
-        default_factory=lambda: ["_self_", {"method": "zeroshot"}, {"model": "tiny-clip-digits"}]
+        default_factory=lambda: ["_self_", {"method": MISSING}, {"model": MISSING}]
     )
     method: Any = MISSING
     model: Any = MISSING
-    suite: str = "digits-c"
+    suite: str = MISSING
     #: Three seeds: the mean over seeds with its 95% interval, from one plain `run`.
     seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
     device: str = "auto"  # auto | cpu | cuda | cuda:N
@@ -108,11 +111,25 @@ def factory_config(name: str, factory: Any) -> type:
     return dataclasses.make_dataclass(f"{name.replace('-', '_')}_config", specs)
 
 
+def run_config() -> RunConfig:
+    """``RunConfig`` with the catalogues' default method, model and suite; a choice no
+    catalogue names stays mandatory (Hydra asks for it)."""
+    from tta_bench import catalog
+
+    def pick(name: str) -> str:
+        return catalog.default_or_none(name) or MISSING
+
+    return RunConfig(
+        defaults=["_self_", {"method": pick("method")}, {"model": pick("model")}],
+        suite=pick("suite"),
+    )
+
+
 def _register(method_names: list[str], model_names: list[str]) -> None:
     from hydra.core.config_store import ConfigStore
 
     cs = ConfigStore.instance()
-    cs.store(name="tta_bench_run", node=RunConfig)
+    cs.store(name="tta_bench_run", node=run_config())
     for name in method_names:
         cs.store(group="method", name=name, node=registry("methods").get(name).Config)
     for name in model_names:
@@ -125,11 +142,12 @@ class Preset:
     """A named method preset: a YAML file ``method/<name>.yaml`` in a plugin's Hydra config
     package whose defaults list starts with the method it configures, e.g.::
 
-        # tent-digits: tent with info-max, Adam 2e-2, 5 steps (tuned on digits-c-extra)
+        # my-preset: my-method with a larger learning rate and more steps
         defaults:
-          - tent
+          - my-method
           - _self_
-        loss: info_max
+        lr: 0.02
+        steps: 5
 
     The first comment line (after ``<name>:``) is its description."""
 
@@ -164,7 +182,7 @@ def presets() -> dict[str, Preset]:
                 if base is None:
                     raise ValueError(
                         f"preset {path} must start its defaults list with the method it "
-                        "configures (e.g. `defaults: [tent, _self_]`)"
+                        "configures (e.g. `defaults: [<method>, _self_]`)"
                     )
                 first = next((ln for ln in text.splitlines() if ln.startswith("#")), "#")
                 desc = first.lstrip("# ").split(":", 1)[-1].strip()

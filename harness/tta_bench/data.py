@@ -1,4 +1,5 @@
-"""Domain streams, the decoded-image cache, and the sources the loader reads (DESIGN §5).
+"""Domain streams, the decoded-image cache, and the sources the loader reads
+(docs/design.md#data-pipeline).
 
 A dataset factory returns a ``DomainStream``: a HuggingFace ``datasets.Dataset`` with an
 ``image`` and a ``label`` column, plus the class names and prompt templates.

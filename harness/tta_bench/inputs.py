@@ -293,9 +293,9 @@ def source_images(
 ) -> torch.Tensor:
     """Up to ``n`` clean, unlabeled images ``[n, C, H, W]`` in [0, 1] (the whole split when
     it is smaller) of the protocol's declared source split (``Protocol.source``: e.g. the
-    digits train split), a fixed random subset keyed by the protocol; for methods that
-    estimate statistics of the source domain (EATA's Fisher information). No labels leave
-    this function."""
+    training split of the test set's dataset), a fixed random subset keyed by the protocol;
+    for methods that estimate statistics of the source domain (EATA's Fisher information).
+    No labels leave this function."""
     if protocol.source is None:
         raise ValueError(
             f"this method needs {n} clean source-domain images, but suite {protocol.name!r} "

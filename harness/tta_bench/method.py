@@ -1,4 +1,4 @@
-"""The Method contract (DESIGN §3) and the GradientMethod base.
+"""The Method contract (docs/design.md#contracts) and the GradientMethod base.
 
 The harness builds a method with ``Method(model, config)`` (store only), calls ``setup()``
 once, ``reseed(seed)`` + ``step(images)`` per batch, and ``reset()`` where the protocol says.
@@ -54,9 +54,11 @@ def autocast_context(precision: str, device: torch.device) -> contextlib.Abstrac
 
 @dataclass
 class GradientConfig:
-    """Hyperparameters every gradient-based method shares."""
+    """Hyperparameters every gradient-based method shares. ``loss``: a registered loss
+    (``tta-bench ls losses``) that ``compute_loss`` applies as ``self.loss_fn``; None for a
+    method whose objective is fixed in its ``compute_loss``."""
 
-    loss: str = "entropy"
+    loss: Optional[str] = None
     optimizer: str = "adam"
     lr: float = 1e-3
     weight_decay: float = 0.0
@@ -76,6 +78,9 @@ class Method(abc.ABC):
     Config: ClassVar[type] = NoConfig
     #: True when ``step`` changes the model; False for parameter-free methods.
     adapts: ClassVar[bool] = False
+    #: True for the frozen source model itself (the reference a run is compared with):
+    #: its cells' ``reference_accuracy`` is its own accuracy.
+    is_reference: ClassVar[bool] = False
 
     def __init__(self, model: ZeroShotClassifier, config: Any = None):
         self.model = model

@@ -57,6 +57,7 @@ from pathlib import Path
 from typing import Any
 
 from tta_bench.paths import atomic_write_text
+from tta_bench.templates import resolve_templates
 
 __all__ = [
     "PredictJob",
@@ -84,9 +85,9 @@ _REQUIRED = object()
 _FIELDS: dict[str, tuple[tuple[type, ...], Any, str]] = {
     "input_dir": ((str,), _REQUIRED, "a folder of images"),
     "output_dir": ((str,), _REQUIRED, "where results, logs and the summary go"),
-    "method": ((str,), "zeroshot", "a registered method (tta-bench ls methods)"),
+    "method": ((str, type(None)), None, "a registered method (default: the catalogues')"),
     "overrides": ((dict, list), {}, "method config overrides, {key: value} or ['key=value']"),
-    "model": ((str,), "tiny-clip-digits", "a registered model (tta-bench ls models)"),
+    "model": ((str, type(None)), None, "a registered model (default: the catalogues')"),
     "model_args": ((dict,), {}, "the model factory's arguments, e.g. {arch, pretrained}"),
     "dataset": ((str, type(None)), None, "a registered dataset whose class names to use"),
     "classnames": ((list, type(None)), None, "class names (else the dataset's)"),
@@ -120,9 +121,9 @@ class PredictJob:
 
     input_dir: str
     output_dir: str
-    method: str = "zeroshot"
+    method: str | None = None  # None: the catalogues' default method (set by the checks)
     overrides: dict[str, Any] | list[str] = field(default_factory=dict)
-    model: str = "tiny-clip-digits"
+    model: str | None = None  # None: the catalogues' default model (set by the checks)
     model_args: dict[str, Any] = field(default_factory=dict)
     dataset: str | None = None
     classnames: list[str] | None = None
@@ -174,6 +175,14 @@ class PredictJob:
         return job
 
     def _check(self, base_dir: str | Path | None) -> None:
+        from tta_bench import catalog
+
+        for key in ("method", "model"):  # None: the default the installed plugins name
+            if getattr(self, key) is None:
+                try:
+                    setattr(self, key, catalog.default(key))
+                except catalog.NoDefaultError as exc:
+                    raise ValueError(f"predict job key {key!r}: {exc}") from None
         for key, choices in (
             ("reset", RESETS),
             ("on_bad_image", ON_BAD_IMAGE),
@@ -193,9 +202,8 @@ class PredictJob:
             value = getattr(self, key)
             if value is not None and (not value or not all(isinstance(v, str) for v in value)):
                 raise ValueError(f"predict job key {key!r} must be a non-empty list of strings")
-        if self.templates and any(t.count("{}") != 1 for t in self.templates):
-            bad = [t for t in self.templates if t.count("{}") != 1]
-            raise ValueError(f"prompt templates need exactly one '{{}}' each; got {bad}")
+        if self.templates is not None:
+            resolve_templates(self.templates, owner="predict job key 'templates'")
         if self.classnames is None and self.dataset is None:
             from tta_bench.adapter import default_dataset
 

@@ -1,4 +1,5 @@
-"""Protocols: everything a number depends on, with a stable id (DESIGN §6).
+"""Protocols: everything a number depends on, with a stable id
+(docs/design.md#protocols-and-the-protocol-id).
 
 A named suite in the catalogue (``registry.yaml``: ``suites:``) is resolved, together with
 the run's overrides, into a frozen ``Protocol``. Its ``id`` hashes every field, so results
@@ -51,7 +52,8 @@ class Protocol:
     #: ``synthetic``: shift kernels corrupt the clean split on the fly; ``dataset``: the
     #: dataset factory serves each (shift, severity) domain itself (CIFAR-10-C, ImageNet-A).
     shift_source: str = "synthetic"
-    #: Severity parameter table for synthetic shifts: ``cifar`` (32 px) or ``imagenet``.
+    #: Severity parameter table for synthetic shifts, by name: the shift kernels' tables
+    #: (e.g. one for 32 px and one for 224 px images, as Hendrycks & Dietterich define them).
     severity_table: str = "cifar"
     max_images: int | None = None
     #: Concentration of the per-class Dirichlet over time slots (``non_iid`` only): small
@@ -176,11 +178,11 @@ def load_protocol(suite: str, **overrides: Any) -> Protocol:
     given = spec.get("templates")
     if given is None:  # a suite may name its head through the dataset's arguments
         given = spec["dataset_args"].get("templates")
-    spec["templates"] = resolve_templates(given, spec.get("dataset"), suite)
+    spec["templates"] = _protocol_templates(given, spec.get("dataset"), suite)
     return Protocol(**spec)
 
 
-def resolve_templates(value: Any, dataset: str | None, suite: str) -> tuple[str, ...] | None:
+def _protocol_templates(value: Any, dataset: str | None, suite: str) -> tuple[str, ...] | None:
     """The protocol's prompt templates: ``value`` (a catalogue template-set name or a list of
     format strings: the suite's ``templates``, else its ``dataset_args.templates``), else
     the dataset's catalogue ``templates`` (same forms); None when none names any (the
@@ -189,18 +191,6 @@ def resolve_templates(value: Any, dataset: str | None, suite: str) -> tuple[str,
         value = catalog.entry("datasets", dataset).get("templates")
     if value is None:
         return None
-    if isinstance(value, str):
-        sets = catalog.catalog()["templates"]
-        if value not in sets:
-            raise ValueError(
-                f"unknown template set {value!r} for suite {suite!r}; available: "
-                f"{', '.join(sorted(sets))} (or a list of format strings with one '{{}}')"
-            )
-        value = sets[value]["templates"]
-    out = tuple(str(t) for t in value)
-    bad = [t for t in out if t.count("{}") != 1]
-    if not out or bad:
-        raise ValueError(
-            f"prompt templates of suite {suite!r} need exactly one '{{}}' each; got {bad or out}"
-        )
-    return out
+    from tta_bench.templates import resolve_templates as resolve
+
+    return tuple(resolve(value, owner=f"suite {suite!r}"))

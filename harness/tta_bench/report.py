@@ -21,6 +21,7 @@ from pathlib import Path
 from typing import Any
 
 from tta_bench import plots, results, stats, tables
+from tta_bench.metric_columns import table_columns
 
 LEADERBOARD_MD = "leaderboard.md"
 LEADERBOARD_HTML = "leaderboard.html"
@@ -31,7 +32,9 @@ SECTION_TITLES = {
     "summary": "Suite summary: accuracy mean ± 95% CI over seeds, paired Δ vs baseline",
     "cost": "Cost per sample (measured), mean over cells",
 }
-#: Leaderboard columns, taken from the summary and cost tables.
+#: Leaderboard columns, taken from the summary and cost tables; ``METRICS`` stands for the
+#: summary's column of every metric the runs hold (``tta_bench.metric_columns``).
+METRICS = "<metrics>"
 LEADERBOARD_COLUMNS = (
     "method",
     "model",
@@ -39,7 +42,7 @@ LEADERBOARD_COLUMNS = (
     "accuracy % (95% CI)",
     "Δ",
     "p",
-    "ECE %",
+    METRICS,
     "ms/sample",
     "data ms",
     "adapt ms",
@@ -82,7 +85,7 @@ def _heading(title: str, fmt: str) -> str:
 def render_tables(
     paths: Sequence[str | Path],
     fmt: str = "github",
-    baseline: str | None = "zeroshot",
+    baseline: str | None = tables.REFERENCE,
     test: str = "t",
     labels: Sequence[str] | None = None,
 ) -> str:
@@ -155,7 +158,7 @@ def _labels(records: Sequence[dict[str, Any]]) -> list[str]:
 
 
 def _name(record: dict[str, Any]) -> str:
-    """A run's name: its preset (``tent-digits``) when it came from one, else its method."""
+    """A run's name: its preset (``method=<preset>``) when it came from one, else its method."""
     return record.get("method_preset") or record["method"]
 
 
@@ -257,7 +260,7 @@ def collect(results_dir: str | Path, suite: str, protocol_id: str | None = None)
 
 
 def leaderboard_rows(
-    board: Leaderboard, baseline: str | None = "zeroshot", test: str = "t"
+    board: Leaderboard, baseline: str | None = tables.REFERENCE, test: str = "t"
 ) -> tuple[list[str], list[list[Any]]]:
     """The ranked table: ``rank`` and ``LEADERBOARD_COLUMNS`` (Δ named after the
     baseline)."""
@@ -267,8 +270,13 @@ def leaderboard_rows(
     c_head, c_rows = tables.cost_rows(records, labels)
     headers = ["rank"]
     picks: list[tuple[int, int]] = []  # (table, column)
+    metric_labels = [c.label for c in table_columns(c for r in records for c in r["cells"])]
     for col in LEADERBOARD_COLUMNS:
-        if col == "Δ":
+        if col == METRICS:
+            for label in metric_labels:
+                headers.append(label)
+                picks.append((0, s_head.index(label)))
+        elif col == "Δ":
             matches = [i for i, h in enumerate(s_head) if h.startswith("Δ")]
             if matches:
                 headers.append(s_head[matches[0]])
@@ -333,14 +341,17 @@ def _notes(board: Leaderboard, baseline: str | None, test: str) -> list[str]:
             f"Δ: difference to {label} on the same seeds and cells, {test_name} interval and "
             "two-sided p-value."
         )
-        if label != baseline:
+        if label != tables.baseline_name(baseline):
             note += f" {label}: the frozen source model each run scored on its identical stream."
         notes.insert(2, note)
     return [n for n in notes if n]
 
 
 def leaderboard_markdown(
-    board: Leaderboard, baseline: str | None = "zeroshot", test: str = "t", images: bool = True
+    board: Leaderboard,
+    baseline: str | None = tables.REFERENCE,
+    test: str = "t",
+    images: bool = True,
 ) -> str:
     headers, rows = leaderboard_rows(board, baseline, test)
     records = [e.record for e in board.entries]
@@ -374,7 +385,10 @@ def leaderboard_markdown(
 
 
 def leaderboard_html(
-    board: Leaderboard, baseline: str | None = "zeroshot", test: str = "t", images: bool = True
+    board: Leaderboard,
+    baseline: str | None = tables.REFERENCE,
+    test: str = "t",
+    images: bool = True,
 ) -> str:
     headers, rows = leaderboard_rows(board, baseline, test)
     records = [e.record for e in board.entries]
@@ -417,7 +431,7 @@ def write_leaderboard(
     results_dir: str | Path,
     suite: str,
     protocol_id: str | None = None,
-    baseline: str | None = "zeroshot",
+    baseline: str | None = tables.REFERENCE,
     test: str = "t",
     with_plots: bool = True,
 ) -> tuple[Leaderboard, list[Path]]:

@@ -40,9 +40,13 @@ def _require_plugins(kind: str) -> None:
         raise UsageError(NO_PLUGINS.format(kind=kind))
 
 
-def _default(name: str, fallback: str) -> str:
-    """A default choice (``suite``, ``method``) from the catalogues' ``defaults:`` section."""
-    return str((catalog.catalog().get("defaults") or {}).get(name) or fallback)
+def _default(name: str) -> str:
+    """A default choice (``suite``, ``method``, ``model``) from the catalogues' ``defaults:``
+    section; a UsageError when none names it."""
+    try:
+        return catalog.default(name)
+    except catalog.NoDefaultError as exc:
+        raise UsageError(f"{exc} (--{name})") from None
 
 
 def resolve_run(
@@ -66,8 +70,8 @@ def resolve_run(
     o_method, overrides = _split_choice(overrides, "method")
     o_model, overrides = _split_choice(overrides, "model")
     o_suite, overrides = _split_choice(overrides, "suite")
-    method = method or o_method or _default("method", "zeroshot")
-    suite = suite or o_suite or _default("suite", "digits-c")
+    method = method or o_method or _default("method")
+    suite = suite or o_suite or _default("suite")
     model = model or o_model
     catalog_suites = catalog.catalog()["suites"]
     if suite not in catalog_suites:
@@ -99,7 +103,7 @@ def resolve_run(
     OmegaConf.set_struct(cfg, True)
     _check_keys("method", method, cfg.method, registry("methods").get(method).Config)
     _check_keys("model", model, cfg.model, None, registry("models").get(model))
-    from tta_bench.runner import spec_from_config
+    from tta_bench.spec import spec_from_config
 
     try:
         spec = spec_from_config(cfg, method, model)
@@ -167,7 +171,7 @@ def _check_spec(spec: Any) -> None:
     """Values Hydra's types cannot check, before any setup: seeds, device, cache policy,
     components, model arguments, source images, the output path."""
     from tta_bench.data import CACHE_POLICIES
-    from tta_bench.runner import resolve_device
+    from tta_bench.spec import resolve_device
 
     if not spec.seeds:
         raise UsageError(

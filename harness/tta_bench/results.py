@@ -316,8 +316,9 @@ def load_results(path: str | Path) -> dict[str, Any]:
 
 def summarize(cells: list[dict[str, Any]]) -> dict[str, Any]:
     """Suite-level figures: mean accuracy over cells (per seed, then over seeds) with its
-    sample std and 95% Student t interval over seeds (``tta_bench.stats``), mean ECE and
-    NLL, mean time per sample and the largest peak memory."""
+    sample std and 95% Student t interval over seeds (``tta_bench.stats``), the mean of
+    every other metric the cells hold (``mean_<metric>``), mean time per sample and the
+    largest peak memory."""
     if not cells:
         return {"mean_accuracy": None, "n_cells": 0}
     diverged = [c for c in cells if c.get("diverged")]
@@ -356,8 +357,10 @@ def summarize(cells: list[dict[str, Any]]) -> dict[str, Any]:
     if acc is not None:
         out["accuracy_std"] = acc.std
         out["accuracy_ci95"] = [acc.ci_low, acc.ci_high] if acc.ci_low is not None else None
-    for key in ("ece", "nll"):
-        est = stats.suite_estimate({"cells": cells}, key)
+    from tta_bench.metric_columns import table_columns
+
+    for col in table_columns(cells):
+        est = stats.suite_estimate({"cells": cells}, col.name)
         if est is not None:
-            out[f"mean_{key}"] = est.mean
+            out[f"mean_{col.name}"] = est.mean
     return out

@@ -14,7 +14,6 @@ from __future__ import annotations
 import copy
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,118 +22,17 @@ import torch
 from tta_bench import results, resume
 from tta_bench.accounting import CellBook, CostMeter, log_batch, non_finite
 from tta_bench.cost import PeakMemory
-from tta_bench.inputs import RunInputs, apply_shift, to_float_images, uint8_entry
+from tta_bench.inputs import RunInputs
 from tta_bench.method import Method
 from tta_bench.model import ZeroShotClassifier, count_parameters
-from tta_bench.protocol import Protocol
 from tta_bench.record import new_record
 from tta_bench.registry import registry
-from tta_bench.resume import ResumeMismatchError, finished_record, method_config_hash
+from tta_bench.resume import finished_record
 from tta_bench.rng import stable_seed
+from tta_bench.spec import RunSpec, resolve_device
 from tta_bench.stream import Batch, Stream, build_stream
 
-__all__ = [
-    "RunSpec",
-    "Evaluation",
-    "run",
-    "spec_from_config",
-    "resolve_device",
-    "ResumeMismatchError",
-    "method_config_hash",
-    "apply_shift",
-    "to_float_images",
-    "uint8_entry",
-]
-
-DEVICES = ("auto", "cpu", "cuda", "cuda:N")
-
-
-@dataclass
-class RunSpec:
-    method: str
-    method_config: Any
-    model: str
-    model_args: dict[str, Any]
-    protocol: Protocol
-    seeds: list[int]
-    device: str = "auto"
-    data_dir: str | None = None
-    reference: bool = True
-    progress: bool = True
-    config: dict[str, Any] = field(default_factory=dict)  # the resolved config, for the record
-    #: DataLoader settings: a mapping/object with num_workers, pin_memory, prefetch_factor,
-    #: persistent_workers (None = chosen for the device; ``tta_bench.loader``).
-    loader: Any = None
-    #: Skip cells already in the output file when it holds the same run.
-    resume: bool = True
-    #: A corrupt/truncated image: "fail" (error naming it) or "skip" (left out, recorded).
-    on_bad_image: str = "fail"
-    #: JSONL path: one line per batch (loss, accuracy before/after, time, memory).
-    batch_log: str | None = None
-    per_class_accuracy: bool = False
-    #: Count FLOPs per sample on each cell's first batch (that batch is left untimed).
-    flops: bool = False
-    #: Decoded-image cache policy (``tta_bench.data.CACHE_POLICIES``).
-    cache: str = "auto"
-    #: The named preset the method config came from (``method=tent-digits``), if any.
-    method_preset: str | None = None
-
-
-def spec_from_config(cfg: Any, method: str, model: str) -> RunSpec:
-    """The ``RunSpec`` of a composed run config (``tta_bench.config``); ``method`` and
-    ``model`` are the config-group choices. Callers adjust CLI-only fields with
-    ``dataclasses.replace``."""
-    from tta_bench.config import method_config, to_container
-    from tta_bench.protocol import load_protocol
-
-    overrides = {k: v for k, v in to_container(cfg.protocol).items() if v is not None}
-    protocol = load_protocol(cfg.suite, **overrides)
-    cfg_dict = to_container(cfg)
-    cfg_dict.pop("defaults", None)
-    cfg_dict["method"] = {"name": method, **cfg_dict["method"]}
-    cfg_dict["model"] = {"name": model, **cfg_dict["model"]}
-    return RunSpec(
-        method=method,
-        method_config=method_config(cfg),
-        model=model,
-        model_args={k: v for k, v in cfg_dict["model"].items() if k != "name"},
-        protocol=protocol,
-        seeds=[int(s) for s in cfg.seeds],
-        device=cfg.device,
-        data_dir=cfg.data_dir,
-        reference=bool(cfg.reference),
-        progress=bool(cfg.progress),
-        config=cfg_dict,
-        loader=cfg_dict.get("loader"),
-        resume=bool(cfg.resume),
-        batch_log=cfg.get("batch_log"),
-        per_class_accuracy=bool(cfg.get("per_class_accuracy", False)),
-        flops=bool(cfg.get("flops", False)),
-        cache=str(cfg.get("cache", "auto")),
-    )
-
-
-def resolve_device(name: str) -> torch.device:
-    """``auto`` (CUDA when available), ``cpu``, ``cuda`` or ``cuda:N``; a bad name or an
-    unavailable device is a ValueError naming it and the options."""
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    try:
-        device = torch.device(name)
-    except (RuntimeError, TypeError):
-        raise ValueError(f"unknown device {name!r}; available: {', '.join(DEVICES)}") from None
-    if device.type not in ("cpu", "cuda"):
-        raise ValueError(f"unsupported device {name!r}; available: {', '.join(DEVICES)}")
-    if device.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(
-                f"device {name!r} requested but CUDA is not available; use cpu or auto"
-            )
-        if device.index is not None and device.index >= torch.cuda.device_count():
-            raise ValueError(
-                f"device {name!r}: only {torch.cuda.device_count()} CUDA device(s) are visible"
-            )
-    return device
+__all__ = ["Evaluation", "run"]
 
 
 def seed_torch(seed: int, device: torch.device) -> None:
@@ -303,7 +201,7 @@ class Evaluation:
         book = CellBook(
             stream,
             reference=spec.reference,
-            zeroshot=spec.method == "zeroshot",
+            is_reference=self.method_cls.is_reference,
             per_class=spec.per_class_accuracy,
         )
         diverged: str | None = None
@@ -319,12 +217,12 @@ class Evaluation:
                     if self.observer is not None:
                         self.observer(seed, batch, x)
                     if diverged is None:
-                        with meter.phase("method"), measured["flop_mode"]:
+                        with meter.phase("method"), measured.flop_mode:
                             if batch.reset_before:
                                 method.reset()
                             method.reseed(_batch_seed(stream, batch, seed, positions))
                             logits = method.step(x).detach().float()
-                        measured["passes_done"]()
+                        measured.passes_done()
                         loss = method.last_loss if method.adapts else None
                         diverged = non_finite(logits, loss)
                         if diverged is not None:  # later batches: the state is lost from here
@@ -336,10 +234,10 @@ class Evaluation:
                 if diverged is not None:  # reported, never scored; the state is lost
                     book.diverge(batch, diverged, at=diverged_at)
                 else:
-                    book.fold(batch, logits, y, ref if spec.reference else None, measured["cost"])
+                    book.fold(batch, logits, y, ref if spec.reference else None, measured.cost)
                     if self._log is not None:
                         log_batch(self._log, seed, batch, stream, loss, logits, y, ref,
-                                  measured["cost"], self.device)  # fmt: skip
+                                  measured.cost, self.device)  # fmt: skip
                 bar.update(1)
         resolved = method.resolved_settings()
         if resolved:

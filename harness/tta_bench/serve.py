@@ -702,8 +702,8 @@ def serve(
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``tta-bench serve`` options (the CLI calls this; no heavy imports)."""
     d = Limits()
-    p.add_argument("--method", default="zeroshot", help="method name (tta-bench ls methods)")
-    p.add_argument("--model", default="tiny-clip-digits", help="model name (tta-bench ls models)")
+    p.add_argument("--method", help="method name (tta-bench ls methods); default: the catalogues'")
+    p.add_argument("--model", help="model name (tta-bench ls models); default: the catalogues'")
     p.add_argument(
         "--model-arg",
         action="append",
@@ -800,6 +800,13 @@ def build_service(args: argparse.Namespace) -> Service:
 def main(args: argparse.Namespace) -> int:
     """``tta-bench serve``: build the service, serve until Ctrl-C."""
     require_extra()
+    from tta_bench import catalog
+
+    try:
+        args.method = args.method or catalog.default("method")
+        args.model = args.model or catalog.default("model")
+    except catalog.NoDefaultError as exc:
+        raise ValueError(str(exc)) from None
     if args.classnames is None and args.dataset is None:
         from tta_bench.adapter import default_dataset
 

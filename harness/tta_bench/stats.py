@@ -162,6 +162,19 @@ def check_same_protocol(record: dict[str, Any], other: dict[str, Any]) -> None:
     )
 
 
+def reference_method() -> str | None:
+    """The catalogues' reference method (``defaults: reference``, the frozen model), or None
+    when no installed catalogue names one."""
+    from tta_bench import catalog
+
+    return catalog.default_or_none("reference")
+
+
+def reference_label() -> str:
+    """The label of a run's own reference cells: ``<reference method> (reference)``."""
+    return f"{reference_method() or 'frozen model'} (reference)"
+
+
 def reference_record(record: dict[str, Any]) -> dict[str, Any]:
     """The frozen source model as a baseline record: the runner scored it on the identical
     stream of every cell (``reference_accuracy``), so it pairs exactly with the method."""
@@ -173,7 +186,7 @@ def reference_record(record: dict[str, Any]) -> dict[str, Any]:
         )
     return {
         **record,
-        "method": "zeroshot (reference)",
+        "method": reference_label(),
         "cells": [{**c, "accuracy": c["reference_accuracy"]} for c in cells],
     }
 

@@ -1,6 +1,6 @@
 """``tta-bench sweep``: a Hydra multirun application, one job per method x model x seed.
 
-Hydra expands the overrides (``method=tent,mura seeds=[0,1,2] suite=digits-c``) into
+Hydra expands the overrides (``method=a,b seeds=[0,1,2] suite=s``) into
 independent jobs and hands them to a launcher plugin: the basic one (sequential, in
 process), ``hydra/launcher=joblib`` (local processes, ``hydra-joblib-launcher``) or
 ``hydra/launcher=submitit_slurm`` (SLURM array jobs, ``hydra-submitit-launcher``); the
@@ -69,10 +69,10 @@ def register_configs() -> None:
     """Store the run config and every registered method/model as Hydra config nodes."""
     from hydra.core.config_store import ConfigStore
 
-    from tta_bench.config import RunConfig, _register
+    from tta_bench.config import _register, run_config
 
     _register(registry("methods").names(), registry("models").names())
-    ConfigStore.instance().store(name=CONFIG_NAME, node=RunConfig)
+    ConfigStore.instance().store(name=CONFIG_NAME, node=run_config())
 
 
 def build_spec(cfg: DictConfig, method: str, model: str) -> Any:
@@ -80,7 +80,7 @@ def build_spec(cfg: DictConfig, method: str, model: str) -> Any:
     ``batch_log`` is a single path that parallel jobs would share, so sweeps leave it off."""
     import dataclasses
 
-    from tta_bench.runner import spec_from_config
+    from tta_bench.spec import spec_from_config
 
     return dataclasses.replace(spec_from_config(cfg, method, model), batch_log=None)
 

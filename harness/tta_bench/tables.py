@@ -1,6 +1,6 @@
 """Tables rendered from results records only (tabulate): the shift-wise accuracy table, the
-suite summary (mean ± 95% CI over seeds, paired difference against a baseline, ECE) and the
-cost table. Accuracies, differences and ECE are in percent.
+suite summary (mean ± 95% CI over seeds, paired difference against a baseline, the other
+metrics) and the cost table. Accuracies and differences are in percent.
 
 Formats: ``github`` (= ``markdown``), ``latex`` (booktabs), ``csv``, ``html``, ``plain``.
 Every function is a pure function of its records, so regenerated tables are identical.
@@ -18,6 +18,7 @@ from typing import Any
 from tabulate import tabulate
 
 from tta_bench import stats
+from tta_bench.metric_columns import table_columns
 
 FORMATS = {
     "github": "github",
@@ -32,14 +33,14 @@ MISSING = "-"
 LATEX_SYMBOLS = {"±": r"$\pm$", "Δ": r"$\Delta$", "<": r"$<$"}
 
 
-def _fmt(values: list[float], digits: int = 1) -> str:
+def _fmt(values: list[float], decimals: int = 1) -> str:
     """``mean ± std`` (sample std over seeds) in percent; the mean alone for one value."""
     if not values:
         return MISSING
     mean = 100 * statistics.fmean(values)
     if len(values) == 1:
-        return f"{mean:.{digits}f}"
-    return f"{mean:.{digits}f} ± {100 * statistics.stdev(values):.{digits}f}"
+        return f"{mean:.{decimals}f}"
+    return f"{mean:.{decimals}f} ± {100 * statistics.stdev(values):.{decimals}f}"
 
 
 def render(rows: list[list[Any]], headers: list[str], fmt: str) -> str:
@@ -64,6 +65,19 @@ _render = render  # the name the first tables used
 
 
 DIVERGED = "diverged"
+#: ``baseline`` default: the catalogues' reference method (``defaults: reference``), paired
+#: through each run's own reference cells when its results are not among the records.
+REFERENCE = "@reference"
+
+
+def baseline_name(baseline: str | None) -> str | None:
+    """``baseline`` with ``REFERENCE`` resolved to the catalogues' reference method."""
+    return stats.reference_method() if baseline == REFERENCE else baseline
+
+
+def is_reference_run(record: dict[str, Any]) -> bool:
+    """The run is of the reference method itself (its reference figures are its own)."""
+    return record["method"] == stats.reference_method()
 
 
 def _acc_text(cells: list[dict[str, Any]], key: str = "accuracy") -> str:
@@ -107,12 +121,12 @@ def shift_order(records: Sequence[dict[str, Any]]) -> list[str]:
 
 def shift_table(record: dict[str, Any], fmt: str = "plain") -> str:
     """One run. Rows: shifts in protocol order, then the mean; columns: severities, mean
-    (``mean ± std`` over seeds), and the zero-shot reference with the delta when the run
-    scored it."""
+    (``mean ± std`` over seeds), and the frozen model's reference with the delta when the
+    run scored it."""
     cells = record["cells"]
     shifts = shift_order([record])
     severities = sorted({c["severity"] for c in cells})
-    has_ref = record["method"] != "zeroshot" and all(
+    has_ref = not is_reference_run(record) and all(
         c.get("reference_accuracy") is not None or c.get("diverged") for c in cells
     )
     headers = ["shift", *[f"sev {s}" for s in severities], "mean"]
@@ -182,12 +196,14 @@ def _delta(cmp: stats.PairedComparison | None) -> str:
 def resolve_baseline(
     records: Sequence[dict[str, Any]], baseline: str | None
 ) -> tuple[dict[str, Any] | None, str | None]:
-    """The baseline record among ``records`` (by method name) and the column label.
+    """The baseline record among ``records`` (by method name; ``REFERENCE``: the
+    catalogues' reference method) and the column label.
 
-    When no record is the baseline and ``baseline`` is ``zeroshot``, each run's own
+    When no record is the baseline and ``baseline`` is the reference method, each run's own
     reference (the frozen source model on the identical stream) is the baseline:
-    ``(None, "zeroshot (reference)")``. Otherwise an unknown baseline is an error that
+    ``(None, "<reference> (reference)")``. Otherwise an unknown baseline is an error that
     lists the methods present."""
+    baseline = baseline_name(baseline)
     if baseline is None:
         return None, None
     found = [r for r in records if r["method"] == baseline]
@@ -198,13 +214,14 @@ def resolve_baseline(
         )
     if found:
         return found[0], baseline
-    if baseline == "zeroshot":
-        return None, "zeroshot (reference)"
+    reference = stats.reference_method()
+    if baseline == reference:
+        return None, stats.reference_label()
     methods = sorted({r["method"] for r in records})
+    hint = f", or use --baseline {reference} to pair with each run's reference" if reference else ""
     raise ValueError(
         f"baseline {baseline!r} is not among the results (methods: {', '.join(methods)}); "
-        f"pass its results file too, or use --baseline zeroshot to pair with each run's "
-        f"reference"
+        f"pass its results file too{hint}"
     )
 
 
@@ -216,13 +233,14 @@ def compare_to_baseline(
 ) -> stats.PairedComparison | None:
     """The paired comparison of ``record`` with the resolved baseline; None for the
     baseline itself, or when no baseline figures exist for this run."""
+    baseline = baseline_name(baseline)
     if baseline is None or record is baseline_record:
         return None
     if baseline_record is not None:
         if stats.diverged_cells(baseline_record) or stats.diverged_cells(record):
             return None  # nothing to pair: a diverged cell has no accuracy
         return stats.paired_comparison(record, baseline_record, test=test)
-    if record["method"] == "zeroshot" or not any(
+    if is_reference_run(record) or not any(
         c.get("reference_accuracy") is not None for c in record["cells"]
     ):
         return None
@@ -232,17 +250,18 @@ def compare_to_baseline(
 def summary_rows(
     records: Sequence[dict[str, Any]],
     labels: Sequence[str] | None = None,
-    baseline: str | None = "zeroshot",
+    baseline: str | None = REFERENCE,
     test: str = "t",
 ) -> tuple[list[str], list[list[Any]]]:
     """Headers and rows of the suite summary (see ``summary_table``)."""
     _check_one_protocol(records)
     names = _labels(records, labels)
     base_rec, base_label = resolve_baseline(records, baseline)
+    columns = table_columns(c for r in records for c in r["cells"])
     headers = ["method", "model", "seeds", "accuracy % (95% CI)"]
     if base_label is not None:
         headers += [f"Δ vs {base_label} (95% CI)", "p"]
-    headers += ["ECE %", "NLL"]
+    headers += [col.label for col in columns]
     rows = []
     for name, rec in zip(names, records):
         bad = stats.diverged_cells(rec)
@@ -255,12 +274,9 @@ def summary_rows(
         if base_label is not None:
             cmp = None if bad else compare_to_baseline(rec, base_rec, baseline, test)
             row += [_delta(cmp), _p(cmp.p_value if cmp else None)]
-        ece = stats.suite_estimate(rec, "ece")
-        nll = stats.suite_estimate(rec, "nll")
-        row += [
-            MISSING if ece is None else f"{100 * ece.mean:.1f}",
-            MISSING if nll is None else f"{nll.mean:.3f}",
-        ]
+        for col in columns:
+            est = stats.suite_estimate(rec, col.name)
+            row.append(MISSING if est is None else col.format(est.mean))
         rows.append(row)
     return headers, rows
 
@@ -268,13 +284,14 @@ def summary_rows(
 def summary_table(
     records: Sequence[dict[str, Any]],
     fmt: str = "plain",
-    baseline: str | None = "zeroshot",
+    baseline: str | None = REFERENCE,
     test: str = "t",
     labels: Sequence[str] | None = None,
 ) -> str:
     """Runs of one protocol: accuracy mean ± 95% CI half-width (Student t over seeds), the
     paired difference to ``baseline`` with its interval and p-value (``test``: ``t`` or
-    ``bootstrap``), mean ECE (percent) and NLL (nats)."""
+    ``bootstrap``), and the mean of every other metric the cells hold (ECE in percent and
+    NLL in nats for the built-in ones; ``tta_bench.metric_columns``)."""
     headers, rows = summary_rows(records, labels, baseline, test)
     return render(rows, headers, fmt)
 

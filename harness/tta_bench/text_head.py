@@ -155,8 +155,9 @@ def encode_text_cut(clip: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
     token: open_clip's text transformer is causal and pools at the end token, so the
     padding after it never reaches the features. ImageNet prompts are ~10-20 of the 77
     tokens, so this is several times cheaper; the values equal the full forward up to
-    float32 summation order (masked keys add exact zeros; tests/test_text_head.py). Towers
-    that are not a standard causal open_clip text transformer use ``encode_text`` as is."""
+    float32 summation order (masked keys add exact zeros;
+    tests/test_text_head_chunking_and_cache.py). Towers that are not a standard causal
+    open_clip text transformer use ``encode_text`` as is."""
     import torch
     from torch import nn
 

@@ -25,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from tta_bench.catalog import catalog, entry
+from tta_bench.catalog import entry
 from tta_bench.data import DataUnavailableError
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff", ".gif")
@@ -50,23 +50,6 @@ def dataset_meta(name: str) -> dict[str, Any]:
             if "wnids" in base:
                 meta["wnids"] = list(base["wnids"])
     return meta
-
-
-def templates(spec: str | Sequence[str]) -> list[str]:
-    """A named template set from the catalogue's ``templates:`` section, or a list as is."""
-    if isinstance(spec, str):
-        sets = catalog()["templates"]
-        if spec not in sets:
-            raise ValueError(
-                f"unknown template set {spec!r}; available: {', '.join(sorted(sets))} "
-                "(or give a list of format strings with one '{}')"
-            )
-        return list(sets[spec]["templates"])
-    out = [str(t) for t in spec]
-    bad = [t for t in out if "{}" not in t]
-    if not out or bad:
-        raise ValueError(f"prompt templates need one '{{}}' for the class name; got {bad or out}")
-    return out
 
 
 @lru_cache(maxsize=1)

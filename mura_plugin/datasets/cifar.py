@@ -22,6 +22,7 @@ import numpy as np
 
 from mura_plugin.datasets import _common as c
 from tta_bench.data import DataUnavailableError, DomainStream
+from tta_bench.templates import resolve_templates
 
 __all__ = ["cifar10", "cifar100", "cifar10_c", "cifar100_c", "CORRUPTIONS", "EXTRA_CORRUPTIONS"]
 
@@ -112,7 +113,7 @@ def _clean(name: str, split: str, data_dir: Any, revision: str | None, tmpl: Any
     return DomainStream(
         name=f"{name}-{split}",
         classnames=list(meta["classnames"]),
-        templates=c.templates(tmpl or meta["templates"]),
+        templates=resolve_templates(tmpl or meta["templates"]),
         dataset=ds,
         fingerprint=fingerprint,
         metadata={"source": source, **metadata},
@@ -197,7 +198,7 @@ def _corrupted(
     return DomainStream(
         name=f"{name}/{shift}/{severity}",
         classnames=list(meta["classnames"]),
-        templates=c.templates(tmpl or meta["templates"]),
+        templates=resolve_templates(tmpl or meta["templates"]),
         dataset=ds,
         fingerprint=f"{name}/{shift}/{severity}/{c.files_fingerprint(local, files)}",
         metadata={"source": str(local), "rows": [rows.start, rows.stop]},
@@ -216,7 +217,7 @@ def _corrupted_check(name: str) -> Any:
         ``<corruption>.npy`` + ``labels.npy`` exist (nothing is read). Raises what the factory
         would: ``ValueError`` / ``DataUnavailableError``."""
         meta, _ = _corrupted_files(name, shift, severity, data_dir)
-        c.templates(templates or meta["templates"])
+        resolve_templates(templates or meta["templates"])
 
     return check_args
 

@@ -14,6 +14,7 @@ from pathlib import Path
 
 from mura_plugin.datasets import _common as c
 from tta_bench.data import DataUnavailableError, DomainStream
+from tta_bench.templates import resolve_templates
 
 __all__ = ["imagefolder", "parquet"]
 
@@ -55,7 +56,7 @@ def imagefolder(
     return DomainStream(
         name=name,
         classnames=names,
-        templates=c.templates(templates or c.dataset_meta("imagefolder")["templates"]),
+        templates=resolve_templates(templates or c.dataset_meta("imagefolder")["templates"]),
         dataset=c.folder_dataset(files, labels),
         fingerprint=f"imagefolder/{c.files_fingerprint(root, files)}",
         metadata={"source": str(root), "folders": folders},
@@ -112,7 +113,7 @@ def parquet(
     return DomainStream(
         name=name,
         classnames=list(classnames),
-        templates=c.templates(templates or c.dataset_meta("parquet")["templates"]),
+        templates=resolve_templates(templates or c.dataset_meta("parquet")["templates"]),
         dataset=ds,
         fingerprint=f"parquet/{c.files_fingerprint(base, files)}/{image_column}/{label_column}",
         metadata={
@@ -140,7 +141,7 @@ def _imagefolder_check_args(
         raise ValueError(
             f"imagefolder: {len(classnames)} class names for {len(folders)} folders {folders[:10]}"
         )
-    c.templates(templates or c.dataset_meta("imagefolder")["templates"])
+    resolve_templates(templates or c.dataset_meta("imagefolder")["templates"])
 
 
 def _parquet_check_args(
@@ -156,7 +157,7 @@ def _parquet_check_args(
     """Before any setup: ``data_dir`` holds parquet files of ``split`` and the templates are
     valid (no file is read)."""
     _parquet_files(_root(data_dir, "parquet"), split)
-    c.templates(templates or c.dataset_meta("parquet")["templates"])
+    resolve_templates(templates or c.dataset_meta("parquet")["templates"])
 
 
 imagefolder.check_args = _imagefolder_check_args  # type: ignore[attr-defined]

@@ -24,6 +24,7 @@ import numpy as np
 from mura_plugin.datasets import _common as c
 from mura_plugin.datasets.cifar import CORRUPTIONS, EXTRA_CORRUPTIONS, SEVERITIES
 from tta_bench.data import DataUnavailableError, DomainStream
+from tta_bench.templates import resolve_templates
 
 __all__ = [
     "imagenet",
@@ -108,7 +109,7 @@ def _stream(
     return DomainStream(
         name=name,
         classnames=list(meta["classnames"]),
-        templates=c.templates(tmpl or meta["templates"]),
+        templates=resolve_templates(tmpl or meta["templates"]),
         dataset=ds,
         fingerprint=fingerprint,
         native_size=native_size,
@@ -247,7 +248,7 @@ def _imagenet_c_check_args(
     """Before any setup: names, subset and templates are valid and the domain folder
     ``<corruption>/<severity>/`` exists (no image is listed or read)."""
     meta, _, _ = _imagenet_c_domain(shift, severity, data_dir, subset)
-    c.templates(templates or meta["templates"])
+    resolve_templates(templates or meta["templates"])
 
 
 imagenet_c.check_args = _imagenet_c_check_args  # type: ignore[attr-defined]

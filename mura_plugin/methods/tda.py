@@ -45,12 +45,8 @@ What differs and why:
 * Caches are fixed-size tensors per class instead of sorted lists (same contents; the
   order is irrelevant to the sum).
 
-Measured (digits-c@v1, severity table v1, gaussian_noise / glass_blur / motion_blur /
-elastic_transform x 360 images, seed 0, CPU): the default (single view, protocol head,
-ImageNet's alphas) 36.53%, identical to before; ``text_head=official`` (here "a photo of a
-{}.") 37.43%; forcing ``views=multi`` 19.93% (AugMix'd crops of 32 px digits; not the
-official setting for corruptions). Zero-shot: 36.25% (protocol head), 37.50% (the single
-prompt).
+Earlier figures on digits-c@v1 (the default 36.53%, identical to before):
+results/digits-c-v1/README.md.
 
 Measured on ``digits-c`` (protocol v2, the shipped weights, seed 0, CPU, 15 cells):
 ``text_head=official`` 58.5% against the default ``protocol`` head 57.6% (per cell median
@@ -66,10 +62,10 @@ from types import SimpleNamespace
 
 import torch
 
-from mura_plugin.datasets._common import templates as catalogue_templates
 from mura_plugin.losses import view_entropy
 from mura_plugin.methods._views import SINGLE_PROMPT, check_text_head, class_head, configured_views
 from tta_bench.method import Method, autocast_context, check_precision
+from tta_bench.templates import resolve_templates
 
 __all__ = ["TDA", "TDAConfig", "VIEWS", "official_templates", "uses_views"]
 
@@ -103,7 +99,7 @@ def official_templates(dataset: str | None) -> list[str]:
     mixed ``imagenet_ood`` suite, which the official code does not cover), CLIP's 80 on
     ImageNet-R and -Sketch, else (no official loader) the single prompt."""
     if dataset in ("imagenet_r", "imagenet_sketch"):
-        return catalogue_templates("clip-imagenet-80")
+        return resolve_templates("clip-imagenet-80")
     if dataset in ("imagenet", "imagenet_c", "imagenet_a", "imagenet_v2", "imagenet_ood"):
         return list(IMAGENET_7)
     return list(SINGLE_PROMPT)

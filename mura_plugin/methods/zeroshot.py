@@ -18,6 +18,8 @@ __all__ = ["ZeroShot"]
 class ZeroShot(Method):
     """No adaptation: ``step`` is a no-grad forward."""
 
+    is_reference = True  # the frozen model every run is compared with
+
     @torch.no_grad()
     def step(self, images: torch.Tensor) -> torch.Tensor:
         return self.model(images).float()

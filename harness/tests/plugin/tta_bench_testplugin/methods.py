@@ -15,7 +15,7 @@ from typing import Any, ClassVar
 import torch
 from torch import nn
 
-from tta_bench.method import GradientMethod, Method
+from tta_bench.method import GradientConfig, GradientMethod, Method
 from tta_bench.model import ZeroShotClassifier
 
 from .data import COLOURS
@@ -24,13 +24,22 @@ from .data import COLOURS
 class ZeroShot(Method):
     """The frozen classifier."""
 
+    is_reference = True
+
     @torch.no_grad()
     def step(self, images: torch.Tensor) -> torch.Tensor:
         return self.model(images).float()
 
 
+@dataclass
+class NormTentConfig(GradientConfig):
+    loss: str = "entropy"
+
+
 class NormTent(GradientMethod):
     """Entropy minimisation of the image tower's LayerNorm affine parameters."""
+
+    Config = NormTentConfig
 
     def collect_params(self, model: ZeroShotClassifier) -> list[nn.Parameter]:
         return [

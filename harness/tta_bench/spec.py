@@ -1,0 +1,109 @@
+"""Run construction: ``RunSpec`` (everything one run needs, resolved and checked) and how it
+is made from a composed run config (``spec_from_config``), and the device a run asks for
+(``resolve_device``). ``tta_bench.resolve`` checks what the user typed and builds a spec
+here; ``tta_bench.runner`` only runs one. Importing this module imports no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from tta_bench.protocol import Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["DEVICES", "RunSpec", "resolve_device", "spec_from_config"]
+
+DEVICES = ("auto", "cpu", "cuda", "cuda:N")
+
+
+@dataclass
+class RunSpec:
+    method: str
+    method_config: Any
+    model: str
+    model_args: dict[str, Any]
+    protocol: Protocol
+    seeds: list[int]
+    device: str = "auto"
+    data_dir: str | None = None
+    reference: bool = True
+    progress: bool = True
+    config: dict[str, Any] = field(default_factory=dict)  # the resolved config, for the record
+    #: DataLoader settings: a mapping/object with num_workers, pin_memory, prefetch_factor,
+    #: persistent_workers (None = chosen for the device; ``tta_bench.loader``).
+    loader: Any = None
+    #: Skip cells already in the output file when it holds the same run.
+    resume: bool = True
+    #: A corrupt/truncated image: "fail" (error naming it) or "skip" (left out, recorded).
+    on_bad_image: str = "fail"
+    #: JSONL path: one line per batch (loss, accuracy before/after, time, memory).
+    batch_log: str | None = None
+    per_class_accuracy: bool = False
+    #: Count FLOPs per sample on each cell's first batch (that batch is left untimed).
+    flops: bool = False
+    #: Decoded-image cache policy (``tta_bench.data.CACHE_POLICIES``).
+    cache: str = "auto"
+    #: The named preset the method config came from (``method=<preset>``), if any.
+    method_preset: str | None = None
+
+
+def spec_from_config(cfg: Any, method: str, model: str) -> RunSpec:
+    """The ``RunSpec`` of a composed run config (``tta_bench.config``); ``method`` and
+    ``model`` are the config-group choices. Callers adjust CLI-only fields with
+    ``dataclasses.replace``."""
+    from tta_bench.config import method_config, to_container
+    from tta_bench.protocol import load_protocol
+
+    overrides = {k: v for k, v in to_container(cfg.protocol).items() if v is not None}
+    protocol = load_protocol(cfg.suite, **overrides)
+    cfg_dict = to_container(cfg)
+    cfg_dict.pop("defaults", None)
+    cfg_dict["method"] = {"name": method, **cfg_dict["method"]}
+    cfg_dict["model"] = {"name": model, **cfg_dict["model"]}
+    return RunSpec(
+        method=method,
+        method_config=method_config(cfg),
+        model=model,
+        model_args={k: v for k, v in cfg_dict["model"].items() if k != "name"},
+        protocol=protocol,
+        seeds=[int(s) for s in cfg.seeds],
+        device=cfg.device,
+        data_dir=cfg.data_dir,
+        reference=bool(cfg.reference),
+        progress=bool(cfg.progress),
+        config=cfg_dict,
+        loader=cfg_dict.get("loader"),
+        resume=bool(cfg.resume),
+        batch_log=cfg.get("batch_log"),
+        per_class_accuracy=bool(cfg.get("per_class_accuracy", False)),
+        flops=bool(cfg.get("flops", False)),
+        cache=str(cfg.get("cache", "auto")),
+    )
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` (CUDA when available), ``cpu``, ``cuda`` or ``cuda:N``; a bad name or an
+    unavailable device is a ValueError naming it and the options."""
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {name!r}; available: {', '.join(DEVICES)}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"unsupported device {name!r}; available: {', '.join(DEVICES)}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"device {name!r} requested but CUDA is not available; use cpu or auto"
+            )
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"device {name!r}: only {torch.cuda.device_count()} CUDA device(s) are visible"
+            )
+    return device
