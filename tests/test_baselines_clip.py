@@ -13,7 +13,12 @@ import pytest
 import torch
 from torch import nn
 
-from mura_plugin.methods._clip_text import encode_text, prompt_features
+from mura_plugin.methods._clip_text import (
+    clipartt_loss,
+    clipartt_targets,
+    encode_text,
+    prompt_features,
+)
 from mura_plugin.methods.batclip import (
     BATCLIP,
     BATCLIP_TEMPLATE,
@@ -24,8 +29,6 @@ from mura_plugin.methods.batclip import (
 from mura_plugin.methods.clipartt import (
     CLIPARTT_TEMPLATE,
     CLIPArTT,
-    clipartt_loss,
-    clipartt_targets,
     pseudo_label_prompt,
 )
 from mura_plugin.methods.watt import WATT, WATT_TEMPLATES, weight_average

@@ -13,6 +13,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mura_plugin.methods._norm import top_excluded_norm_parameters
 from mura_plugin.methods.cotta import (
     CoTTA,
     cotta_augment,
@@ -30,13 +31,7 @@ from mura_plugin.methods.eta import (
     tower_kind,
     update_moving_probs,
 )
-from mura_plugin.methods.sar import (
-    SAR,
-    sam_ascent,
-    sam_restore,
-    top_excluded_norm_parameters,
-    update_loss_ema,
-)
+from mura_plugin.methods.sar import SAR, sam_ascent, sam_restore, update_loss_ema
 from mura_plugin.methods.tent import Tent
 from tta_bench.model import ZeroShotClassifier
 

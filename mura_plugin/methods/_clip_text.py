@@ -1,5 +1,9 @@
 """Text-side helpers of the CLIP batch baselines (CLIPArTT, WATT, BATCLIP).
 
+Two kinds: prompt encoding, and CLIPArTT's loss over image and prompt features
+(``clipartt_targets``, ``clipartt_loss``), which WATT reuses under each of its templates.
+(The LayerNorm parameters these methods adapt come from ``_norm``.)
+
 These methods re-encode prompts during adaptation: CLIPArTT the pseudo-label prompts of every
 iteration, WATT one class head per template, BATCLIP the class prompts of every step (with
 gradients into the text tower's LayerNorms). Everything goes through ``encode_text``, which
@@ -24,13 +28,13 @@ from tta_bench.text_head import encode_text_cut
 __all__ = [
     "TEXT_HEADS",
     "check_text_head",
+    "clipartt_loss",
+    "clipartt_targets",
     "encode_text",
     "ensemble_features",
     "names_per_chunk",
     "prompt_features",
     "prompt_tokens",
-    "text_layer_norm_parameters",
-    "vision_layer_norm_parameters",
 ]
 
 TEXT_HEADS = ("protocol", "official")
@@ -41,41 +45,6 @@ def check_text_head(text_head: str, method: str) -> None:
         raise ValueError(
             f"{method}: unknown text_head {text_head!r}; available: {', '.join(TEXT_HEADS)}"
         )
-
-
-def _layer_norm_parameters(modules: Sequence[nn.Module]) -> list[nn.Parameter]:
-    params: list[nn.Parameter] = []
-    for m in modules:
-        if isinstance(m, nn.LayerNorm):
-            params += [p for p in (m.weight, m.bias) if p is not None]
-    return params
-
-
-def vision_layer_norm_parameters(model: ZeroShotClassifier, method: str) -> list[nn.Parameter]:
-    """Affine parameters of every LayerNorm of the image tower (ViT CLIPs); ValueError when
-    the tower has none (e.g. a ResNet CLIP, which normalises with BatchNorm)."""
-    params = _layer_norm_parameters(list(model.visual.modules()))
-    if not params:
-        raise ValueError(
-            f"{method} adapts the image tower's LayerNorm affine parameters, but "
-            f"{type(model.visual).__name__} has no LayerNorm with affine parameters "
-            "(supported: ViT image towers, open_clip's or timm's)"
-        )
-    return params
-
-
-def text_layer_norm_parameters(model: ZeroShotClassifier, method: str) -> list[nn.Parameter]:
-    """Affine parameters of every LayerNorm of the text tower: all LayerNorms of the CLIP
-    model outside its image tower (open_clip: the text transformer blocks and ``ln_final``;
-    HF text towers: their LayerNorms). ValueError when there are none."""
-    visual = {id(m) for m in model.visual.modules()}
-    params = _layer_norm_parameters([m for m in model.clip.modules() if id(m) not in visual])
-    if not params:
-        raise ValueError(
-            f"{method} adapts the text tower's LayerNorm affine parameters, but "
-            f"{type(model.clip).__name__} has no LayerNorm outside its image tower"
-        )
-    return params
 
 
 def _causal_open_clip(clip: nn.Module) -> bool:
@@ -143,3 +112,27 @@ def prompt_features(
             for i in range(0, len(names), step)
         ]
     )
+
+
+def clipartt_targets(
+    image_features: torch.Tensor, text_features: torch.Tensor, temperature: float
+) -> torch.Tensor:
+    """``softmax(((I I^T + T T^T) / 2) / temperature, dim=-1)`` ``[B, B]`` of normalised image
+    features ``I [B, D]`` and pseudo-label prompt features ``T [B, D]`` (float32)."""
+    i, t = image_features.float(), text_features.float()
+    return torch.softmax(((i @ i.t() + t @ t.t()) / 2) / temperature, dim=-1)
+
+
+def clipartt_loss(
+    image_features: torch.Tensor,
+    text_features: torch.Tensor,
+    logit_scale: torch.Tensor | float,
+    temperature: float,
+) -> torch.Tensor:
+    """Per-image loss ``[B]`` whose mean is the official ``cross_entropy(L^T, Q^T)`` with
+    ``L = s T I^T`` and ``Q = clipartt_targets(I, T)``: image i's term is
+    ``-sum_j Q[j, i] log softmax_j(s I_i . T_j)``. Inputs are normalised ``[B, D]``."""
+    i, t = image_features.float(), text_features.float()
+    targets = clipartt_targets(i, t, temperature)
+    logp = (logit_scale * i @ t.t()).log_softmax(dim=-1)  # [image, text] = L^T
+    return -(targets.t() * logp).sum(dim=-1)

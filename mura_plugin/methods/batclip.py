@@ -69,9 +69,8 @@ from mura_plugin.methods._clip_text import (
     ensemble_features,
     names_per_chunk,
     prompt_tokens,
-    text_layer_norm_parameters,
-    vision_layer_norm_parameters,
 )
+from mura_plugin.methods._norm import text_layer_norm_parameters, vision_layer_norm_parameters
 from tta_bench.method import GradientConfig, GradientMethod
 from tta_bench.model import ZeroShotClassifier
 

@@ -64,11 +64,8 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mura_plugin.methods._clip_text import (
-    check_text_head,
-    prompt_features,
-    vision_layer_norm_parameters,
-)
+from mura_plugin.methods._clip_text import check_text_head, clipartt_loss, prompt_features
+from mura_plugin.methods._norm import vision_layer_norm_parameters
 from tta_bench.method import GradientMethod
 from tta_bench.model import ZeroShotClassifier
 
@@ -76,8 +73,6 @@ __all__ = [
     "CLIPARTT_TEMPLATE",
     "CLIPArTT",
     "CLIPArTTConfig",
-    "clipartt_loss",
-    "clipartt_targets",
     "pseudo_label_prompt",
 ]
 
@@ -105,30 +100,6 @@ def pseudo_label_prompt(names: Sequence[str], template: str = CLIPARTT_TEMPLATE)
     """The pseudo-label prompt of one image from its top-K class names, most probable first:
     ``template.format("c1 or c2 or ... or cK")`` (official: ``"a photo of a c1 or c2 or c3"``)."""
     return template.format(" or ".join(names))
-
-
-def clipartt_targets(
-    image_features: torch.Tensor, text_features: torch.Tensor, temperature: float
-) -> torch.Tensor:
-    """``softmax(((I I^T + T T^T) / 2) / temperature, dim=-1)`` ``[B, B]`` of normalised image
-    features ``I [B, D]`` and pseudo-label prompt features ``T [B, D]`` (float32)."""
-    i, t = image_features.float(), text_features.float()
-    return torch.softmax(((i @ i.t() + t @ t.t()) / 2) / temperature, dim=-1)
-
-
-def clipartt_loss(
-    image_features: torch.Tensor,
-    text_features: torch.Tensor,
-    logit_scale: torch.Tensor | float,
-    temperature: float,
-) -> torch.Tensor:
-    """Per-image loss ``[B]`` whose mean is the official ``cross_entropy(L^T, Q^T)`` with
-    ``L = s T I^T`` and ``Q = clipartt_targets(I, T)``: image i's term is
-    ``-sum_j Q[j, i] log softmax_j(s I_i . T_j)``. Inputs are normalised ``[B, D]``."""
-    i, t = image_features.float(), text_features.float()
-    targets = clipartt_targets(i, t, temperature)
-    logp = (logit_scale * i @ t.t()).log_softmax(dim=-1)  # [image, text] = L^T
-    return -(targets.t() * logp).sum(dim=-1)
 
 
 class CLIPArTT(GradientMethod):

@@ -69,7 +69,7 @@ import torchvision.transforms.v2.functional as TF
 from torch import nn
 from torch.func import functional_call
 
-from mura_plugin.methods.tent import use_batch_statistics
+from mura_plugin.methods._norm import use_batch_statistics
 from tta_bench.method import GradientConfig, GradientMethod
 from tta_bench.model import ZeroShotClassifier
 

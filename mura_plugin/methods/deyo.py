@@ -23,11 +23,11 @@ One step per batch, as officially:
    on; ``deyo_margin_e0`` = 0.4), one SGD step.
 
 Defaults (official): SGD, momentum 0.9, no weight decay, float32, and ``lr=None`` = main.py's
-rule: ViT ``0.001 * bs / 64``, ResNet 0.00025 (``0.00025 * 2 * bs / 64`` below batch 32;
-the 0.00025 of PROTOCOLS.md), doubled at batch size 1; the batch size is the first
-batch's after ``setup()``/``reset()``. Parameters: as SAR (the same official
-``collect_params``: norm affine parameters outside the top quarter of the blocks and the
-final norm; see sar.py for the mapping to CLIP towers), BatchNorm on batch statistics.
+rule: ViT ``0.001 * bs / 64``, ResNet 0.00025 (``0.00025 * 2 * bs / 64`` below batch 32),
+doubled at batch size 1; the batch size is the first batch's after ``setup()``/``reset()``.
+Parameters: as SAR (the same official ``collect_params``: norm affine parameters outside the
+top quarter of the blocks and the final norm; see sar.py for the mapping to CLIP towers),
+BatchNorm on batch statistics.
 
 What differs:
 * Shuffling draws from the method's generator (official: the global torch RNG), so runs
@@ -49,8 +49,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mura_plugin.methods._norm import top_excluded_norm_parameters
 from mura_plugin.methods.eta import ReliableEntropyConfig, ReliableEntropyMethod
-from mura_plugin.methods.sar import top_excluded_norm_parameters
 from tta_bench.model import ZeroShotClassifier
 
 __all__ = [

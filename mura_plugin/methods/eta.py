@@ -66,7 +66,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mura_plugin.losses import view_entropy
-from mura_plugin.methods.tent import norm_parameters, use_batch_statistics
+from mura_plugin.methods._norm import masked_mean, norm_parameters, use_batch_statistics
 from tta_bench.method import GradientConfig, GradientMethod
 from tta_bench.model import ZeroShotClassifier
 
@@ -148,14 +148,6 @@ def update_moving_probs(
     if moving_probs is None:
         return mean
     return momentum * moving_probs + (1 - momentum) * mean
-
-
-def masked_mean(values: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
-    """Mean of ``values[mask]``; an empty mask gives 0 with zero gradients (the official
-    code's empty ``mean`` is NaN with zero gradients)."""
-    if not bool(mask.any()):
-        return (values * 0.0).sum()
-    return values[mask].mean()
 
 
 @dataclass

@@ -43,11 +43,8 @@ What differs and why:
   ones run once per batch without gradients (see mura.py and _views.py): the same
   computation as the per-sample loop, to ~1e-6 (``method.episode_batching=false`` runs it).
 
-Measured (digits-c@v1, severity table v1, gaussian_noise / glass_blur / motion_blur /
-elastic_transform x 360 images, seed 0, CPU; zero-shot 36.25%): before this parameterisation
-(scale 1, kaiming-uniform A, clipped crops) 35.62%; now 35.42% (scale 1 with xavier A:
-35.42%; the official parameters with the old clipped crops: 35.42%): all within one standard
-error (~1.3 points) on this tiny model.
+Before this parameterisation (digits-c@v1, seed 0): 35.62% against 35.42% now, within one
+standard error (~1.3 points); details: results/digits-c-v1/README.md.
 
 Measured on ``digits-c`` (protocol v2, the shipped weights, seed 0, CPU, 15 cells):
 ``text_head=official`` 57.6% against the default ``protocol`` head 56.6% (per cell median

@@ -2,7 +2,7 @@
 
 Paper: "MuRA: Multi-Rank Adaptation for test-time adaptation of vision-language models",
 ICLR 2026 submission (OpenReview); no official code is public, so this follows the
-published description (PROTOCOLS.md "Method settings"):
+published description:
 * several low-rank components of *different ranks* (``ranks``, default 4, 8, 16) beside
   the frozen linear layers of the deepest vision block only (``blocks=1``);
 * SVD-based orthogonal initialisation (MROD): component k takes its own slice of the frozen
@@ -36,44 +36,18 @@ What is assumed where the description is silent (and why):
 * the singular-vector slices are taken from the top, in the order of ``ranks``;
 * the official head (``text_head=official``) is TTL's "a photo of a {}."; the default is
   the protocol's templates.
-Learning rate (``lr = 5e-4``), studied on the held-out ``digits-c-extra`` only
-(``benchmarks/mura_study.py``; results in ``results/mura-study``). With the SVD init each
-component's product ``U_k S_k V_k^T`` starts at full size, so Adam's first step (``lr``
-per element of ``A_k`` and ``B_k``) moves it far more than a B = 0 LoRA's: one step at
-TTL's 5e-3 changes the image features by 1.13x the official TTL's first step at alpha 32
-(0.81x at alpha 8, 1.83x at alpha 128; at 5e-4: 0.12x). Accuracy on digits-c-extra
-(speckle noise, Gaussian blur, spatter, saturate at severity 5; mean over seeds 0-2 with
-its 95% CI; zero-shot 59.61 [58.16, 61.05], the official TTL ``lora`` 58.68 [56.40, 60.96]):
-
-  =====  ====================  ====================  ====================
-  lr     alpha 8               alpha 32              alpha 128
-  =====  ====================  ====================  ====================
-  5e-3   56.20 [54.72, 57.69]  55.83 [55.32, 56.35]  54.47 [53.16, 55.77]
-  2e-3   58.12 [57.08, 59.17]  57.99 [56.74, 59.23]  57.50 [56.00, 59.00]
-  1e-3   59.14 [57.70, 60.59]  59.12 [57.80, 60.44]  58.70 [57.56, 59.85]
-  5e-4   59.56 [58.41, 60.71]  59.51 [58.21, 60.82]  59.33 [58.15, 60.50]
-  2e-4   59.54 [58.36, 60.71]  59.51 [58.32, 60.71]  59.54 [58.39, 60.69]
-  1e-4   59.65 [58.60, 60.70]  59.58 [58.38, 60.79]  59.65 [58.46, 60.85]
-  =====  ====================  ====================  ====================
-
-  The router's own learning rate at alpha 32, lr 5e-4: 1e-2 gives 54.84 [53.83, 55.85]
-  (the persistent router takes a step per batch and drifts), 1e-4 59.58 [58.53, 60.63],
-  the same as the router at ``lr``: ``router_lr`` stays None (= ``lr``).
-
-  Choice: alpha 32 (TTL's lora_alpha, so one component is exactly TTL's LoRA) and the
-  largest learning rate within one standard error (0.25 points) of the best held-out
-  accuracy (59.65): 5e-4. Accuracy falls steadily with larger steps and flattens below
-  5e-4, where MuRA is within 0.1 point of zero-shot per cell (paired over the 12 cells:
-  -0.09 [-0.68, +0.49]): on this tiny model, augmented-view entropy minimisation does not
-  help, and the held-out data says to adapt little. The step the official TTL takes (5e-3)
-  costs MuRA 3.8 points there (-3.77 [-6.20, -1.35] paired). Earlier (digits-c@v1, before
-  this study): alpha 16 with clipped crops 33.26% and alpha 32 with torchvision's crop boxes
-  32.92% on four corruptions (zero-shot 36.25%). Cost: the frozen blocks
-before the first adapted one run once per batch for all V x B views without gradients
-(``encode_views``, open_clip ViTs; other towers detach the input of the first adapted block
-instead), the adaptation forward/backward covers only the adapted block(s), and the
-prediction on the original image restarts from its cached tokens (view 0). With
-``episodic=sample`` the B per-sample episodes of a batch run in one batched
+Learning rate (``lr = 5e-4``, TTL's is 5e-3), chosen on the held-out ``digits-c-extra`` only
+(grid: results/mura-study/README.md, from ``benchmarks/mura_study.py``). Why it differs from
+TTL's: with the SVD init each component's product ``U_k S_k V_k^T`` starts at full size, so
+Adam's first step (``lr`` per element of ``A_k`` and ``B_k``) moves it far more than a B = 0
+LoRA's: one step at TTL's 5e-3 changes the image features by 1.13x the official TTL's first
+step at alpha 32 (at 5e-4: 0.12x). Effect: TTL's 5e-3 costs MuRA 3.8 points on
+``digits-c-extra`` (-3.77 [-6.20, -1.35] paired). ``router_lr`` stays None (= ``lr``).
+Cost: the frozen blocks before the first adapted one run once per batch for all V x B views
+without gradients (``encode_views``, open_clip ViTs; other towers detach the input of the
+first adapted block instead), the adaptation forward/backward covers only the adapted
+block(s), and the prediction on the original image restarts from its cached tokens (view 0).
+With ``episodic=sample`` the B per-sample episodes of a batch run in one batched
 forward/backward, each sample with its own adapter copy (``episode_batching``, default;
 exactly the per-sample loop, see _views.py). Router persistence in batched mode (CRU,
 ``router_persist=true``): the shared router is updated once per batch, by one optimiser step

@@ -44,7 +44,6 @@ What differs:
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -52,15 +51,13 @@ from typing import Any
 import torch
 from torch import nn
 
-from mura_plugin.methods.eta import ReliableEntropyConfig, ReliableEntropyMethod, masked_mean
-from mura_plugin.methods.tent import NORM_LAYERS
+from mura_plugin.methods._norm import masked_mean, top_excluded_norm_parameters
+from mura_plugin.methods.eta import ReliableEntropyConfig, ReliableEntropyMethod
 from tta_bench.model import ZeroShotClassifier
 
 __all__ = [
     "SAR",
     "SARConfig",
-    "tower_blocks",
-    "top_excluded_norm_parameters",
     "sam_ascent",
     "sam_restore",
     "update_loss_ema",
@@ -81,52 +78,6 @@ class SARConfig(ReliableEntropyConfig):
     exclude_top: float = 0.25
     #: Keep the tower's final norm (CLIP ``ln_post``, timm ``norm``) frozen too.
     exclude_final_norm: bool = True
-
-
-def tower_blocks(visual: nn.Module) -> tuple[list[nn.Module], list[nn.Module]]:
-    """``(blocks input to output, final norm layers)`` of an open_clip vision tower:
-    ``VisionTransformer`` (``transformer.resblocks``, ``ln_post``), ``ModifiedResNet``
-    (``layer1``-``layer4``) or a timm-backed tower (``trunk.blocks`` with ``trunk.norm`` /
-    ``trunk.fc_norm``, or ``trunk.layer1``-``layer4``)."""
-    transformer = getattr(visual, "transformer", None)
-    if transformer is not None and hasattr(transformer, "resblocks"):
-        blocks = list(transformer.resblocks)
-        finals = [getattr(visual, "ln_post", None)]
-    else:
-        trunk = getattr(visual, "trunk", visual)
-        if hasattr(trunk, "blocks"):
-            blocks = list(trunk.blocks)
-            finals = [getattr(trunk, "norm", None), getattr(trunk, "fc_norm", None)]
-        elif all(hasattr(trunk, f"layer{i}") for i in range(1, 5)):
-            blocks = [getattr(trunk, f"layer{i}") for i in range(1, 5)]
-            finals = []
-        else:
-            raise ValueError(
-                f"cannot find the blocks of vision tower {type(visual).__name__}; supported: "
-                "open_clip VisionTransformer, ModifiedResNet, timm towers with blocks or "
-                "layer1-layer4"
-            )
-    return blocks, [m for m in finals if isinstance(m, NORM_LAYERS)]
-
-
-def top_excluded_norm_parameters(
-    visual: nn.Module, exclude_top: float, exclude_final_norm: bool = True
-) -> list[nn.Parameter]:
-    """Norm-layer affine parameters of ``visual`` outside the deepest
-    ``round(n_blocks * exclude_top)`` blocks (and the final norm when
-    ``exclude_final_norm``): SAR's and DeYO's official choice."""
-    if not 0.0 <= exclude_top < 1.0:
-        raise ValueError(f"exclude_top must be in [0, 1), got {exclude_top}")
-    blocks, finals = tower_blocks(visual)
-    n_top = int(math.floor(len(blocks) * exclude_top + 0.5))
-    excluded = {id(m) for block in blocks[len(blocks) - n_top :] for m in block.modules()}
-    if exclude_final_norm:
-        excluded |= {id(m) for m in finals}
-    params = []
-    for m in visual.modules():
-        if isinstance(m, NORM_LAYERS) and id(m) not in excluded:
-            params += [p for p in (m.weight, m.bias) if p is not None]
-    return params
 
 
 @torch.no_grad()

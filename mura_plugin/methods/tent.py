@@ -22,26 +22,13 @@ What differs:
   At the official Adam 1e-3 and 1 step a 360-image domain barely moves the model (18.4%
   mean on those three against zero-shot 18.8%). The official setting is kept as the
   default anyway (it is the baseline the papers report); the digits-tuned setting is the
-  ``tent-digits`` preset, recorded here: loss ``info_max`` (entropy minus the entropy of
-  the batch-mean prediction), Adam lr 2e-2, 5 steps per batch. It was selected on the
-  hyperparameter-selection suite ``digits-c-extra`` (mean accuracy over seeds 0-2; zero-shot
-  49.8), never on the evaluation corruptions, because a digits-c domain has 360 images
-  (6 batches of 64) against 10,000 in CIFAR-10-C, so one small step per batch barely moves
-  the model before the domain ends:
-
-  ========  ======  ======  ======  ======
-  steps     5e-3    1e-2    2e-2    5e-2
-  ========  ======  ======  ======  ======
-  1         52.6    54.8    56.0
-  2         56.1    58.3    59.5
-  3         57.3    59.6    59.9    58.9
-  5         59.5    60.4    61.2    59.0
-  ========  ======  ======  ======  ======
-
-  10 steps at 1e-2 gave 61.4 for twice the cost of 5, so steps stop at 5.
-
-This module also holds the norm-layer helpers the TENT-style methods share (ETA/EATA, SAR,
-DeYO): which affine parameters exist, and switching BatchNorm to batch statistics.
+  ``tent-digits`` preset (mura_plugin/conf/method/tent-digits.yaml): loss ``info_max``
+  (entropy minus the entropy of the batch-mean prediction), Adam lr 2e-2, 5 steps per
+  batch. It was selected on the hyperparameter-selection suite ``digits-c-extra`` (61.2
+  mean accuracy over seeds 0-2 against zero-shot 49.8), never on the evaluation
+  corruptions, because a digits-c domain has 360 images (6 batches of 64) against 10,000 in
+  CIFAR-10-C, so one small step per batch barely moves the model before the domain ends
+  (grid: results/tent-digits-selection/README.md).
 """
 
 from __future__ import annotations
@@ -51,13 +38,11 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from mura_plugin.methods._norm import norm_parameters, use_batch_statistics
 from tta_bench.method import GradientConfig, GradientMethod
 from tta_bench.model import ZeroShotClassifier
 
-__all__ = ["Tent", "TentConfig", "NORM_LAYERS", "norm_parameters", "use_batch_statistics"]
-
-#: The normalisation layers whose affine parameters TENT-style methods adapt.
-NORM_LAYERS = (nn.LayerNorm, nn.BatchNorm2d, nn.GroupNorm)
+__all__ = ["Tent", "TentConfig"]
 
 
 @dataclass
@@ -70,26 +55,6 @@ class TentConfig(GradientConfig):
     weight_decay: float = 0.0
     steps: int = 1
     precision: str = "fp32"
-
-
-def norm_parameters(module: nn.Module) -> list[nn.Parameter]:
-    """Affine parameters of every LayerNorm / BatchNorm / GroupNorm in ``module``."""
-    params = []
-    for m in module.modules():
-        if isinstance(m, NORM_LAYERS):
-            params += [p for p in (m.weight, m.bias) if p is not None]
-    return params
-
-
-def use_batch_statistics(module: nn.Module) -> None:
-    """Make every BatchNorm2d in ``module`` normalise with the statistics of the batch it
-    sees, in train and eval mode alike, and keep no running statistics (the official
-    ``configure_model`` of TENT, EATA, SAR, DeYO and CoTTA). Other layers are untouched."""
-    for m in module.modules():
-        if isinstance(m, nn.BatchNorm2d):
-            m.train()
-            m.track_running_stats = False
-            m.running_mean, m.running_var = None, None
 
 
 class Tent(GradientMethod):

@@ -21,7 +21,7 @@ Text head (``text_head``):
   token embeddings of the template's text before the class name (its class name and
   suffix stay fixed); the class embedding is the normalised mean over templates of the
   normalised features, as ``ZeroShotClassifier`` builds it, so before any step TPT is
-  exactly the zero-shot classifier (tests/test_text_heads.py).
+  exactly the zero-shot classifier (tests/test_method_text_heads.py).
 * ``official``: the official prompt learner, 4 context tokens "a photo of a" (``ctx_init``)
   before "{class}." (one template).
 
@@ -44,12 +44,8 @@ What differs and why:
 * The official ``avg_entropy`` clamps the log of the mean probability at the dtype's
   minimum; here it is computed in float32 log space (no clamp is reached).
 
-Measured (digits-c@v1, severity table v1, gaussian_noise / glass_blur / motion_blur /
-elastic_transform x 360 images, seed 0, CPU): before (single prompt, clipped crops) 37.08%;
-``official`` head with the old crops 37.08% (the same numbers: at 1 step the selection rule
-does not matter); ``official`` head with torchvision's crop boxes 36.74%; ``protocol`` head
-36.11%. The zero-shot heads they start from: protocol templates 36.25%, "a photo of a {}."
-37.50%.
+Views (digits-c@v1, seed 0, ``official`` head): torchvision's crop boxes 36.74% against
+37.08% with the old clipped crops; details: results/digits-c-v1/README.md.
 
 Measured on ``digits-c`` (protocol v2, the shipped weights, seed 0, CPU, 15 cells):
 ``text_head=official`` 58.1% against the default ``protocol`` head 56.9% (per cell median

@@ -61,8 +61,8 @@ from typing import Optional
 
 import torch
 
-from mura_plugin.methods._clip_text import check_text_head
-from mura_plugin.methods.clipartt import CLIPArTT, clipartt_loss
+from mura_plugin.methods._clip_text import check_text_head, clipartt_loss
+from mura_plugin.methods.clipartt import CLIPArTT
 from tta_bench.model import ZeroShotClassifier
 
 __all__ = ["MODES", "WATT", "WATTConfig", "WATT_TEMPLATES", "weight_average"]

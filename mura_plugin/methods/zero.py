@@ -35,11 +35,8 @@ What differs and why:
   gradient-free forwards. run.py's ``torch.set_float32_matmul_precision("medium")`` is not
   set (it only affects fp32 matmuls outside autocast).
 
-Measured (digits-c@v1, severity table v1, gaussian_noise / glass_blur / motion_blur /
-elastic_transform x 360 images, seed 0, CPU; zero-shot 36.25%): before (ties by mean
-probability, clipped crops) 23.75%; official tie rule with the old crops 24.17%; with
-torchvision's crop boxes 21.74% (smaller crops: mean area 0.49 instead of 0.54 of a 32 px
-image hurt this tiny model).
+Views (digits-c@v1, seed 0): torchvision's crop boxes 21.74% against 24.17% with the old
+clipped crops (smaller crops hurt this tiny model); details: results/digits-c-v1/README.md.
 
 Measured on ``digits-c`` (protocol v2, the shipped weights, seed 0, CPU, 15 cells):
 ``text_head=official`` 37.3% against the default ``protocol`` head 35.3% (per cell median
