@@ -46,6 +46,35 @@ def run_cli(capsys, tmp_path):
         (["+model.widht=3"], "'model.widht' (did you mean 'model.width'?)"),
         (["model.width=0"], "model tiny-clip: width must be >= 1, got 0"),
         (["protocol.shifts=[nosie]"], "unknown shift 'nosie'. Did you mean 'noise'?"),
+        # keys composed in with '+' that no config has: refused, not ignored
+        (["+severities=[6]"], "unknown option 'severities' (did you mean 'protocol.severities'?)"),
+        (["+foo=1"], "unknown option 'foo'; the run's options: method, model, suite"),
+        (["+protocol.sev=1"], "unknown option 'protocol.sev'; protocol's options:"),
+        # numeric values outside their declared range, non-finite numbers, unknown choices
+        (
+            ["--method", "norm_tent", "method.steps=-1"],
+            "method.steps=-1 is out of range: it must be >= 1",
+        ),
+        (
+            ["--method", "norm_tent", "method.steps=0"],
+            "method.steps=0 is out of range: it must be >= 1",
+        ),
+        (
+            ["--method", "norm_tent", "method.lr=-1"],
+            "method.lr=-1.0 is out of range: it must be > 0",
+        ),
+        (["--method", "norm_tent", "method.lr=nan"], "method.lr=nan: not a finite number"),
+        (
+            ["--method", "norm_tent", "method.momentum=2"],
+            "method.momentum=2.0 is out of range: it must be >= 0 and <= 1",
+        ),
+        (
+            ["--method", "norm_tent", "method.optimizer=adamx"],
+            "unknown method.optimizer='adamx'; available: adam, adamw, sgd",
+        ),
+        (["protocol.batch_size=0"], "protocol.batch_size=0 is out of range: it must be >= 1"),
+        (["protocol.max_images=-5"], "protocol.max_images=-5 is out of range"),
+        (["loader.num_workers=-1"], "loader.num_workers=-1 is out of range: it must be >= 0"),
         (["protocol.severities=[7]"], "severities must be in 1..5, got [7]"),
         (["protocol.reset=forever"], "unknown reset policy 'forever'"),
         (["--suite", "tiny-folder"], "dataset folder: the folder dataset reads class subfolders"),

@@ -46,6 +46,7 @@ import numpy as np
 import torch
 from torch import nn
 
+from tta_bench.bounds import check_values
 from tta_bench.method import Method, config_dict
 from tta_bench.model import ModelBundle, Preprocess, ZeroShotClassifier
 from tta_bench.registry import registry
@@ -88,7 +89,8 @@ def method_config(
 
     cls = registry("methods").get(default_method(method))
     if isinstance(overrides, cls.Config):
-        return overrides  # already a validated config of this method
+        check_values(overrides, "method")  # a Config instance: its types are its own
+        return overrides
     known = [f.name for f in dataclasses.fields(cls.Config)]
     if overrides is None:
         items: dict[str, Any] = {}
@@ -117,10 +119,12 @@ def method_config(
         )
     try:
         merged = OmegaConf.merge(OmegaConf.structured(cls.Config), items)
-        return OmegaConf.to_object(merged)
+        config = OmegaConf.to_object(merged)
     except OmegaConfBaseException as exc:
         msg = str(exc).splitlines()[0]
         raise ValueError(f"bad {method} option: {msg} (known options: {', '.join(known)})") from exc
+    check_values(config, "method")
+    return config
 
 
 def dataset_text_head(dataset: str) -> tuple[list[str], list[str]]:

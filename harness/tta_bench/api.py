@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import numbers
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -47,6 +48,7 @@ def evaluate(
     from tta_bench import runner
     from tta_bench.resolve import check_output, resolve_run
 
+    _check_arguments(method, suite, model, overrides, seeds)
     overrides = [str(o) for o in overrides]
     for key in ("method", "model", "suite"):
         clash = [o for o in overrides if o.startswith(f"{key}=")]
@@ -54,7 +56,7 @@ def evaluate(
             raise ValueError(f"pass {key} as the {key}= argument, not as the override {clash[0]!r}")
     extra = []
     if seeds is not None:
-        seeds = [int(s) for s in seeds]
+        seeds = [int(s) for s in seeds]  # integers already (checked): numpy ones too
         extra.append(f"seeds=[{','.join(map(str, seeds))}]")
     if device is not None:
         extra.append(f"device={device}")
@@ -74,6 +76,35 @@ def evaluate(
         return _run(runner, spec, Path(output))
     with tempfile.TemporaryDirectory(prefix="tta-bench-evaluate-") as tmp:
         return _run(runner, spec, Path(tmp) / "results.json")
+
+
+def _check_arguments(method: Any, suite: Any, model: Any, overrides: Any, seeds: Any) -> None:
+    """Types and values of ``evaluate``'s arguments, as ``ValueError`` naming the argument:
+    nothing is converted silently (``seeds=[1.7]`` is not seed 1, ``"01"`` not seeds 0
+    and 1, and a string of overrides is not a list of one-letter overrides)."""
+    for name, value in (("method", method), ("suite", suite), ("model", model)):
+        if value is not None and (not isinstance(value, str) or not value):
+            raise ValueError(
+                f"{name} must be a registered {name}'s name (a non-empty string) or None for "
+                f"the default, got {value!r}"
+            )
+    if isinstance(overrides, (str, bytes)) or not isinstance(overrides, (list, tuple)):
+        raise ValueError(
+            f"overrides must be a list of 'key=value' strings, got {overrides!r} "
+            f"(e.g. overrides=['method.lr=1e-3'])"
+        )
+    bad = [o for o in overrides if not isinstance(o, str) or "=" not in o]
+    if bad:
+        raise ValueError(f"overrides must be 'key=value' strings; got {bad!r}")
+    if seeds is None:
+        return
+    if isinstance(seeds, (str, bytes)) or not isinstance(seeds, (list, tuple, range)):
+        raise ValueError(f"seeds must be a list of integers, e.g. [0, 1, 2]; got {seeds!r}")
+    wrong = [
+        s for s in seeds if isinstance(s, bool) or not isinstance(s, numbers.Integral) or s < 0
+    ]
+    if wrong:  # an empty list: resolve_run's own message (seeds=[] names no seed)
+        raise ValueError(f"seeds must be a list of non-negative integers; got {list(seeds)!r}")
 
 
 def _run(runner: Any, spec: Any, output: Path) -> dict[str, Any]:

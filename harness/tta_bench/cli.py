@@ -66,14 +66,15 @@ def cmd_run(args: argparse.Namespace) -> int:
     _print_skipped_images(record)
     for event in record.get("events", []):
         print(f"warning: {event}", file=sys.stderr)
+    seeds = record.get("seeds") or spec.seeds  # what the file holds: merged runs included
     print(
         f"\n{spec.method_preset or method} on {protocol.name} ({protocol.id}), model {model}, "
-        f"seeds {spec.seeds}: accuracy (%)"
+        f"seeds {seeds}: accuracy (%)"
     )
     print(tables.shift_table(record))
     print("\nover seeds (each seed: the mean over its cells)")
     print(tables.summary_table([record]))
-    if len(spec.seeds) < 2:
+    if len(seeds) < 2:
         print("one seed: no interval over seeds; add seeds=[0,1,2] for the 95% CIs")
     print("\ncost")
     print(tables.cost_table(record))

@@ -16,6 +16,7 @@ from typing import Any, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
+from tta_bench.bounds import bounded
 from tta_bench.registry import registry
 
 
@@ -26,13 +27,13 @@ class ProtocolOverrides:
     #: The text head: a catalogue template set (``tta-bench ls templates``) or a list.
     templates: Optional[Any] = None
     shifts: Optional[list[str]] = None
-    severities: Optional[list[int]] = None
-    batch_size: Optional[int] = None
+    severities: Optional[list[int]] = bounded(None, ge=1)
+    batch_size: Optional[int] = bounded(None, ge=1)
     reset: Optional[str] = None
-    max_images: Optional[int] = None
+    max_images: Optional[int] = bounded(None, ge=1)
     severity_table: Optional[str] = None
     #: ``non_iid`` only: Dirichlet concentration of the label order (part of the id).
-    dirichlet_delta: Optional[float] = None
+    dirichlet_delta: Optional[float] = bounded(None, gt=0)
 
 
 @dataclass
@@ -44,9 +45,9 @@ class LoaderConfig:
     These never change results, only speed.
     """
 
-    num_workers: Optional[int] = None
+    num_workers: Optional[int] = bounded(None, ge=0)
     pin_memory: Optional[bool] = None
-    prefetch_factor: Optional[int] = None
+    prefetch_factor: Optional[int] = bounded(None, ge=1)
     persistent_workers: Optional[bool] = None
 
 

@@ -18,6 +18,7 @@ from typing import Any, ClassVar, Optional
 import torch
 from torch import nn
 
+from tta_bench.bounds import bounded, one_of
 from tta_bench.model import ZeroShotClassifier
 
 
@@ -59,17 +60,17 @@ class GradientConfig:
     method whose objective is fixed in its ``compute_loss``."""
 
     loss: Optional[str] = None
-    optimizer: str = "adam"
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    momentum: float = 0.9  # SGD only
-    steps: int = 1
+    optimizer: str = one_of("adam", OPTIMIZERS)
+    lr: float = bounded(1e-3, gt=0)
+    weight_decay: float = bounded(0.0, ge=0)
+    momentum: float = bounded(0.9, ge=0, le=1)  # SGD only
+    steps: int = bounded(1, ge=1)
     #: Autocast precision on CUDA (``fp32`` = none); each method defaults to its official
     #: code's precision. Ignored on the CPU (float32). Recorded in the results.
-    precision: str = "fp32"
+    precision: str = one_of("fp32", PRECISIONS)
     #: fp16 on CUDA only: the initial scale of a ``torch.amp.GradScaler`` (the official
     #: TPT/BATCLIP code scales by 1000); None: no loss scaling.
-    grad_scale: Optional[float] = None
+    grad_scale: Optional[float] = bounded(None, gt=0)
 
 
 class Method(abc.ABC):

@@ -50,7 +50,10 @@ class RegistryError(LookupError):
     """A component name that is unknown, duplicated, or fails validation."""
 
 
-class UnknownNameError(RegistryError):
+class UnknownNameError(RegistryError, ValueError):
+    """An unknown name: a ``LookupError`` for the registries, and a ``ValueError`` as every
+    bad input to the Python API is."""
+
     def __init__(self, kind: str, name: str, available: list[str]):
         self.kind, self.name, self.available = kind, name, available
         close = difflib.get_close_matches(name, available, n=3, cutoff=0.5)

@@ -83,8 +83,12 @@ def resolve_run(
         raise UsageError(f"suite {suite!r} names no default model; pass --model")
     from tta_bench.config import resolve_method
 
+    from tta_bench.registry import RegistryError
+
     try:
         method, preset = resolve_method(method)  # unknown names: "did you mean"
+    except RegistryError:
+        raise
     except ValueError as exc:  # a broken preset file
         raise UsageError(str(exc)) from exc
     registry("models").origin(model)
@@ -101,6 +105,7 @@ def resolve_run(
             raise UsageError(f"bad configuration override: {exc}") from exc
         raise
     OmegaConf.set_struct(cfg, True)
+    _check_run_keys(cfg)
     _check_keys("method", method, cfg.method, registry("methods").get(method).Config)
     _check_keys("model", model, cfg.model, None, registry("models").get(model))
     from tta_bench.spec import spec_from_config
@@ -116,6 +121,30 @@ def resolve_run(
         raise
     _check_spec(spec)
     return cfg, spec
+
+
+def _check_run_keys(cfg: Any) -> None:
+    """The run config's own keys, and those of its ``protocol`` and ``loader`` nodes, must be
+    fields (``+severities=[6]`` or ``+foo=1`` would otherwise be composed in and ignored)."""
+    import dataclasses
+    import difflib
+
+    from tta_bench.config import LoaderConfig, ProtocolOverrides, RunConfig
+
+    nodes = {"": RunConfig, "protocol.": ProtocolOverrides, "loader.": LoaderConfig}
+    known = {p: [f.name for f in dataclasses.fields(c)] for p, c in nodes.items()}
+    dotted = [p + name for p, names in known.items() for name in names if name != "defaults"]
+    for prefix, names in known.items():
+        node = cfg if not prefix else cfg[prefix[:-1]]
+        unknown = [k for k in node if k not in names]
+        if unknown:
+            key = prefix + str(unknown[0])
+            close = difflib.get_close_matches(str(unknown[0]), [d.split(".")[-1] for d in dotted])
+            hint = [d for d in dotted if d.split(".")[-1] in close[:1]]
+            did = f" (did you mean {hint[0]!r}?)" if hint else ""
+            options = [prefix + n for n in names if n != "defaults"]
+            where = f"{prefix[:-1]}'s" if prefix else "the run's"
+            raise UsageError(f"unknown option {key!r}{did}; {where} options: {', '.join(options)}")
 
 
 def _check_override_keys(overrides: Sequence[str], method: str, model: str) -> None:
@@ -187,6 +216,7 @@ def _check_spec(spec: Any) -> None:
         raise UsageError(
             f"unknown cache policy {spec.cache!r}; available: {', '.join(CACHE_POLICIES)}"
         )
+    _check_cache_writable()
     check_components(spec.protocol, spec.method_config)
     factory = registry("models").get(spec.model)
     check = getattr(factory, "check_args", None)
@@ -196,12 +226,59 @@ def _check_spec(spec: Any) -> None:
         except ValueError as exc:
             raise UsageError(f"model {spec.model}: {exc}") from exc
     _check_dataset_args(spec)
+    _warn_unused_data_dir(spec)
     method = registry("methods").get(spec.method)(None, spec.method_config)
     needed = method.source_images_needed()
     if needed and spec.protocol.source is None:
         raise UsageError(
             f"method {spec.method!r} needs {needed} clean source-domain images, but suite "
             f"{spec.protocol.name!r} declares no source split (`source:` in its registry.yaml)"
+        )
+
+
+def _check_cache_writable() -> None:
+    """The cache directory (decoded images, text heads) must be one this process can write
+    in: a read-only ``TTA_BENCH_CACHE`` would fail later, inside a loader worker."""
+    import os
+    import tempfile
+    from pathlib import Path
+
+    from tta_bench.paths import cache_dir
+
+    path = Path(os.environ.get("TTA_BENCH_CACHE") or "")
+    try:
+        path = cache_dir()  # creates it
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as exc:
+        path = Path(exc.filename) if exc.filename and not str(path) else path
+        raise UsageError(
+            f"cache directory {str(path)!r} is not writable ({exc.strerror or exc}); set "
+            f"TTA_BENCH_CACHE to a writable folder"
+        ) from None
+    if not os.access(path, os.W_OK | os.X_OK):
+        raise UsageError(f"cache directory {str(path)!r} is not writable; set TTA_BENCH_CACHE")
+
+
+def _warn_unused_data_dir(spec: Any) -> None:
+    """``--data-dir`` given to a suite none of whose datasets reads local data: say so."""
+    import inspect
+    import sys
+
+    if spec.data_dir is None:
+        return
+    protocol = spec.protocol
+    datasets = [protocol.dataset]
+    if protocol.source is not None:
+        datasets.append(protocol.source.get("dataset") or protocol.dataset)
+    reads = [
+        "data_dir" in inspect.signature(registry("datasets").get(d)).parameters for d in datasets
+    ]
+    if not any(reads):
+        print(
+            f"tta-bench: warning: --data-dir {spec.data_dir!r} is ignored: suite "
+            f"{protocol.name!r} (dataset {protocol.dataset!r}) reads no local data",
+            file=sys.stderr,
         )
 
 

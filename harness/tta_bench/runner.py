@@ -138,7 +138,8 @@ class Evaluation:
     def run(self) -> dict[str, Any]:
         record, streams = self._setup()
         writer = results.SnapshotWriter(self.output)
-        writer.submit(record)
+        if record["cells"]:  # a resumed file, its unfinished cells dropped; a new run's file
+            writer.submit(record)  # appears with its first finished group
         plan = [(s, b) for s in streams for b in s.batches][: self.max_batches]
         it = _Batches(self.inputs.loader([b for _, b in plan], self.spec.seeds[0]))
         from tqdm.auto import tqdm

@@ -118,3 +118,34 @@ def validate(data: Any, source: str) -> None:
     error = best_match(Draft202012Validator(RESULTS).iter_errors(data))
     if error is not None:
         raise ResultsFormatError(f"{source}: {_where(error.absolute_path)}: {error.message}")
+    check_cells(data["cells"], source)
+
+
+#: How far a stored rate may be from a count over ``n`` (float rounding of ``k / n``).
+RATE_TOLERANCE = 1e-6
+
+
+def check_cells(cells: list[dict[str, Any]], source: str) -> None:
+    """Cells a table may compute from: each (shift, severity, seed) once, and each scored
+    cell's accuracy, error and reference accuracy counts over its ``n`` images (accuracy +
+    error = 1; accuracy x n a whole number of images). ``ResultsFormatError`` names the
+    cell otherwise: an edited or merged-by-hand file is refused, never averaged."""
+    seen: dict[tuple[Any, Any, Any], int] = {}
+    for i, c in enumerate(cells):
+        key = (c["shift"], c["severity"], c["seed"])
+        where = f"{source}: cells[{i}] (shift {key[0]}, severity {key[1]}, seed {key[2]})"
+        if key in seen:
+            raise ResultsFormatError(f"{where} repeats cells[{seen[key]}]: a duplicated cell")
+        seen[key] = i
+        n, acc = c.get("n"), c.get("accuracy")
+        if c.get("diverged") or acc is None or not n:
+            continue
+        err = c.get("error")
+        if err is not None and abs(acc + err - 1.0) > RATE_TOLERANCE:
+            raise ResultsFormatError(f"{where}: accuracy {acc} and error {err} do not add to 1")
+        for name in ("accuracy", "reference_accuracy"):
+            rate = c.get(name)
+            if rate is not None and abs(rate * n - round(rate * n)) > RATE_TOLERANCE * n:
+                raise ResultsFormatError(
+                    f"{where}: {name} {rate} is no count of its {n} images ({rate * n:.4f})"
+                )

@@ -54,9 +54,16 @@ def spec_from_config(cfg: Any, method: str, model: str) -> RunSpec:
     """The ``RunSpec`` of a composed run config (``tta_bench.config``); ``method`` and
     ``model`` are the config-group choices. Callers adjust CLI-only fields with
     ``dataclasses.replace``."""
+    from omegaconf import OmegaConf
+
+    from tta_bench.bounds import check_values
     from tta_bench.config import method_config, to_container
     from tta_bench.protocol import load_protocol
 
+    for node in ("protocol", "loader"):  # declared ranges, before anything is built
+        check_values(OmegaConf.to_object(cfg[node]), node)
+    mcfg = method_config(cfg)
+    check_values(mcfg, "method")
     overrides = {k: v for k, v in to_container(cfg.protocol).items() if v is not None}
     protocol = load_protocol(cfg.suite, **overrides)
     cfg_dict = to_container(cfg)
@@ -65,7 +72,7 @@ def spec_from_config(cfg: Any, method: str, model: str) -> RunSpec:
     cfg_dict["model"] = {"name": model, **cfg_dict["model"]}
     return RunSpec(
         method=method,
-        method_config=method_config(cfg),
+        method_config=mcfg,
         model=model,
         model_args={k: v for k, v in cfg_dict["model"].items() if k != "name"},
         protocol=protocol,

@@ -53,6 +53,7 @@ import torch
 from torch import nn
 
 from mura_plugin.augment import make_views
+from tta_bench.bounds import bounded
 from tta_bench.method import GradientConfig, GradientMethod, build_optimizer, effective_precision
 from tta_bench.model import ZeroShotClassifier
 
@@ -89,16 +90,17 @@ SEPARABLE_LOSSES = ("entropy", "marginal_entropy", "weighted_entropy", "consiste
 
 @dataclass
 class MultiViewConfig(GradientConfig):
-    views: int = 63  # augmented views per image, besides the original
+    views: int = bounded(63, ge=0)  # augmented views per image, besides the original
     include_original: bool = True
-    crop_scale_min: float = 0.08  # RandomResizedCrop's default lower area bound
+    # RandomResizedCrop's default lower area bound
+    crop_scale_min: float = bounded(0.08, gt=0, le=1)
     flip: bool = True
     episodic: str = "sample"
-    adapt_every: int = 1  # adapt on every N-th batch, predict only on the others
+    adapt_every: int = bounded(1, ge=1)  # adapt on every N-th batch, predict only on the others
     episode_batching: bool = True  # episodic=sample: all episodes of a batch in parallel
     # Images per chunk of the batched forward/backward (whole samples, at least one): chunks
     # that fit the CPU caches run ~2x faster than one huge batch; gradients accumulate.
-    chunk_views: int = 256
+    chunk_views: int = bounded(256, ge=1)
     augmix: bool = False  # AugMix each crop (TPT/TTL: on for their fine-grained sets only)
     text_head: str = "protocol"  # protocol | official (see the module docstring)
     # TPT/TTL's official code runs CLIP under fp16 autocast on CUDA (CPU: float32) ...

@@ -71,6 +71,7 @@ from mura_plugin.methods._clip_text import (
     prompt_tokens,
 )
 from mura_plugin.methods._norm import text_layer_norm_parameters, vision_layer_norm_parameters
+from tta_bench.bounds import bounded
 from tta_bench.method import GradientConfig, GradientMethod
 from tta_bench.model import ZeroShotClassifier
 
@@ -94,8 +95,8 @@ class BATCLIPConfig(GradientConfig):
     lr: float = 1e-3
     weight_decay: float = 0.01
     steps: int = 1
-    i2t_weight: float = 1.0  # prototype-text alignment (subtracted)
-    inter_weight: float = 1.0  # inter-class separation (subtracted)
+    i2t_weight: float = bounded(1.0, ge=0)  # prototype-text alignment (subtracted)
+    inter_weight: float = bounded(1.0, ge=0)  # inter-class separation (subtracted)
     text_head: str = "protocol"  # protocol | official ("a photo of a {}.")
     # The official forward runs under fp16 autocast on CUDA with GradScaler(init_scale=1000);
     # CPU: fp32, no scaling.

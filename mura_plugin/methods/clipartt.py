@@ -66,6 +66,7 @@ from torch import nn
 
 from mura_plugin.methods._clip_text import check_text_head, clipartt_loss, prompt_features
 from mura_plugin.methods._norm import vision_layer_norm_parameters
+from tta_bench.bounds import bounded
 from tta_bench.method import GradientMethod
 from tta_bench.model import ZeroShotClassifier
 
@@ -83,13 +84,13 @@ EPISODIC = ("batch", "online")
 
 @dataclass
 class CLIPArTTConfig:
-    top_k: int = 3  # classes per pseudo-label prompt (official --K)
-    temperature: float = 0.01  # of the target similarity softmax
-    steps: int = 10  # iterations per batch (official --niter)
+    top_k: int = bounded(3, ge=1)  # classes per pseudo-label prompt (official --K)
+    temperature: float = bounded(0.01, gt=0)  # of the target similarity softmax
+    steps: int = bounded(10, ge=1)  # iterations per batch (official --niter)
     optimizer: str = "adam"
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    momentum: float = 0.9  # SGD only
+    lr: float = bounded(1e-3, gt=0)
+    weight_decay: float = bounded(0.0, ge=0)
+    momentum: float = bounded(0.9, ge=0, le=1)  # SGD only
     text_head: str = "protocol"  # protocol | official ("a photo of a {}")
     episodic: str = "batch"  # batch: reset before every batch (official) | online
     # The official code runs CLIP's fp16 weights on CUDA: fp16 autocast there; CPU: fp32.

@@ -70,6 +70,7 @@ from torch import nn
 from torch.func import functional_call
 
 from mura_plugin.methods._norm import use_batch_statistics
+from tta_bench.bounds import bounded
 from tta_bench.method import GradientConfig, GradientMethod
 from tta_bench.model import ZeroShotClassifier
 
@@ -94,15 +95,15 @@ class CoTTAConfig(GradientConfig):
     steps: int = 1
     precision: str = "fp32"
     #: Teacher EMA momentum (official MT).
-    teacher_momentum: float = 0.999
+    teacher_momentum: float = bounded(0.999, ge=0, le=1)
     #: Probability that an element of an adapted parameter returns to its source value.
-    restore_prob: float = 0.01
+    restore_prob: float = bounded(0.01, ge=0, le=1)
     #: Augment the teacher when the source model's mean confidence is below this (AP).
-    confidence_threshold: float = 0.92
+    confidence_threshold: float = bounded(0.92, ge=0, le=1)
     #: Augmented copies averaged for the teacher's prediction.
-    augmentations: int = 32
+    augmentations: int = bounded(32, ge=1)
     #: Standard deviation of the augmentation's additive Gaussian noise.
-    noise_std: float = 0.005
+    noise_std: float = bounded(0.005, ge=0)
 
 
 def _uniform(generator: torch.Generator, low: float, high: float) -> float:

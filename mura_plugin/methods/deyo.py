@@ -51,6 +51,7 @@ from torch import nn
 
 from mura_plugin.methods._norm import top_excluded_norm_parameters
 from mura_plugin.methods.eta import ReliableEntropyConfig, ReliableEntropyMethod
+from tta_bench.bounds import bounded
 from tta_bench.model import ZeroShotClassifier
 
 __all__ = [
@@ -76,13 +77,13 @@ class DeYOConfig(ReliableEntropyConfig):
     reweight_margin: float = 0.4
     plpd_threshold: float = 0.2
     #: Patches per row and column of the shuffled image (4 x 4 grid).
-    patch_len: int = 4
+    patch_len: int = bounded(4, ge=1)
     aug_type: str = "patch"
     filter_ent: bool = True
     filter_plpd: bool = True
     reweight_ent: bool = True
     reweight_plpd: bool = True
-    exclude_top: float = 0.25
+    exclude_top: float = bounded(0.25, ge=0, le=1)
     exclude_final_norm: bool = True
 
 

@@ -37,6 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from mura_plugin.methods.eta import ETA, ETAConfig
+from tta_bench.bounds import bounded
 
 __all__ = ["EATA", "EATAConfig", "fisher_information", "fisher_penalty"]
 
@@ -46,11 +47,11 @@ class EATAConfig(ETAConfig):
     """The official EATA setting."""
 
     #: Trade-off beta of the Fisher regulariser (official fisher_alpha).
-    fisher_alpha: float = 2000.0
+    fisher_alpha: float = bounded(2000.0, ge=0)
     #: Clean source images for the Fisher information (official fisher_size).
-    fisher_size: int = 2000
+    fisher_size: int = bounded(2000, ge=1)
     #: Batch size of the Fisher pass (the official loader's, 64).
-    fisher_batch_size: int = 64
+    fisher_batch_size: int = bounded(64, ge=1)
 
 
 def fisher_information(

@@ -67,6 +67,7 @@ from torch import nn
 
 from mura_plugin.losses import view_entropy
 from mura_plugin.methods._norm import masked_mean, norm_parameters, use_batch_statistics
+from tta_bench.bounds import bounded
 from tta_bench.method import GradientConfig, GradientMethod
 from tta_bench.model import ZeroShotClassifier
 
@@ -163,7 +164,7 @@ class ReliableEntropyConfig(GradientConfig):
     steps: int = 1
     precision: str = "fp32"
     #: Reliable-entropy threshold as a fraction of ln C (E0 = e_margin * ln C).
-    e_margin: float = 0.4
+    e_margin: float = bounded(0.4, ge=0)
 
 
 class ReliableEntropyMethod(GradientMethod):
@@ -258,9 +259,9 @@ class ETAConfig(ReliableEntropyConfig):
     """The official ETA setting (EATA without the Fisher regulariser)."""
 
     #: Redundancy threshold on the cosine to the moving average (official d_margin).
-    d_margin: float = 0.05
+    d_margin: float = bounded(0.05, ge=-1, le=1)
     #: Momentum of the moving average of probability vectors (official 0.9).
-    probs_momentum: float = 0.9
+    probs_momentum: float = bounded(0.9, ge=0, le=1)
 
 
 class ETA(ReliableEntropyMethod):

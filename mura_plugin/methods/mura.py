@@ -75,6 +75,7 @@ from mura_plugin.adapters import (
     vision_blocks,
 )
 from mura_plugin.methods._views import SINGLE_PROMPT, MultiViewConfig, MultiViewMethod, class_head
+from tta_bench.bounds import bounded
 from tta_bench.model import ZeroShotClassifier
 
 __all__ = ["MuRA", "MuRAConfig", "FUSIONS"]
@@ -86,10 +87,11 @@ FUSIONS = ("softmax", "router", "none")
 
 @dataclass
 class MuRAConfig(MultiViewConfig):
-    ranks: list[int] = field(default_factory=lambda: [4, 8, 16])
-    blocks: int = 1  # adapt the deepest N vision blocks
+    ranks: list[int] = bounded(default_factory=lambda: [4, 8, 16], ge=1)
+    blocks: int = bounded(1, ge=1)  # adapt the deepest N vision blocks
     targets: list[str] = field(default_factory=lambda: ["attn.q", "attn.v"])
-    alpha: float = 32.0  # each component's LoRA alpha: component k is scaled by alpha / rank_k
+    # each component's LoRA alpha: component k is scaled by alpha / rank_k
+    alpha: float = bounded(32.0, gt=0)
     init: str = "svd"
     fusion: str = "router"
     router_persist: bool = True
@@ -100,7 +102,7 @@ class MuRAConfig(MultiViewConfig):
     steps: int = 1
     #: The router's learning rate (None: ``lr``); the router persists across samples, so
     #: it takes one step per batch where the adapters take one per sample.
-    router_lr: Optional[float] = None
+    router_lr: Optional[float] = bounded(None, gt=0)
 
 
 def _detach_inputs(_module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:

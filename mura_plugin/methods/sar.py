@@ -53,6 +53,7 @@ from torch import nn
 
 from mura_plugin.methods._norm import masked_mean, top_excluded_norm_parameters
 from mura_plugin.methods.eta import ReliableEntropyConfig, ReliableEntropyMethod
+from tta_bench.bounds import bounded
 from tta_bench.model import ZeroShotClassifier
 
 __all__ = [
@@ -69,13 +70,13 @@ class SARConfig(ReliableEntropyConfig):
     """The official SAR setting."""
 
     #: SAM neighbourhood radius.
-    rho: float = 0.05
+    rho: float = bounded(0.05, ge=0)
     #: Model recovery: reset when the moving average of the loss falls below this.
     reset_threshold: float = 0.2
     #: Momentum of the loss's moving average (official 0.9).
-    ema_momentum: float = 0.9
+    ema_momentum: float = bounded(0.9, ge=0, le=1)
     #: Fraction of the deepest blocks (ViT) / stages (ResNet) whose norms stay frozen.
-    exclude_top: float = 0.25
+    exclude_top: float = bounded(0.25, ge=0, le=1)
     #: Keep the tower's final norm (CLIP ``ln_post``, timm ``norm``) frozen too.
     exclude_final_norm: bool = True
 

@@ -64,6 +64,7 @@ import torch
 
 from mura_plugin.losses import view_entropy
 from mura_plugin.methods._views import SINGLE_PROMPT, check_text_head, class_head, configured_views
+from tta_bench.bounds import bounded
 from tta_bench.method import Method, autocast_context, check_precision
 from tta_bench.templates import resolve_templates
 
@@ -114,25 +115,26 @@ def uses_views(views: str, dataset: str | None) -> bool:
 
 @dataclass
 class TDAConfig:
-    pos_shots: int = 3
-    pos_alpha: float | None = None  # None: the official value for the dataset (POSITIVE)
-    pos_beta: float | None = None
-    neg_shots: int = 2
-    neg_alpha: float = 0.117
-    neg_beta: float = 1.0
-    neg_entropy_lower: float = 0.2
-    neg_entropy_upper: float = 0.5
-    neg_mask_lower: float = 0.03
-    neg_mask_upper: float = 1.0
+    pos_shots: int = bounded(3, ge=0)
+    # None: the official value for the dataset (POSITIVE)
+    pos_alpha: float | None = bounded(None, ge=0)
+    pos_beta: float | None = bounded(None, ge=0)
+    neg_shots: int = bounded(2, ge=0)
+    neg_alpha: float = bounded(0.117, ge=0)
+    neg_beta: float = bounded(1.0, ge=0)
+    neg_entropy_lower: float = bounded(0.2, ge=0, le=1)
+    neg_entropy_upper: float = bounded(0.5, ge=0, le=1)
+    neg_mask_lower: float = bounded(0.03, ge=0, le=1)
+    neg_mask_upper: float = bounded(1.0, ge=0, le=1)
     scale_alpha: bool = True  # alphas are tuned for logit scale 100: rescale to the model's
     views: str = "official"  # official | single | multi (see VIEWS)
     # the multi-view input (official: original + 63 AugMix views, 10% lowest-entropy kept)
-    n_views: int = 63
-    selection: float = 0.1
+    n_views: int = bounded(63, ge=0)
+    selection: float = bounded(0.1, gt=0, le=1)
     augmix: bool = True
-    crop_scale_min: float = 0.08
+    crop_scale_min: float = bounded(0.08, gt=0, le=1)
     flip: bool = True
-    chunk_views: int = 256  # views per forward
+    chunk_views: int = bounded(256, ge=1)  # views per forward
     text_head: str = "protocol"  # protocol | official (official_templates)
     precision: str = "fp16"  # autocast on CUDA (the official code runs CLIP in fp16); CPU: fp32
 

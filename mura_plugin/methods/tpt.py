@@ -64,6 +64,7 @@ from torch import nn
 
 from mura_plugin.losses import view_entropy
 from mura_plugin.methods._views import MultiViewConfig, MultiViewMethod, check_text_head
+from tta_bench.bounds import bounded
 from tta_bench.model import ZeroShotClassifier
 
 __all__ = ["TPT", "TPTConfig", "PromptTextEncoder"]
@@ -72,7 +73,7 @@ __all__ = ["TPT", "TPTConfig", "PromptTextEncoder"]
 @dataclass
 class TPTConfig(MultiViewConfig):
     ctx_init: str = "a photo of a"  # the official head's context (text_head=official)
-    selection: float = 0.1  # fraction of lowest-entropy views kept by the loss
+    selection: float = bounded(0.1, gt=0, le=1)  # fraction of lowest-entropy views kept by the loss
     loss: str = "marginal_entropy"
     optimizer: str = "adamw"
     lr: float = 5e-3

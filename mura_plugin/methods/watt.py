@@ -63,6 +63,7 @@ import torch
 
 from mura_plugin.methods._clip_text import check_text_head, clipartt_loss
 from mura_plugin.methods.clipartt import CLIPArTT
+from tta_bench.bounds import bounded
 from tta_bench.model import ZeroShotClassifier
 
 __all__ = ["MODES", "WATT", "WATTConfig", "WATT_TEMPLATES", "weight_average"]
@@ -86,13 +87,13 @@ OFFICIAL_META_ITERATIONS = {"parallel": 50, "sequential": 5}
 @dataclass
 class WATTConfig:
     mode: str = "sequential"  # sequential (WATT-S) | parallel (WATT-P)
-    iterations: int = 2  # L: iterations per template between averages
-    meta_iterations: Optional[int] = None  # M; None: official per mode (S 5, P 50)
-    temperature: float = 0.01
+    iterations: int = bounded(2, ge=1)  # L: iterations per template between averages
+    meta_iterations: Optional[int] = bounded(None, ge=1)  # M; None: official per mode (S 5, P 50)
+    temperature: float = bounded(0.01, gt=0)
     optimizer: str = "adam"
-    lr: float = 1e-3
-    weight_decay: float = 0.0
-    momentum: float = 0.9  # SGD only
+    lr: float = bounded(1e-3, gt=0)
+    weight_decay: float = bounded(0.0, ge=0)
+    momentum: float = bounded(0.9, ge=0, le=1)  # SGD only
     text_head: str = "protocol"  # protocol | official (the 8 WATT templates)
     # The official code runs CLIP's fp16 weights on CUDA: fp16 autocast there; CPU: fp32.
     precision: str = "fp16"

@@ -52,6 +52,7 @@ import torch
 
 from mura_plugin.losses import view_entropy
 from mura_plugin.methods._views import SINGLE_PROMPT, check_text_head, class_head, configured_views
+from tta_bench.bounds import bounded
 from tta_bench.method import Method, autocast_context, check_precision
 
 __all__ = ["Zero", "ZeroConfig", "zero_votes"]
@@ -59,13 +60,14 @@ __all__ = ["Zero", "ZeroConfig", "zero_votes"]
 
 @dataclass
 class ZeroConfig:
-    views: int = 63
+    views: int = bounded(63, ge=1)
     include_original: bool = True
-    crop_scale_min: float = 0.08
+    crop_scale_min: float = bounded(0.08, gt=0, le=1)
     flip: bool = True
-    selection: float = 0.3  # fraction of most confident views that vote
-    tie_eps: float = 1e-3
-    chunk_views: int = 256  # views per forward: cache-sized chunks run ~2x faster on CPU
+    selection: float = bounded(0.3, gt=0, le=1)  # fraction of most confident views that vote
+    tie_eps: float = bounded(1e-3, ge=0)
+    # views per forward: cache-sized chunks run ~2x faster on CPU
+    chunk_views: int = bounded(256, ge=1)
     text_head: str = "protocol"  # protocol | official ("a photo of a {}.")
     precision: str = "fp16"  # autocast on CUDA, as the official code runs CLIP; CPU: fp32
 
