@@ -107,7 +107,7 @@ def test_the_example_runs_end_to_end(example, tmp_path):
     label = shown.get("label", metric)
     mean = sum(c[metric] for c in record["cells"]) / len(record["cells"])
     value = f"{shown.get('scale', 1) * mean:.{shown.get('decimals', 3)}f}"
-    table = _cli(root, "table", "--format", "csv", str(out), cache=cache)
+    table = _cli(root, "table", "--format", "csv-formatted", str(out), cache=cache)
     assert table.returncode == 0, table.stderr
     summary = table.stdout.split("# Suite summary")[1].strip().splitlines()
     headers, row = list(csv.reader(summary[1:3]))

@@ -15,7 +15,7 @@ from tta_bench import report, stats, tables
 from .helpers import GOLDEN
 
 RESULTS = [GOLDEN / "golden_zeroshot.json", GOLDEN / "golden_tent.json"]
-SUFFIX = {"github": "md", "latex": "tex", "csv": "csv", "html": "html", "plain": "txt"}
+SUFFIX = {"github": "md", "latex": "tex", "csv-formatted": "csv", "html": "html", "plain": "txt"}
 
 
 def _check_golden(name: str, text: str) -> None:

@@ -24,6 +24,7 @@ from tta_bench import metrics
 from tta_bench.cost import PassCounter, PeakMemory, PhaseTimer, rss_bytes
 from tta_bench.method import Method
 from tta_bench.results import now_iso
+from tta_bench.samples import CellSamples
 from tta_bench.stream import Batch, Stream
 
 #: Time phases a cell reports, in the order of its entry.
@@ -134,6 +135,8 @@ class _Cell:
     backward: float = 0.0
     logits: list[torch.Tensor] = field(default_factory=list)
     labels: list[torch.Tensor] = field(default_factory=list)
+    indices: list[np.ndarray] = field(default_factory=list)  # dataset rows, stream order
+    batch_numbers: list[np.ndarray] = field(default_factory=list)
     diverged: dict[str, Any] | None = None
 
 
@@ -182,6 +185,9 @@ class CellBook:
             cell.backward += share * cost.backward
             cell.logits.append(logits_cpu[sel])
             cell.labels.append(labels_cpu[sel])
+            rows = batch.indices if isinstance(sel, slice) else batch.indices[sel.numpy()]
+            cell.indices.append(np.asarray(rows))
+            cell.batch_numbers.append(np.full(len(rows), batch.number, dtype=np.int64))
 
     def diverge(self, batch: Batch, reason: str, at: int | None = None) -> None:
         """Mark the cell(s) of ``batch`` diverged: reported, never scored. ``at``: the batch
@@ -194,6 +200,29 @@ class CellBook:
                 cell.diverged = {"batch": first, "reason": reason}
             cell.n += len(batch) if isinstance(sel, slice) else int(sel.sum())
             cell.batches += 1
+
+    def samples(self, seed: int, domain_names: dict[Any, str]) -> list[CellSamples]:
+        """The scored samples of every cell that did not diverge, in domain order
+        (``tta_bench.samples``); ``domain_names``: the dataset domain of each domain."""
+        out = []
+        for d in sorted(self.cells):
+            c = self.cells[d]
+            if c.diverged is not None or not c.logits:
+                continue
+            shift, severity = self.stream.domains[d]
+            out.append(
+                CellSamples(
+                    shift=shift,
+                    severity=severity,
+                    seed=seed,
+                    domain=domain_names.get((shift, severity), str(shift)),
+                    logits=torch.cat(c.logits).numpy(),
+                    labels=torch.cat(c.labels).numpy(),
+                    indices=np.concatenate(c.indices),
+                    batches=np.concatenate(c.batch_numbers),
+                )
+            )
+        return out
 
     def entries(self, seed: int, memory: PeakMemory) -> list[dict[str, Any]]:
         """The results entries of every cell, in domain order."""

@@ -8,6 +8,7 @@ Listing commands import no torch.
 from __future__ import annotations
 
 import argparse
+import json
 import sys
 from collections.abc import Sequence
 from typing import Any
@@ -139,10 +140,14 @@ def cmd_ls(args: argparse.Namespace) -> int:
     from tabulate import tabulate
 
     kinds = [args.kind] if args.kind else [k for k in LIST_KINDS if k not in _ON_REQUEST]
+    as_json: dict[str, Any] = {}
     for kind in kinds:
         if kind == "defaults":
             found = catalog.catalog()["defaults"]
             rows = [[k, found.get(k, "-")] for k in catalog.DEFAULT_KEYS]
+            if args.json:
+                as_json[kind] = {k: found.get(k) for k in catalog.DEFAULT_KEYS}
+                continue
             print(tabulate(rows, headers=["choice", "default"], tablefmt="simple"))
             continue
         if kind == "configs":
@@ -154,6 +159,14 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 for p in sorted(found.values(), key=lambda p: p.name)
             ]
             headers = ["preset", "method", "from", "description"]
+            if args.json:
+                as_json[kind] = [
+                    dict(zip(("name", "method", "from", "description"), r)) for r in rows
+                ]
+                as_json[kind] = [
+                    {**r, "name": r["name"].removeprefix("method=")} for r in as_json[kind]
+                ]
+                continue
             if len(kinds) > 1:
                 print(f"\n{kind}:")
             print(tabulate(rows, headers=headers, tablefmt="simple") if rows else "no presets")
@@ -176,12 +189,22 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 [n, reg.origin(n).distribution, catalog.description(kind, n)] for n in reg.names()
             ]
             headers = [SINGULAR[kind], "from", "description"]
+        if args.json:
+            keys = (
+                ("name", "protocol", "description")
+                if kind == "suites"
+                else ("name", "from", "description")
+            )
+            as_json[kind] = [dict(zip(keys, r)) for r in rows]
+            continue
         if len(kinds) > 1:
             print(f"\n{kind}:")
         if not rows:
             print(NO_PLUGINS.format(kind=kind) + ".")
             continue
         print(tabulate(rows, headers=headers, tablefmt="simple"))
+    if args.json:
+        print(json.dumps(as_json if not args.kind else as_json[args.kind], indent=1))
     return 0
 
 
@@ -230,15 +253,19 @@ def cmd_env(args: argparse.Namespace) -> int:
             lines.append((name, md.version(name)))
         except md.PackageNotFoundError:
             lines.append((name, "not installed"))
-    width = max(len(k) for k, _ in lines)
-    for k, v in lines:
-        print(f"{k:<{width}}  {v}")
     dists: dict[str, tuple[str, list[str]]] = {}
     for kind in KINDS:
         reg = registry(kind)
         for n in reg.names():
             o = reg.origin(n)
             dists.setdefault(o.distribution, (o.version, []))[1].append(f"{kind}:{n}")
+    if args.json:
+        plugins = {d: {"version": v, "components": len(i)} for d, (v, i) in sorted(dists.items())}
+        print(json.dumps({**dict(lines), "plugin distributions": plugins}, indent=1))
+        return 0
+    width = max(len(k) for k, _ in lines)
+    for k, v in lines:
+        print(f"{k:<{width}}  {v}")
     print("\nplugin distributions:")
     for dist, (version, items) in sorted(dists.items()):
         print(f"  {dist} {version}: {len(items)} components")
@@ -309,6 +336,32 @@ def cmd_table(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
     print(text, end="")
+    return 0
+
+
+def cmd_rescore(args: argparse.Namespace) -> int:
+    from tabulate import tabulate
+
+    from tta_bench.rescore import rescore
+
+    try:
+        checks = rescore(args.results, write=args.write)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    rows = [
+        [
+            c.name,
+            c.cells,
+            c.stored,
+            "-" if c.max_difference is None else f"{c.max_difference:.3g}",
+            f"{c.mean:.6f}",
+        ]
+        for c in checks
+    ]
+    headers = ["metric", "cells", "stored in", "max |stored - recomputed|", "mean over cells"]
+    print(tabulate(rows, headers=headers, tablefmt="simple", disable_numparse=True))
+    if args.write:
+        print(f"written: {args.results}")
     return 0
 
 
@@ -394,6 +447,7 @@ def _add_run(sub: Any) -> None:
 def _add_ls(sub: Any) -> None:
     ls = sub.add_parser("ls", help="list registered components, suites and presets")
     ls.add_argument("kind", nargs="?", choices=LIST_KINDS)
+    ls.add_argument("--json", action="store_true", help="print JSON instead of tables")
     ls.set_defaults(func=cmd_ls)
 
 
@@ -439,6 +493,7 @@ def _add_profile(sub: Any) -> None:
 
 def _add_env_and_cache(sub: Any) -> None:
     e = sub.add_parser("env", help="versions, device, cache dir, plugin distributions")
+    e.add_argument("--json", action="store_true", help="print JSON instead of a table")
     e.set_defaults(func=cmd_env)
     c = sub.add_parser("cache", help="list or clear the decoded-image and text-head caches")
     c.add_argument("action", choices=("list", "clear"))
@@ -457,7 +512,13 @@ _CATALOGUE_DEFAULT = "default: the catalogues' (tta-bench ls defaults)"
 def _add_reports(sub: Any) -> None:
     t = sub.add_parser("table", help="render tables from results files")
     t.add_argument("results", nargs="+", help="results JSON files (one protocol)")
-    t.add_argument("--format", default="github", help="github | latex | csv | html | plain")
+    t.add_argument(
+        "--format",
+        default="github",
+        help="formatted: github | markdown | latex | html | plain | csv-formatted; numbers for "
+        "programs: json (cells and summary) | csv (one row per cell) | csv-summary (one row "
+        "per run, interval bounds as columns)",
+    )
     t.add_argument("--baseline", help=BASELINE_HELP)
     t.add_argument("--test", default="t", choices=("t", "bootstrap"), help="paired test")
     t.set_defaults(func=cmd_table)
@@ -469,6 +530,17 @@ def _add_reports(sub: Any) -> None:
     lb.add_argument("--test", default="t", choices=("t", "bootstrap"), help="paired test")
     lb.add_argument("--no-plots", action="store_true", help="tables only")
     lb.set_defaults(func=cmd_leaderboard)
+    rs = sub.add_parser(
+        "rescore",
+        help="recompute every registered metric from a run's per-sample outputs",
+        description="Recompute every registered metric from the per-sample files a run wrote "
+        "with log_samples=logits (<results stem>.samples/), without adapting again: stored "
+        "metrics are checked, metrics registered later are computed. Example: tta-bench "
+        "rescore results/run.json --write",
+    )
+    rs.add_argument("results", help="a results JSON file whose run used log_samples=logits")
+    rs.add_argument("--write", action="store_true", help="store the values in the results file")
+    rs.set_defaults(func=cmd_rescore)
 
 
 def _add_deployment(sub: Any) -> None:

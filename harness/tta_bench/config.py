@@ -77,6 +77,12 @@ class RunConfig:
     batch_log: Optional[str] = None
     #: Also record each cell's accuracy per class.
     per_class_accuracy: bool = False
+    #: Per-sample outputs beside the results file (``<stem>.samples/``, one Parquet file
+    #: per cell; ``tta_bench.samples``): false, true (label, prediction, top-k classes and
+    #: probabilities) or logits (also the full logits, which ``tta-bench rescore`` needs).
+    log_samples: Any = False
+    #: Classes listed per sample with ``log_samples``.
+    log_samples_top_k: int = bounded(5, ge=1)
     #: Count FLOPs per sample (torch.utils.flop_counter) on each cell's first batch.
     flops: bool = False
     protocol: ProtocolOverrides = field(default_factory=ProtocolOverrides)

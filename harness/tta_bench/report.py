@@ -93,14 +93,19 @@ def render_tables(
     one file, method x shift for several), the suite summary and the cost table. Files of
     different protocols are refused (``stats.ProtocolMismatchError``). ``labels`` name the
     rows (default: the method, with a config hash where a method appears twice)."""
-    if fmt not in tables.FORMATS:
-        raise ValueError(f"unknown table format {fmt!r}; available: {', '.join(tables.FORMATS)}")
+    formatted = [f for f in tables.FORMATS if f != "csv"] + ["csv-formatted"]
+    if fmt not in (*formatted, *MACHINE_FORMATS):
+        known = ", ".join((*formatted, *MACHINE_FORMATS))
+        raise ValueError(f"unknown table format {fmt!r}; available: {known}")
     records = load_many(paths)
     if not records:
         raise ValueError("no results files given")
     for other in records[1:]:
         stats.check_same_protocol(records[0], other)
     labels = list(labels) if labels is not None else _labels(records)
+    if fmt in MACHINE_FORMATS:
+        return _machine(records, labels, fmt, baseline, test)
+    fmt = "csv" if fmt == "csv-formatted" else fmt
     if len(records) == 1:
         shift = tables.shift_table(records[0], fmt)
     else:
@@ -114,6 +119,24 @@ def render_tables(
     head = _heading(f"{records[0]['suite']} ({proto})", fmt)
     body = "\n\n".join(_heading(SECTION_TITLES[k], fmt) + t for k, t in sections)
     return head + "\n" + body + "\n"
+
+
+#: Numbers for programs (``tta_bench.export``): ``json`` (cells and summary), ``csv`` (the
+#: long table, one row per cell), ``csv-summary`` (one row per run, interval bounds as
+#: columns). ``csv-formatted`` is the three formatted tables as CSV, as ``csv`` was before.
+MACHINE_FORMATS = ("json", "csv", "csv-summary")
+
+
+def _machine(
+    records: list[dict[str, Any]], labels: list[str], fmt: str, baseline: Any, test: str
+) -> str:
+    from tta_bench import export
+
+    if fmt == "json":
+        return export.to_json(records, labels, baseline=baseline, test=test)
+    if fmt == "csv":
+        return export.to_csv(export.long_rows(records, labels))
+    return export.to_csv(export.summary_rows(records, labels, baseline, test))
 
 
 # -- leaderboard -----------------------------------------------------------------------

@@ -82,7 +82,6 @@ def resolve_run(
     if not model:
         raise UsageError(f"suite {suite!r} names no default model; pass --model")
     from tta_bench.config import resolve_method
-
     from tta_bench.registry import RegistryError
 
     try:

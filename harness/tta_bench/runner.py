@@ -19,7 +19,7 @@ from typing import Any
 
 import torch
 
-from tta_bench import results, resume
+from tta_bench import results, resume, samples
 from tta_bench.accounting import CellBook, CostMeter, log_batch, non_finite
 from tta_bench.cost import PeakMemory
 from tta_bench.inputs import RunInputs
@@ -243,6 +243,14 @@ class Evaluation:
         resolved = method.resolved_settings()
         if resolved:
             record["method_resolved"] = resolved
+        if spec.log_samples:  # before the results file lists the cells
+            names = {d: s.name for d, s in self.inputs.streams.items()}
+            label = spec.method_preset or spec.method
+            for cell in book.samples(seed, names):
+                samples.write_cell(
+                    samples.samples_dir(self.output), label, cell,
+                    spec.log_samples_top_k, spec.log_samples == "logits",
+                )  # fmt: skip
         return book.entries(seed, memory)
 
 

@@ -44,6 +44,9 @@ class RunSpec:
     per_class_accuracy: bool = False
     #: Count FLOPs per sample on each cell's first batch (that batch is left untimed).
     flops: bool = False
+    #: Per-sample outputs: None (off), "topk" or "logits" (``tta_bench.samples``).
+    log_samples: str | None = None
+    log_samples_top_k: int = 5
     #: Decoded-image cache policy (``tta_bench.data.CACHE_POLICIES``).
     cache: str = "auto"
     #: The named preset the method config came from (``method=<preset>``), if any.
@@ -59,6 +62,7 @@ def spec_from_config(cfg: Any, method: str, model: str) -> RunSpec:
     from tta_bench.bounds import check_values
     from tta_bench.config import method_config, to_container
     from tta_bench.protocol import load_protocol
+    from tta_bench.samples import mode as samples_mode
 
     for node in ("protocol", "loader"):  # declared ranges, before anything is built
         check_values(OmegaConf.to_object(cfg[node]), node)
@@ -86,6 +90,8 @@ def spec_from_config(cfg: Any, method: str, model: str) -> RunSpec:
         resume=bool(cfg.resume),
         batch_log=cfg.get("batch_log"),
         per_class_accuracy=bool(cfg.get("per_class_accuracy", False)),
+        log_samples=samples_mode(cfg.get("log_samples", False)),
+        log_samples_top_k=int(cfg.get("log_samples_top_k", 5)),
         flops=bool(cfg.get("flops", False)),
         cache=str(cfg.get("cache", "auto")),
     )
