@@ -83,6 +83,9 @@ class RunConfig:
     log_samples: Any = False
     #: Classes listed per sample with ``log_samples``.
     log_samples_top_k: int = bounded(5, ge=1)
+    #: Experiment trackers that receive the run as it goes (``tta_bench.loggers``): any of
+    #: wandb, mlflow, tensorboard; none by default (no tracker is imported unless chosen).
+    logger: list[str] = field(default_factory=list)
     #: Count FLOPs per sample (torch.utils.flop_counter) on each cell's first batch.
     flops: bool = False
     protocol: ProtocolOverrides = field(default_factory=ProtocolOverrides)
