@@ -35,8 +35,11 @@ def _figure() -> Any:
 
 
 def _save(fig: Any, path: Path) -> None:
+    from tta_bench.paths import atomic_path
+
     fig.tight_layout()
-    fig.savefig(path, dpi=DPI, format="png", metadata={"Software": None})
+    with atomic_path(path) as tmp:  # never a half-written PNG under the final name
+        fig.savefig(tmp, dpi=DPI, format="png", metadata={"Software": None})
 
 
 def accuracy_vs_severity(

@@ -22,6 +22,7 @@ from typing import Any
 
 from tta_bench import plots, results, stats, tables
 from tta_bench.metric_columns import table_columns
+from tta_bench.paths import atomic_write_text
 
 LEADERBOARD_MD = "leaderboard.md"
 LEADERBOARD_HTML = "leaderboard.html"
@@ -480,6 +481,6 @@ def write_leaderboard(
         (LEADERBOARD_HTML, leaderboard_html(board, baseline, test, images)),
     ):
         path = root / name
-        path.write_text(text, encoding="utf-8")
+        atomic_write_text(path, text)  # a reader sees the old page or the new one, whole
         written.append(path)
     return board, sorted(written)

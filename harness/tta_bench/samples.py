@@ -15,14 +15,14 @@ finds the files of the cells it skips; a rerun of a cell replaces its file.
 
 from __future__ import annotations
 
-import os
 import re
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import numpy as np
+
+from tta_bench.paths import atomic_path
 
 #: ``log_samples`` values: off, top-k classes and probabilities, or those and the logits.
 MODES = (False, True, "logits")
@@ -101,17 +101,9 @@ def write_cell(folder: Path, method: str, cell: CellSamples, top_k: int, with_lo
     }
     if with_logits:
         columns["logits"] = pa.FixedSizeListArray.from_arrays(pa.array(logits.reshape(-1)), classes)
-    table = pa.table(columns)
-    folder.mkdir(parents=True, exist_ok=True)
     dest = cell_file(folder, cell.shift, cell.severity, cell.seed)
-    fd, tmp = tempfile.mkstemp(dir=folder, prefix=f".{dest.name}.", suffix=".tmp")
-    os.close(fd)
-    try:
-        pq.write_table(table, tmp)
-        os.replace(tmp, dest)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
+    with atomic_path(dest) as tmp:
+        pq.write_table(pa.table(columns), tmp)
     return dest
 
 
