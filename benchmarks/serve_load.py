@@ -3,6 +3,8 @@
     python benchmarks/serve_load.py [--methods zeroshot mura] [--clients 2] [--requests 20]
                                     [--images 1] [--repeats 3] [--mode sessionless]
                                     [--workers 2] [--threads 1] [--sessions-rss 16]
+                                    [--slow-clients 0] [--max-pending N]
+                                    [--body-timeout-s S]
 
 For each method a server is started as a subprocess (``tta-bench serve --port 0`` on
 127.0.0.1, the default model and digits classes, ``--workers`` worker threads, torch on
@@ -19,6 +21,14 @@ memory of sessions: ``/info``'s tensor accounting (bytes a session owns vs a who
 copy) and the server's RSS growth per session over ``--sessions-rss`` new sessions, each
 adapted once.
 
+``--slow-clients N``: each method's repeats are run a second time beside N hostile slow
+clients, each a raw socket that sends the headers of a ``/predict`` and 10 bytes of its
+body, then waits (and, once the server answers or closes, starts again). Printed: the
+normal clients' latency per request, median and [min - max] over all requests of all
+repeats, and their failures (non-200 answers, e.g. 503 when slow clients hold the
+admission slots), without and with the slow clients; and what the slow clients got (408s,
+closed without an answer). ``--max-pending`` and ``--body-timeout-s`` set the server's.
+
 The load is CPU-heavy (the model computes on the same machine as the clients): keep it
 short on a shared machine; numbers are only comparable on an idle one.
 """
@@ -30,6 +40,7 @@ import io
 import os
 import re
 import signal
+import socket
 import statistics
 import subprocess
 import sys
@@ -64,7 +75,7 @@ def _rss_bytes(pid: int) -> int:
 class Server:
     """``tta-bench serve`` in a subprocess on a free loopback port."""
 
-    def __init__(self, method: str, workers: int, threads: int):
+    def __init__(self, method: str, workers: int, threads: int, extra: list[str] | None = None):
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
         cmd = [
             sys.executable,
@@ -79,6 +90,7 @@ class Server:
             str(workers),
             "--max-sessions",
             "1000",
+            *(extra or []),
         ]
         self.proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, text=True)
         line = self.proc.stdout.readline() if self.proc.stdout else ""
@@ -145,6 +157,66 @@ def drive(url: str, clients: int, requests: int, images: list[bytes], sessions: 
     return time.perf_counter() - t0, latencies, failures
 
 
+class SlowClients:
+    """``count`` hostile clients, one thread each: a raw socket sends the headers of a
+    ``/predict`` declaring a 100,000-byte multipart body and 10 bytes of it, then waits for
+    the server to answer or close; then again, until ``stop``. Counts what they got."""
+
+    HEAD = (
+        b"POST /predict HTTP/1.1\r\nHost: load\r\n"
+        b"Content-Type: multipart/form-data; boundary=slow\r\n"
+        b"Content-Length: 100000\r\n\r\n--slow\r\nCo"
+    )
+
+    def __init__(self, url: str, count: int):
+        host, port = url.removeprefix("http://").rsplit(":", 1)
+        self.address = (host, int(port))
+        self.stopping = threading.Event()
+        self.counts = {"408": 0, "other answer": 0, "closed without answer": 0}
+        self.lock = threading.Lock()
+        self.threads = [threading.Thread(target=self._run, daemon=True) for _ in range(count)]
+        for t in self.threads:
+            t.start()
+        time.sleep(0.5)  # their headers are in: they hold whatever they can hold
+
+    def _run(self) -> None:
+        while not self.stopping.is_set():
+            try:
+                sock = socket.create_connection(self.address, timeout=5)
+            except OSError:
+                time.sleep(0.1)
+                continue
+            with sock:
+                sock.sendall(self.HEAD)
+                sock.settimeout(0.5)
+                data = b""
+                while not self.stopping.is_set():
+                    try:
+                        chunk = sock.recv(65536)
+                    except TimeoutError:
+                        continue
+                    except OSError:
+                        chunk = b""
+                    if not chunk:
+                        break
+                    data += chunk
+                else:
+                    return  # stopped while still stalled
+            kind = (
+                "408"
+                if data.startswith(b"HTTP/1.1 408")
+                else ("other answer" if data else "closed without answer")
+            )
+            with self.lock:
+                self.counts[kind] += 1
+
+    def stop(self) -> dict[str, int]:
+        self.stopping.set()
+        for t in self.threads:
+            t.join(timeout=10)
+        return dict(self.counts)
+
+
 def _fmt(values: list[float], scale: float = 1.0, digits: int = 1) -> str:
     med = statistics.median(values) * scale
     lo, hi = min(values) * scale, max(values) * scale
@@ -176,31 +248,45 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workers", type=int, default=2, help="server worker threads")
     p.add_argument("--threads", type=int, default=1, help="torch CPU threads of the server")
     p.add_argument("--sessions-rss", type=int, default=16, help="sessions for the RSS figure")
+    p.add_argument(
+        "--slow-clients", type=int, default=0, help="hostile slow uploads beside the clients"
+    )
+    p.add_argument("--max-pending", type=int, help="the server's --max-pending")
+    p.add_argument("--body-timeout-s", type=float, help="the server's --body-timeout-s")
     args = p.parse_args(argv)
     if args.clients < 1 or args.requests < args.clients or args.repeats < 1:
         p.error("need clients >= 1, requests >= clients, repeats >= 1")
+    if args.slow_clients < 0:
+        p.error(f"--slow-clients must be >= 0, got {args.slow_clients}")
+    extra = []
+    if args.max_pending is not None:
+        extra += ["--max-pending", str(args.max_pending)]
+    if args.body_timeout_s is not None:
+        extra += ["--body-timeout-s", str(args.body_timeout_s)]
     images = _pngs(args.images)
     print(
         f"{args.clients} clients x {args.requests} requests ({args.images} image(s) each, "
         f"{args.mode}), {args.repeats} repeats; server: {args.workers} workers, "
-        f"{args.threads} torch thread(s); cpus {os.cpu_count()}"
+        f"{args.threads} torch thread(s) {' '.join(extra)}; cpus {os.cpu_count()}"
     )
     header = (
         f"{'method':<10} {'req/s':>22} {'img/s':>22} {'p50 ms':>24} {'p95 ms':>24} "
         f"{'server RSS MB':>22}"
     )
-    rows, memory = [], {}
+    rows, memory, slow_rows = [], {}, []
     for method in args.methods:
-        server = Server(method, args.workers, args.threads)
+        server = Server(method, args.workers, args.threads, extra)
         try:
             drive(server.url, 1, 2, images, args.mode == "sessions")  # warm-up
             rps, ips, p50, p95, rss = [], [], [], [], []
+            all_lat: list[float] = []
             for _ in range(args.repeats):
                 wall, lat, failures = drive(
                     server.url, args.clients, args.requests, images, args.mode == "sessions"
                 )
                 if failures:
                     raise RuntimeError(f"{method}: {len(failures)} failed: {failures[0]}")
+                all_lat += lat
                 rps.append(len(lat) / wall)
                 ips.append(len(lat) * args.images / wall)
                 p50.append(float(np.percentile(lat, 50)))
@@ -210,6 +296,19 @@ def main(argv: list[str] | None = None) -> int:
                 f"{method:<10} {_fmt(rps):>22} {_fmt(ips):>22} {_fmt(p50, 1e3):>24} "
                 f"{_fmt(p95, 1e3):>24} {_fmt(rss, 2**-20):>22}"
             )
+            if args.slow_clients:
+                slow = SlowClients(server.url, args.slow_clients)
+                slow_lat, slow_failures = [], []
+                try:
+                    for _ in range(args.repeats):
+                        _, lat, failures = drive(
+                            server.url, args.clients, args.requests, images, args.mode == "sessions"
+                        )
+                        slow_lat += lat
+                        slow_failures += failures
+                finally:
+                    got = slow.stop()
+                slow_rows.append((method, all_lat, slow_lat, slow_failures, got))
             if args.sessions_rss:
                 memory[method] = session_memory(
                     server.url, server.proc.pid, args.sessions_rss, images[0]
@@ -218,6 +317,21 @@ def main(argv: list[str] | None = None) -> int:
             server.stop()
     print(header)
     print("\n".join(rows))
+    if slow_rows:
+        total = args.requests * args.repeats
+        print(
+            f"\nnormal clients' latency per request, ms: median [min - max] over all {total} "
+            f"requests; without and with {args.slow_clients} slow clients"
+        )
+        print(f"{'method':<10} {'without':>26} {'with':>26} {'failed with':>12}  slow clients got")
+        for method, base, with_slow, failures, got in slow_rows:
+            shown = _fmt(with_slow, 1e3) if with_slow else "none answered"
+            print(
+                f"{method:<10} {_fmt(base, 1e3):>26} {shown:>26} "
+                f"{len(failures):>5}/{total:<6}  {got}"
+            )
+            if failures:
+                print(f"{'':<10} first failure: {failures[0]}")
     if memory:
         print(
             f"\nmemory per session (tensor accounting from /info; RSS over "

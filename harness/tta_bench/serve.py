@@ -31,17 +31,34 @@ Concurrency policy (also in ``/info``):
   waiting request holds no worker);
 * sessionless requests each take one of ``workers`` pooled adapters, which is reset
   after the request, so they never see each other's state;
-* at most ``max_pending`` predict requests are admitted at once (reading, waiting or
-  computing); the next one gets 503 with ``Retry-After``.
+* a predict request is admitted only once its whole body has arrived: at most
+  ``max_pending`` admitted at once (waiting or computing); the next one gets 503 with
+  ``Retry-After``. Bodies still arriving hold no admission slot: their bytes count, as they
+  arrive, against ``max_reading_bytes`` (503 beyond), so a slow client never locks others out.
+
+Deadlines (a hostile client holds a connection for a bounded time; uvicorn's h11 protocol
+with the deadlines it lacks, see ``_protocol_class``): a request's headers must arrive within
+``header_timeout_s`` of the connection opening or of the previous response (trickled bytes do
+not extend it; 408, closed), its body within ``body_timeout_s`` of its headers (408, closed);
+a connection with nothing to do is closed after ``keep_alive_s`` without data (uvicorn's
+``timeout_keep_alive``, applied from the connection's first byte on). A client that
+disconnects mid-upload is one log line.
 
 Limits (4xx answers naming the limit): body size (413, checked from ``Content-Length``
-and while reading), images per request (413), pixels per image (413, read from the image
-header before anything is decoded: decompression bombs never expand), accepted formats
-(415), open sessions (429), idle sessions (404 after expiry). Uploads are never written
-to disk: bodies are read into memory and multipart is parsed in memory (Starlette's form
-parser spools large files to a temporary file, so it is not used). An optional bearer
-token (``--token`` or ``$TTA_BENCH_SERVE_TOKEN``) guards every endpoint but ``/health``
-(401 without it).
+and while reading), images per request (413), pixels per image and decoded pixels per
+request (413; every image's header is read before any image is decoded: decompression bombs
+never expand, and neither do many bombs in one request), images so elongated that resizing
+their shorter side to the model's input would pass the per-image pixel limit (413),
+accepted formats (415), open sessions (429), idle sessions (404 after expiry). Images are
+decoded and resized one at a time. ``upload_memory_bound`` computes the memory uploads can
+take at once from the limits (``/info`` and ``serve --help`` state it). Uploads are never
+written to disk: bodies are read into memory and multipart is parsed in memory (Starlette's
+form parser spools large files to a temporary file, so it is not used).
+
+Auth: an optional bearer token guards every endpoint but ``/health`` (401 without it): read
+from ``--token-file`` (its first line) or ``$TTA_BENCH_SERVE_TOKEN``; ``--token`` works but is
+visible to every local user in ``ps``. The API docs (``/docs``, ``/redoc``,
+``/openapi.json``) are off unless ``--api-docs``, and then behind the token too.
 """
 
 # No ``from __future__ import annotations`` here: FastAPI reads the annotations of the
@@ -54,6 +71,8 @@ import contextlib
 import dataclasses
 import hmac
 import io
+import json
+import logging
 import os
 import queue
 import secrets
@@ -63,7 +82,7 @@ import threading
 import time
 import warnings
 from collections import OrderedDict
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from typing import Any
@@ -74,6 +93,8 @@ __all__ = [
     "ClientError",
     "MissingExtraError",
     "create_app",
+    "upload_memory_bound",
+    "resolve_token",
     "running",
     "serve",
     "require_extra",
@@ -94,8 +115,16 @@ POLICY = (
     "adapts, so /health, /info and session management answer while adaptations run; one "
     "request at a time per session, in arrival order (per-session lock, no worker held "
     "while waiting); sessionless requests use one of `workers` pooled adapters, reset after "
-    "each request; at most `max_pending` predict requests admitted at once (503 beyond)"
+    "each request; a predict request is admitted once its whole body has arrived, at most "
+    "`max_pending` at once (503 beyond); bodies still arriving hold no slot, their bytes count "
+    "against `max_reading_bytes` as they arrive (503 beyond) and must arrive within "
+    "`body_timeout_s` (408)"
 )
+#: The server's log (uvicorn's): one line per misbehaving client, never a traceback.
+_log = logging.getLogger("uvicorn.error")
+#: How much later than ``body_timeout_s`` the connection-level backstop closes a connection
+#: whose body is still incomplete (the endpoint answers 408 first where it reads the body).
+_BODY_BACKSTOP_GRACE_S = 2.0
 
 
 class MissingExtraError(ValueError):
@@ -124,7 +153,16 @@ def require_extra() -> None:
 
 @dataclass
 class Limits:
-    """What one service accepts (see the module docstring)."""
+    """What one service accepts and how long it waits for a client (see the module
+    docstring); every field must be a positive number (ValueError naming it otherwise).
+
+    ``max_request_pixels``: decoded pixels of all the images of one request, summed from
+    their headers before any is decoded. ``max_reading_bytes``: bytes of request bodies
+    being received at once, over all connections, counted as they arrive.
+    ``header_timeout_s``: from a connection's opening (or its previous response) to the end
+    of the request's headers. ``body_timeout_s``: from the request's headers to the end of
+    its body. ``keep_alive_s``: a connection without data for this long is closed
+    (uvicorn's ``timeout_keep_alive``; or after ``header_timeout_s``, if that is shorter)."""
 
     max_body_bytes: int = 16 << 20
     max_image_pixels: int = 16_000_000
@@ -134,12 +172,64 @@ class Limits:
     max_pending: int = 32
     workers: int = 2
     top_k: int = 5
+    max_request_pixels: int = 64_000_000
+    max_reading_bytes: int = 256 << 20
+    header_timeout_s: float = 10.0
+    body_timeout_s: float = 10.0
+    keep_alive_s: float = 5.0
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
             value = getattr(self, f.name)
             if not isinstance(value, (int, float)) or isinstance(value, bool) or value <= 0:
                 raise ValueError(f"limit {f.name} must be a positive number, got {value!r}")
+        if self.max_reading_bytes < self.max_body_bytes:
+            raise ValueError(
+                f"limit max_reading_bytes ({self.max_reading_bytes}, --max-reading-mb) must be "
+                f"at least max_body_bytes ({self.max_body_bytes}, --max-body-mb): a whole body "
+                "must fit in what may be received at once"
+            )
+
+
+#: Bytes per pixel PIL keeps for a decoded image: 4 for RGB (stored as RGBX), RGBA, CMYK,
+#: I and F, the widest modes; 1 or 2 for L, P and I;16.
+_PIL_BYTES_PER_PIXEL = 4
+#: Full-size copies of one image a worker holds at once while decoding and resizing it: the
+#: image in its own mode and its RGB conversion (``decode_image``), then the RGB copy and
+#: the resize result (at most ``max_image_pixels`` too, see ``check_headers``) in
+#: ``tta_bench.data.to_rgb_array``; the image it was converted from is freed by then.
+_FULL_SIZE_COPIES = 3
+#: Bytes per input value of a request's batch: the per-image float tensors and their
+#: concatenation (4 + 4; on the model's device); the uint8 array and intermediate float
+#: copy of the one image being preprocessed are negligible beside them.
+_BATCH_BYTES_PER_VALUE = 8
+
+
+def upload_memory_bound(limits: Limits, image_size: int) -> dict[str, int]:
+    """Upper bound, in bytes, of the memory uploads can take at once under ``limits`` for a
+    model of input size ``image_size`` (computed, not measured), term by term and
+    ``total``; beyond it: the model, the sessions and the method's own activations.
+
+    * ``receiving``: bodies still arriving, ``max_reading_bytes`` (counted as they arrive);
+    * ``admitted``: bodies of admitted requests, ``max_pending x max_body_bytes`` (their
+      parts replace them once split), plus one more ``max_body_bytes`` for the body being
+      split on the event loop next to its parts;
+    * ``decoding``: ``workers x 3 x max_image_pixels x 4`` bytes: a worker decodes and
+      resizes one image at a time, holding at most 3 full-size copies of it at 4 bytes per
+      pixel (``_FULL_SIZE_COPIES``, ``_PIL_BYTES_PER_PIXEL``);
+    * ``batches``: ``workers x max_images x 3 x image_size**2 x 8`` bytes of input tensors
+      (``_BATCH_BYTES_PER_VALUE``).
+    """
+    terms = {
+        "receiving": limits.max_reading_bytes,
+        "admitted": (limits.max_pending + 1) * limits.max_body_bytes,
+        "decoding": limits.workers
+        * _FULL_SIZE_COPIES
+        * limits.max_image_pixels
+        * _PIL_BYTES_PER_PIXEL,
+        "batches": limits.workers * limits.max_images * 3 * image_size**2 * _BATCH_BYTES_PER_VALUE,
+    }
+    return {**terms, "total": sum(terms.values())}
 
 
 class ClientError(Exception):
@@ -150,23 +240,97 @@ class ClientError(Exception):
         self.status, self.message, self.headers = status, message, headers or {}
 
 
+def _closing(headers: dict[str, str] | None = None) -> dict[str, str]:
+    """``headers`` plus ``Connection: close``: the answer to a request whose body was not
+    (wholly) read ends its connection, so nothing of that body is read afterwards."""
+    return {**(headers or {}), "Connection": "close"}
+
+
+def _client(request: Any) -> str:
+    client = request.client
+    return f"{client[0]}:{client[1]}" if client else "(unknown client)"
+
+
 # -- uploads: read, split and decode in memory ---------------------------------------------
-async def read_body(request: Any, limit: int) -> bytes:
-    """The request body, refused (413) as soon as it exceeds ``limit`` bytes."""
+async def read_body(request: Any, service: "Service") -> bytes:
+    """The whole request body, held to ``service.limits``:
+
+    * 413 as soon as it exceeds ``max_body_bytes`` (from ``Content-Length``, then as it
+      arrives);
+    * 408 when it has not wholly arrived ``body_timeout_s`` after the call;
+    * 503 (``Retry-After``) when its next chunk would take the bytes being received by all
+      requests at once (``service.reading_bytes``, counted as they arrive, not as declared)
+      past ``max_reading_bytes``;
+    * a client that disconnects meanwhile is one warning line in the server's log and a
+      ``ClientError`` (400) whose answer goes nowhere.
+
+    Every refusal carries ``Connection: close``."""
+    limits = service.limits
     declared = request.headers.get("content-length")
     if declared is not None:
         try:
             size = int(declared)
         except ValueError:
-            raise ClientError(400, f"bad Content-Length {declared!r}") from None
-        if size > limit:
-            raise ClientError(413, _body_message(size, limit))
-    chunks, total = [], 0
-    async for chunk in request.stream():
-        total += len(chunk)
-        if total > limit:
-            raise ClientError(413, _body_message(total, limit))
-        chunks.append(chunk)
+            raise ClientError(400, f"bad Content-Length {declared!r}", _closing()) from None
+        if size > limits.max_body_bytes:
+            raise ClientError(413, _body_message(size, limits.max_body_bytes), _closing())
+    loop = asyncio.get_running_loop()
+    deadline = loop.time() + limits.body_timeout_s
+    chunks: list[bytes] = []
+    total = 0
+    service.reading += 1
+    try:
+        while True:
+            try:
+                message = await asyncio.wait_for(request.receive(), deadline - loop.time())
+            except asyncio.TimeoutError:
+                _log.warning(
+                    "client %s: %d of %s body bytes arrived within %g s; answered 408 "
+                    "(--body-timeout-s)",
+                    _client(request),
+                    total,
+                    declared or "(chunked)",
+                    limits.body_timeout_s,
+                )
+                raise ClientError(
+                    408,
+                    f"request body not received within {limits.body_timeout_s:g} s "
+                    f"({total} of {declared or 'the'} bytes arrived), the limit "
+                    "(--body-timeout-s); send the whole body at once",
+                    _closing(),
+                ) from None
+            if message["type"] == "http.disconnect":
+                _log.warning(
+                    "client %s disconnected after %d of %s body bytes of %s %s",
+                    _client(request),
+                    total,
+                    declared or "(chunked)",
+                    request.method,
+                    request.url.path,
+                )
+                raise ClientError(400, "client disconnected during the upload", _closing())
+            chunk = message.get("body", b"")
+            if chunk:
+                if total + len(chunk) > limits.max_body_bytes:
+                    raise ClientError(
+                        413, _body_message(total + len(chunk), limits.max_body_bytes), _closing()
+                    )
+                if service.reading_bytes + len(chunk) > limits.max_reading_bytes:
+                    raise ClientError(
+                        503,
+                        f"busy: {service.reading_bytes} bytes of uploads are being received "
+                        f"and the next {len(chunk)} of this one would pass the limit of "
+                        f"{limits.max_reading_bytes} bytes (--max-reading-mb); retry shortly",
+                        _closing({"Retry-After": "1"}),
+                    )
+                service.reading_bytes += len(chunk)
+                total += len(chunk)
+                chunks.append(chunk)
+            if not message.get("more_body", False):
+                break
+    finally:
+        service.reading -= 1
+        service.reading_bytes -= total
     return b"".join(chunks)
 
 
@@ -267,6 +431,75 @@ def _parse_multipart(body: bytes, boundary: bytes, max_images: int) -> list[tupl
     return out
 
 
+def image_header_size(name: str, data: bytes) -> tuple[int, int]:
+    """``(width, height)`` of an image in memory, read from its header only (PIL's
+    ``Image.open`` decodes no pixel before ``load()``); refused as ``decode_image`` refuses
+    it: 413 for a decompression bomb PIL itself refuses, 415 for anything not an image in an
+    accepted format."""
+    from PIL import Image, UnidentifiedImageError
+
+    try:
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
+            with Image.open(io.BytesIO(data), formats=ACCEPTED_FORMATS) as img:
+                width, height = img.size
+    except Image.DecompressionBombError as exc:
+        raise ClientError(413, f"image {name!r}: {exc}") from None
+    except (UnidentifiedImageError, OSError, ValueError, SyntaxError):
+        raise ClientError(
+            415,
+            f"image {name!r} is not an image in an accepted format ({', '.join(ACCEPTED_FORMATS)})",
+        ) from None
+    if width <= 0 or height <= 0:
+        raise ClientError(422, f"image {name!r} is {width}x{height}: no pixels to classify")
+    return width, height
+
+
+def resized_size(width: int, height: int, size: int) -> tuple[int, int]:
+    """The size ``tta_bench.data.to_rgb_array`` resizes a ``width x height`` image to
+    before its centre crop: the shorter side to ``size``."""
+    if (width, height) == (size, size):
+        return width, height
+    scale = size / min(width, height)
+    return max(size, round(width * scale)), max(size, round(height * scale))
+
+
+def check_headers(uploads: list[tuple[str, bytes]], limits: Limits, image_size: int) -> int:
+    """The decoded pixels of all ``uploads``, from every image's header, before any image
+    is decoded; 413 naming the limit when one image has more than ``max_image_pixels``,
+    when resizing one's shorter side to ``image_size`` would make more than
+    ``max_image_pixels`` (an elongated image, e.g. 1 x 16,000,000), or when they add up to
+    more than ``max_request_pixels``."""
+    total = 0
+    for name, data in uploads:
+        width, height = image_header_size(name, data)
+        pixels = width * height
+        if pixels > limits.max_image_pixels:
+            raise ClientError(
+                413,
+                f"image {name!r} is {width}x{height} = {pixels} pixels; the limit is "
+                f"{limits.max_image_pixels} pixels per image (--max-image-pixels)",
+            )
+        rw, rh = resized_size(width, height, image_size)
+        if rw * rh > limits.max_image_pixels:
+            raise ClientError(
+                413,
+                f"image {name!r} is {width}x{height}: resizing its shorter side to the "
+                f"model's {image_size} makes {rw}x{rh} = {rw * rh} pixels; the limit is "
+                f"{limits.max_image_pixels} pixels per image (--max-image-pixels); crop it to "
+                "a less elongated shape",
+            )
+        total += pixels
+    if total > limits.max_request_pixels:
+        raise ClientError(
+            413,
+            f"the {len(uploads)} images of this request add up to {total} pixels; the limit "
+            f"is {limits.max_request_pixels} pixels per request (--max-request-pixels); send "
+            "fewer or smaller images per request",
+        )
+    return total
+
+
 def decode_image(name: str, data: bytes, max_pixels: int) -> Any:
     """A fully decoded RGB PIL image from memory; the pixel count is read from the header
     and checked against ``max_pixels`` before any pixel is decoded."""
@@ -329,7 +562,9 @@ class Service:
             self.pool.put(adapter.spawn())
         self.sessions: dict[str, Session] = {}
         self.expired: OrderedDict[str, float] = OrderedDict()
-        self.pending = 0  # admitted predict requests
+        self.pending = 0  # admitted predict requests (their whole body arrived)
+        self.reading = 0  # predict requests whose body is arriving
+        self.reading_bytes = 0  # bytes those have received so far
         self.computing = 0  # requests on the worker pool now
         self._creating = 0
         self.started = time.time()
@@ -413,8 +648,18 @@ class Service:
 
     # -- work on the pool -------------------------------------------------------------------
     def _preprocess(self, uploads: list[tuple[str, bytes]]) -> Any:
-        images = [decode_image(n, d, self.limits.max_image_pixels) for n, d in uploads]
-        return self.template.preprocess(images)
+        """The request's input batch: every image's header checked first
+        (``check_headers``), then each image decoded and resized on its own, so a worker
+        holds one full-size image at a time (see ``upload_memory_bound``)."""
+        import torch
+
+        check_headers(uploads, self.limits, self.template.image_size)
+        return torch.cat(
+            [
+                self.template.preprocess([decode_image(n, d, self.limits.max_image_pixels)])
+                for n, d in uploads
+            ]
+        )
 
     def _pooled(self, x: Any) -> Any:
         adapter = self.pool.get()
@@ -482,8 +727,16 @@ class Service:
                 "max": self.limits.max_sessions,
                 "idle_timeout_s": self.limits.session_idle_s,
             },
-            "load": {"pending": self.pending, "computing": self.computing},
-            "memory": self.memory,
+            "load": {
+                "pending": self.pending,
+                "computing": self.computing,
+                "reading": self.reading,
+                "reading_bytes": self.reading_bytes,
+            },
+            "memory": {
+                **self.memory,
+                "uploads_worst_case_bytes": upload_memory_bound(self.limits, t.image_size),
+            },
             "uptime_s": time.time() - self.started,
         }
 
@@ -492,8 +745,10 @@ class Service:
 
 
 # -- the HTTP app ------------------------------------------------------------------------------
-def create_app(service: Service) -> Any:
-    """The FastAPI app of ``service`` (see the module docstring for the endpoints)."""
+def create_app(service: Service, *, api_docs: bool = False) -> Any:
+    """The FastAPI app of ``service`` (see the module docstring for the endpoints). The
+    API docs (``/docs``, ``/redoc``, ``/openapi.json``) only with ``api_docs``, and then
+    behind the token like every endpoint but ``/health``."""
     require_extra()
     from fastapi import Depends, FastAPI, Request
     from fastapi.responses import JSONResponse
@@ -513,7 +768,14 @@ def create_app(service: Service) -> Any:
             task.cancel()
             service.close()
 
-    app = FastAPI(title="tta-bench", description="Test-time adaptation service", lifespan=lifespan)
+    app = FastAPI(
+        title="tta-bench",
+        description="Test-time adaptation service",
+        lifespan=lifespan,
+        docs_url=None,
+        redoc_url=None,
+        openapi_url=None,
+    )
 
     @app.exception_handler(ClientError)
     async def client_error(_request: Request, exc: ClientError) -> JSONResponse:
@@ -537,7 +799,29 @@ def create_app(service: Service) -> Any:
         return await _predict(service, request, session, top_k)
 
     _add_session_routes(app, service, guarded)
+    if api_docs:
+        _add_docs_routes(app, guarded)
     return app
+
+
+def _add_docs_routes(app: Any, guarded: list[Any]) -> None:
+    """``/openapi.json``, ``/docs`` (Swagger UI) and ``/redoc``, behind the token. The pages
+    fetch ``/openapi.json`` from the browser, which sends no bearer token by itself: with a
+    token, read them through something that adds the header (curl, a proxy)."""
+    from fastapi.openapi.docs import get_redoc_html, get_swagger_ui_html
+    from fastapi.responses import HTMLResponse, JSONResponse
+
+    @app.get("/openapi.json", dependencies=guarded, include_in_schema=False)
+    async def openapi() -> JSONResponse:
+        return JSONResponse(app.openapi())
+
+    @app.get("/docs", dependencies=guarded, include_in_schema=False)
+    async def swagger() -> HTMLResponse:
+        return get_swagger_ui_html(openapi_url="/openapi.json", title="tta-bench - API docs")
+
+    @app.get("/redoc", dependencies=guarded, include_in_schema=False)
+    async def redoc() -> HTMLResponse:
+        return get_redoc_html(openapi_url="/openapi.json", title="tta-bench - API docs")
 
 
 def _authorise(service: Service, request: Any) -> None:
@@ -552,23 +836,32 @@ def _authorise(service: Service, request: Any) -> None:
         raise ClientError(
             401,
             "missing or wrong bearer token: send the header 'Authorization: Bearer <token>'",
-            {"WWW-Authenticate": "Bearer"},
+            _closing({"WWW-Authenticate": "Bearer"}),  # any body it sent is not read
         )
 
 
 async def _predict(service: Service, request: Any, session: str | None, top_k: int | None):
-    """``POST /predict``: checks first (session names, top_k, the pending limit, the
-    session exists), then the body is read in memory, split and predicted."""
-    header = request.headers.get(SESSION_HEADER)
-    if session is not None and header is not None and session != header:
-        raise ClientError(
-            422, f"two sessions named: ?session={session!r} and {SESSION_HEADER}: {header!r}"
-        )
-    sid = session if session is not None else header
-    classes = len(service.template.classnames)
-    k = service.limits.top_k if top_k is None else top_k
-    if not 1 <= k <= classes:
-        raise ClientError(422, f"top_k must be in 1..{classes} (the classes), got {k}")
+    """``POST /predict``: checks first (session names, top_k, the session exists), then the
+    body is read in memory (``read_body``: its deadline and byte limits); only a request
+    whose whole body has arrived is admitted (the pending limit, 503 beyond), split and
+    predicted. A refusal before the body was wholly read closes the connection."""
+    try:
+        header = request.headers.get(SESSION_HEADER)
+        if session is not None and header is not None and session != header:
+            raise ClientError(
+                422, f"two sessions named: ?session={session!r} and {SESSION_HEADER}: {header!r}"
+            )
+        sid = session if session is not None else header
+        classes = len(service.template.classnames)
+        k = service.limits.top_k if top_k is None else top_k
+        if not 1 <= k <= classes:
+            raise ClientError(422, f"top_k must be in 1..{classes} (the classes), got {k}")
+        if sid is not None:
+            service.session(sid)  # unknown or expired: 404 before reading the body
+        body = await read_body(request, service)
+    except ClientError as exc:
+        exc.headers = _closing(exc.headers)
+        raise
     if service.pending >= service.limits.max_pending:
         raise ClientError(
             503,
@@ -578,12 +871,10 @@ async def _predict(service: Service, request: Any, session: str | None, top_k: i
         )
     service.pending += 1
     try:
-        if sid is not None:
-            service.session(sid)  # unknown or expired: 404 before reading the body
-        body = await read_body(request, service.limits.max_body_bytes)
         uploads = split_uploads(
             body, request.headers.get("content-type", ""), service.limits.max_images
         )
+        del body  # the parts are copies (multipart) or the body itself (raw)
         return await service.predict(uploads, sid, k)
     finally:
         service.pending -= 1
@@ -638,29 +929,163 @@ def _locked(s: Session, fn: Any) -> Any:
 
 
 # -- running it ------------------------------------------------------------------------------
+def check_port(port: int) -> None:
+    """ValueError naming ``port`` unless it is a TCP port number (0: a free one)."""
+    if isinstance(port, bool) or not isinstance(port, int) or not 0 <= port <= 65535:
+        raise ValueError(f"--port {port!r} is not a TCP port: expected 0..65535 (0: a free one)")
+
+
 def _bind(host: str, port: int) -> socket.socket:
+    """A socket bound to ``host:port``, not yet listening (connections are refused until
+    ``listen``); ValueError naming both when the port is no port or the address cannot be
+    had (an unknown host, a port in use, no permission)."""
+    check_port(port)
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
     sock = socket.socket(family, socket.SOCK_STREAM)
     sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
     try:
         sock.bind((host, port))
-    except OSError as exc:
+    except (OSError, OverflowError) as exc:
         sock.close()
-        raise ValueError(f"cannot listen on {host}:{port}: {exc}") from exc
-    sock.listen(128)
+        raise ValueError(f"cannot listen on {host}:{port} (--host, --port): {exc}") from None
     sock.set_inheritable(True)
     return sock
 
 
-@contextlib.contextmanager
-def running(service: Service, host: str = "127.0.0.1", port: int = 0) -> Iterator[str]:
-    """Serve ``service`` from a background thread (tests, notebooks); yields the base URL
-    and stops the server when the block exits. ``port=0``: a free port."""
+def _raw_408(detail: str) -> bytes:
+    body = json.dumps({"detail": detail}).encode()
+    head = (
+        "HTTP/1.1 408 Request Timeout\r\ncontent-type: application/json\r\n"
+        f"content-length: {len(body)}\r\nconnection: close\r\n\r\n"
+    )
+    return head.encode("latin-1") + body
+
+
+def _protocol_class(limits: Limits) -> type:
+    """uvicorn's h11 HTTP protocol with the connection deadlines uvicorn lacks (it times out
+    only idle keep-alive connections, after a response, and any byte resets that):
+
+    * a request's headers must have arrived ``header_timeout_s`` after the connection
+      opened or its previous response was sent, however slowly they trickle in; a client
+      that sent part of them gets a 408 then, any other connection is closed;
+    * a request's body must have arrived ``body_timeout_s`` (plus a grace of
+      ``_BODY_BACKSTOP_GRACE_S``) after its headers, whether or not the endpoint reads it:
+      ``/predict`` answers 408 itself at ``body_timeout_s``; this closes the rest;
+    * a new connection without data is closed after ``keep_alive_s``, as uvicorn closes an
+      idle keep-alive one.
+
+    Always this protocol (h11), never httptools even where it is installed."""
+    import h11
+    from uvicorn.protocols.http.h11_impl import H11Protocol
+
+    header_s = limits.header_timeout_s
+    body_s = limits.body_timeout_s + _BODY_BACKSTOP_GRACE_S
+
+    class GuardedH11Protocol(H11Protocol):
+        _head_timer: asyncio.TimerHandle | None = None
+        _body_timer: asyncio.TimerHandle | None = None
+        _got_data = False  # bytes arrived since the header deadline was set
+
+        def connection_made(self, transport: Any) -> None:
+            super().connection_made(transport)
+            self._arm_head()
+            self.timeout_keep_alive_task = self.loop.call_later(
+                self.timeout_keep_alive, self.timeout_keep_alive_handler
+            )
+
+        def data_received(self, data: bytes) -> None:
+            self._got_data = True
+            super().data_received(data)
+
+        def handle_events(self) -> None:
+            cycle = self.cycle
+            super().handle_events()
+            if self.cycle is not cycle:  # a new request's headers have arrived
+                self._cancel("_head_timer")
+                self._cancel("_body_timer")
+                self._body_timer = self.loop.call_later(body_s, self._body_late)
+
+        def on_response_complete(self) -> None:
+            if not self.transport.is_closing():
+                self._arm_head()  # before: a pipelined request may start in there
+            super().on_response_complete()
+
+        def connection_lost(self, exc: Exception | None) -> None:
+            self._cancel("_head_timer")
+            self._cancel("_body_timer")
+            super().connection_lost(exc)
+
+        def _cancel(self, name: str) -> None:
+            timer = getattr(self, name)
+            if timer is not None:
+                timer.cancel()
+                setattr(self, name, None)
+
+        def _peer(self) -> str:
+            return f"{self.client[0]}:{self.client[1]}" if self.client else "(unknown client)"
+
+        def _arm_head(self) -> None:
+            self._cancel("_head_timer")
+            self._got_data = False
+            self._head_timer = self.loop.call_later(header_s, self._head_late)
+
+        def _head_late(self) -> None:
+            self._head_timer = None
+            if self.transport.is_closing():
+                return
+            if self._got_data and self.conn.our_state is h11.IDLE:
+                _log.warning(
+                    "client %s: request headers not received within %g s; answered 408 "
+                    "(--header-timeout-s)",
+                    self._peer(),
+                    header_s,
+                )
+                self.transport.write(
+                    _raw_408(
+                        f"request headers not received within {header_s:g} s, the limit "
+                        "(--header-timeout-s)"
+                    )
+                )
+            self.transport.close()
+
+        def _body_late(self) -> None:
+            self._body_timer = None
+            if not self.transport.is_closing() and self.conn.their_state is h11.SEND_BODY:
+                _log.warning(
+                    "client %s: request body not received within %g s; connection closed "
+                    "(--body-timeout-s)",
+                    self._peer(),
+                    body_s,
+                )
+                self.transport.close()
+
+    return GuardedH11Protocol
+
+
+def _server(service: Service, log_level: str, api_docs: bool) -> Any:
     import uvicorn
 
+    config = uvicorn.Config(
+        create_app(service, api_docs=api_docs),
+        log_level=log_level,
+        lifespan="on",
+        http=_protocol_class(service.limits),
+        timeout_keep_alive=service.limits.keep_alive_s,  # type: ignore[arg-type]
+        ws="none",  # no websocket endpoints: an upgrade request is plain HTTP here
+    )
+    return uvicorn.Server(config)
+
+
+@contextlib.contextmanager
+def running(
+    service: Service, host: str = "127.0.0.1", port: int = 0, *, api_docs: bool = False
+) -> Iterator[str]:
+    """Serve ``service`` from a background thread (tests, notebooks); yields the base URL
+    and stops the server when the block exits. ``port=0``: a free port."""
     sock = _bind(host, port)
+    sock.listen(128)
     url = f"http://{host}:{sock.getsockname()[1]}"
-    server = uvicorn.Server(uvicorn.Config(create_app(service), log_level="warning", lifespan="on"))
+    server = _server(service, "warning", api_docs)
     thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     try:
@@ -677,15 +1102,21 @@ def running(service: Service, host: str = "127.0.0.1", port: int = 0) -> Iterato
 
 
 def serve(
-    service: Service, host: str = "127.0.0.1", port: int = 8000, log_level: str = "warning"
+    service: Service,
+    host: str = "127.0.0.1",
+    port: int = 8000,
+    log_level: str = "warning",
+    *,
+    sock: socket.socket | None = None,
+    api_docs: bool = False,
 ) -> None:
-    """Serve until Ctrl-C (SIGINT) or SIGTERM; prints the URL once listening."""
+    """Serve until Ctrl-C (SIGINT) or SIGTERM; prints the URL once listening. ``sock``: a
+    socket already bound (``_bind``), so that a bad address fails before the model loads."""
     require_extra()
-    import uvicorn
-
-    sock = _bind(host, port)
+    sock = sock if sock is not None else _bind(host, port)
+    sock.listen(128)
     url = f"http://{host}:{sock.getsockname()[1]}"
-    server = uvicorn.Server(uvicorn.Config(create_app(service), log_level=log_level, lifespan="on"))
+    server = _server(service, log_level, api_docs)
     print(
         f"tta-bench serve: {service.template.method_name} on {url} "
         f"(workers {service.limits.workers}, auth {'bearer' if service.token else 'none'}); "
@@ -699,9 +1130,49 @@ def serve(
 
 
 # -- the command -------------------------------------------------------------------------------
+def _mib(n: float) -> str:
+    return f"{n / 2**20:,.0f} MiB"
+
+
+def _help_epilog() -> str:
+    """``serve --help``'s closing text: the recommended token setup and the worst-case
+    memory of uploads under the default limits (``upload_memory_bound``)."""
+    d = Limits()
+    small, large = upload_memory_bound(d, 32), upload_memory_bound(d, 224)
+    return f"""\
+example (the token from a file, never on the command line, where every local user sees it
+in ps):
+  umask 077; python -c 'import secrets; print(secrets.token_urlsafe(32))' > serve.token
+  tta-bench serve --method mura --host 0.0.0.0 --token-file serve.token
+
+deadlines: a request's headers must arrive within --header-timeout-s of the connection
+opening (or of its previous response), its body within --body-timeout-s of its headers
+(408 and the connection closed beyond, so a slow client holds nothing for longer); a
+connection without data is closed after --keep-alive-s. A predict request is admitted
+(--max-pending) only once its whole body has arrived.
+
+worst-case memory of uploads with the default limits (computed from them, not measured;
+beyond the model, the sessions and the method's activations; /info states it for the
+model served):
+  bodies being received   --max-reading-mb                    {_mib(small["receiving"]):>9}
+  admitted bodies         (--max-pending + 1) x --max-body-mb {_mib(small["admitted"]):>9}
+  decoding                --workers x 3 x --max-image-pixels
+                          x 4 B (one image at a time, 3 full-size
+                          copies at PIL's 4 bytes per pixel)  {_mib(small["decoding"]):>9}
+  input batches           --workers x --max-images x 3 x S^2
+                          x 8 B (S: the model's input size)   {_mib(small["batches"]):>9} at S=32
+  total                                                       {_mib(small["total"]):>9} at S=32,
+                                                              {_mib(large["total"]):>9} at S=224
+--max-request-pixels bounds the decoding work of one request; every image's header is
+checked against it and --max-image-pixels before any image is decoded.
+"""
+
+
 def add_arguments(p: argparse.ArgumentParser) -> None:
     """The ``tta-bench serve`` options (the CLI calls this; no heavy imports)."""
     d = Limits()
+    p.formatter_class = argparse.RawDescriptionHelpFormatter
+    p.epilog = _help_epilog()
     p.add_argument("--method", help="method name (tta-bench ls methods); default: the catalogues'")
     p.add_argument("--model", help="model name (tta-bench ls models); default: the catalogues'")
     p.add_argument(
@@ -721,25 +1192,89 @@ def add_arguments(p: argparse.ArgumentParser) -> None:
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default loopback)")
     p.add_argument("--port", type=int, default=8000, help="port (0: a free one, printed)")
     p.add_argument(
+        "--token-file",
+        default=None,
+        metavar="PATH",
+        help="file whose first line is the bearer token required by every endpoint but "
+        f"/health (default: ${TOKEN_ENV}; neither: no auth)",
+    )
+    p.add_argument(
         "--token",
         default=None,
-        help=f"bearer token required by every endpoint but /health "
-        f"(default ${TOKEN_ENV}; none: no auth)",
-    )
-    p.add_argument("--workers", type=int, default=d.workers, help="requests computing at once")
-    p.add_argument("--max-pending", type=int, default=d.max_pending, help="admitted requests")
-    p.add_argument(
-        "--max-body-mb", type=float, default=d.max_body_bytes / 2**20, help="request body limit"
+        help="the bearer token itself; visible to every local user in ps: prefer --token-file "
+        f"or ${TOKEN_ENV}",
     )
     p.add_argument(
-        "--max-image-pixels", type=int, default=d.max_image_pixels, help="pixels per image"
+        "--api-docs",
+        action="store_true",
+        help="serve /docs, /redoc and /openapi.json (behind the token; off by default)",
     )
-    p.add_argument("--max-images", type=int, default=d.max_images, help="images per request")
-    p.add_argument("--max-sessions", type=int, default=d.max_sessions, help="open sessions")
     p.add_argument(
-        "--session-idle-s", type=float, default=d.session_idle_s, help="idle session timeout"
+        "--workers", type=int, default=d.workers, help="requests computing at once (%(default)s)"
     )
-    p.add_argument("--top-k", type=int, default=d.top_k, help="classes listed per image")
+    p.add_argument(
+        "--max-pending",
+        type=int,
+        default=d.max_pending,
+        help="requests admitted at once, each once its body has arrived (%(default)s)",
+    )
+    p.add_argument(
+        "--max-body-mb",
+        type=float,
+        default=d.max_body_bytes / 2**20,
+        help="request body limit (%(default)g MiB)",
+    )
+    p.add_argument(
+        "--max-reading-mb",
+        type=float,
+        default=d.max_reading_bytes / 2**20,
+        help="bytes of bodies being received at once, all connections (%(default)g MiB)",
+    )
+    p.add_argument(
+        "--max-image-pixels",
+        type=int,
+        default=d.max_image_pixels,
+        help="pixels per image (%(default)s)",
+    )
+    p.add_argument(
+        "--max-request-pixels",
+        type=int,
+        default=d.max_request_pixels,
+        help="decoded pixels per request, all its images (%(default)s)",
+    )
+    p.add_argument(
+        "--max-images", type=int, default=d.max_images, help="images per request (%(default)s)"
+    )
+    p.add_argument(
+        "--max-sessions", type=int, default=d.max_sessions, help="open sessions (%(default)s)"
+    )
+    p.add_argument(
+        "--session-idle-s",
+        type=float,
+        default=d.session_idle_s,
+        help="idle session timeout (%(default)g s)",
+    )
+    p.add_argument(
+        "--header-timeout-s",
+        type=float,
+        default=d.header_timeout_s,
+        help="time to send a request's headers (%(default)g s)",
+    )
+    p.add_argument(
+        "--body-timeout-s",
+        type=float,
+        default=d.body_timeout_s,
+        help="time to send a request's body, after its headers (%(default)g s)",
+    )
+    p.add_argument(
+        "--keep-alive-s",
+        type=float,
+        default=d.keep_alive_s,
+        help="a connection without data is closed after this (%(default)g s)",
+    )
+    p.add_argument(
+        "--top-k", type=int, default=d.top_k, help="classes listed per image (%(default)s)"
+    )
     p.add_argument("--log-level", default="warning", help="uvicorn log level")
     p.add_argument(
         "overrides", nargs="*", help="method config overrides key=value (e.g. steps=2 lr=1e-3)"
@@ -758,12 +1293,49 @@ def _model_args(items: list[str]) -> dict[str, Any]:
     return out
 
 
-def build_service(args: argparse.Namespace) -> Service:
-    """The service a ``tta-bench serve`` command line describes (bad input: ValueError)."""
-    require_extra()
-    from tta_bench.adapter import Adapter
+def resolve_token(
+    token: str | None, token_file: str | None, environ: Mapping[str, str] | None = None
+) -> str | None:
+    """The bearer token: the first line of ``token_file``, stripped; else ``token`` (from
+    the command line: it works, with a warning on stderr that every local user sees it in
+    ``ps``); else ``$TTA_BENCH_SERVE_TOKEN`` of ``environ`` (default ``os.environ``); None
+    (no auth) when none is given or it is empty. ValueError naming the file when it is
+    missing, unreadable, not text, or its first line is empty, and when both ``token`` and
+    ``token_file`` are given. A token file other users may read is a warning."""
+    if token is not None and token_file is not None:
+        raise ValueError("give one of --token and --token-file, not both")
+    if token_file is not None:
+        try:
+            with open(token_file, encoding="utf-8") as f:
+                first = f.readline(4096).strip()
+            mode = os.stat(token_file).st_mode
+        except (OSError, UnicodeDecodeError) as exc:
+            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+            raise ValueError(f"cannot read --token-file {token_file}: {reason}") from None
+        if not first:
+            raise ValueError(
+                f"--token-file {token_file}: its first line is empty; expected the token there"
+            )
+        if mode & 0o077:
+            print(
+                f"tta-bench serve: warning: --token-file {token_file} is readable by other "
+                f"users (mode {mode & 0o777:o}); chmod 600 {token_file}",
+                file=sys.stderr,
+            )
+        return first
+    if token is not None:
+        print(
+            "tta-bench serve: warning: --token is visible to every local user in ps; put the "
+            f"token in a file (--token-file PATH, mode 600) or in ${TOKEN_ENV}",
+            file=sys.stderr,
+        )
+        return token or None
+    return (environ if environ is not None else os.environ).get(TOKEN_ENV) or None
 
-    limits = Limits(
+
+def _limits(args: argparse.Namespace) -> Limits:
+    """The limits a ``tta-bench serve`` command line sets (ValueError naming a bad one)."""
+    return Limits(
         max_body_bytes=int(args.max_body_mb * 2**20),
         max_image_pixels=args.max_image_pixels,
         max_images=args.max_images,
@@ -772,7 +1344,26 @@ def build_service(args: argparse.Namespace) -> Service:
         max_pending=args.max_pending,
         workers=args.workers,
         top_k=args.top_k,
+        max_request_pixels=args.max_request_pixels,
+        max_reading_bytes=int(args.max_reading_mb * 2**20),
+        header_timeout_s=args.header_timeout_s,
+        body_timeout_s=args.body_timeout_s,
+        keep_alive_s=args.keep_alive_s,
     )
+
+
+_FROM_ARGS: Any = object()
+
+
+def build_service(args: argparse.Namespace, token: str | None = _FROM_ARGS) -> Service:
+    """The service a ``tta-bench serve`` command line describes (bad input: ValueError);
+    ``token`` defaults to ``resolve_token`` of the command line's."""
+    require_extra()
+    from tta_bench.adapter import Adapter
+
+    limits = _limits(args)
+    if token is _FROM_ARGS:
+        token = resolve_token(args.token, args.token_file)
     classnames = (
         [c.strip() for c in args.classnames.split(",") if c.strip()] if args.classnames else None
     )
@@ -787,34 +1378,42 @@ def build_service(args: argparse.Namespace) -> Service:
         device=args.device,
         seed=args.seed,
     )
-    token = args.token if args.token is not None else os.environ.get(TOKEN_ENV)
     if not token and args.host not in ("127.0.0.1", "localhost", "::1"):
         print(
             f"tta-bench serve: warning: listening on {args.host} without a token; anyone who "
-            f"can reach it can use it (--token or ${TOKEN_ENV})",
+            f"can reach it can use it (--token-file PATH or ${TOKEN_ENV})",
             file=sys.stderr,
         )
     return Service(adapter, limits, token=token)
 
 
 def main(args: argparse.Namespace) -> int:
-    """``tta-bench serve``: build the service, serve until Ctrl-C."""
+    """``tta-bench serve``: check the limits, the token and the address (bound here, so a
+    bad or busy one fails before the model loads), build the service, serve until Ctrl-C."""
     require_extra()
     from tta_bench import catalog
 
+    _limits(args)
+    token = resolve_token(args.token, args.token_file)
+    sock = _bind(args.host, args.port)
     try:
-        args.method = args.method or catalog.default("method")
-        args.model = args.model or catalog.default("model")
-    except catalog.NoDefaultError as exc:
-        raise ValueError(str(exc)) from None
-    if args.classnames is None and args.dataset is None:
-        from tta_bench.adapter import default_dataset
+        try:
+            args.method = args.method or catalog.default("method")
+            args.model = args.model or catalog.default("model")
+        except catalog.NoDefaultError as exc:
+            raise ValueError(str(exc)) from None
+        if args.classnames is None and args.dataset is None:
+            from tta_bench.adapter import default_dataset
 
-        args.dataset = default_dataset(args.model)
-        if args.dataset is None:
-            raise ValueError("give --dataset NAME or --classnames a,b,c (the classes to predict)")
-    service = build_service(args)
-    with contextlib.suppress(KeyboardInterrupt):  # uvicorn stopped and re-raised the signal
-        serve(service, args.host, args.port, args.log_level)
+            args.dataset = default_dataset(args.model)
+            if args.dataset is None:
+                raise ValueError(
+                    "give --dataset NAME or --classnames a,b,c (the classes to predict)"
+                )
+        service = build_service(args, token)
+        with contextlib.suppress(KeyboardInterrupt):  # uvicorn stopped and re-raised it
+            serve(service, args.host, args.port, args.log_level, sock=sock, api_docs=args.api_docs)
+    finally:
+        sock.close()
     print("tta-bench serve: stopped", file=sys.stderr)
     return 0
