@@ -571,22 +571,22 @@ class Adapter:
     # -- use -------------------------------------------------------------------------------
     def preprocess(self, images: Any) -> torch.Tensor:
         """PIL images, uint8 ``[H, W, 3]`` arrays or image file paths (one or a sequence)
-        -> float ``[B, 3, S, S]`` in [0, 1] on the adapter's device: bicubic resize of the
-        shorter side to the model's size S and a centre crop, as the harness decodes."""
+        -> float ``[B, 3, S, S]`` in [0, 1] on the adapter's device, as the harness decodes:
+        8-bit upright RGB by ``tta_bench.images.decode_rgb`` (any mode PIL reads), then a
+        bicubic resize of the shorter side to the model's size S and a centre crop. A file
+        that cannot be decoded raises ``tta_bench.images.ImageDecodeError`` naming it."""
         from PIL import Image
 
         from tta_bench.data import to_rgb_array
+        from tta_bench.images import decode_rgb
 
         if isinstance(images, (Image.Image, np.ndarray, str, Path)):
             images = [images]
         arrays = []
         for img in images:
             if isinstance(img, (str, Path)):
-                with Image.open(img) as opened:
-                    opened.load()
-                    arrays.append(to_rgb_array(opened, self.image_size))
-            else:
-                arrays.append(to_rgb_array(img, self.image_size))
+                img = decode_rgb(img)
+            arrays.append(to_rgb_array(img, self.image_size))
         if not arrays:
             raise ValueError("no images to preprocess")
         batch = torch.from_numpy(np.stack(arrays)).to(self.device)

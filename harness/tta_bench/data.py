@@ -21,23 +21,26 @@ demand; ``auto`` (default) uses an existing cache entry, decodes small splits (u
 ``AUTO_DECODE_BYTES``) into the cache when the stream first reaches them (a suite of many
 small domains waits only for its first one before the first batch), where they are reused
 by every method and seed, and streams large ones. Every path decodes with the same
-function, so results are identical whichever policy (tested). The cache never grows
-beyond its disk budget (``TTA_BENCH_CACHE_BUDGET_GB``, default ``DEFAULT_BUDGET_GB``).
+function (``decode_one``, over ``tta_bench.images.decode_rgb``: every mode PIL reads as the
+8-bit RGB of its 8-bit copy), so results are identical whichever policy (tested). The
+cache never grows beyond its disk budget (``TTA_BENCH_CACHE_BUDGET_GB``, default
+``DEFAULT_BUDGET_GB``).
 
 Cache entries are keyed by the data's identity (the factory's fingerprint, the HF dataset
 fingerprint) *and* a signature of the image files' contents (size, mtime and ctime of every
 file: rewriting a file, even at the same size, invalidates the entry), plus the resize
-recipe. An entry is written beside its final name and renamed when whole, under a lock:
-a killed decode leaves nothing half-written, and two processes decoding the same entry do
-the work once. A corrupt or truncated image is reported by index and path; with
-``on_bad_image="skip"`` it is left out (and recorded), else the run stops naming it.
+recipe and the decoding rules' version (``tta_bench.images.DECODE_VERSION``). An entry
+is written beside its final name and renamed when whole, under a lock: a killed decode
+leaves nothing half-written, and two processes decoding the same entry do the work once.
+A corrupt, truncated or undecodable image (``tta_bench.images``' errors) is reported by
+index and path; with ``on_bad_image="skip"`` it is left out (and recorded), else the run
+stops naming it.
 """
 
 from __future__ import annotations
 
 import contextlib
 import hashlib
-import io
 import json
 import os
 import threading
@@ -49,6 +52,7 @@ from typing import Any
 
 import numpy as np
 
+from tta_bench import images
 from tta_bench.paths import atomic_path, atomic_write_text, cache_dir
 
 RESIZE_RECIPE = "shorter-side-bicubic+center-crop/v1"
@@ -123,8 +127,11 @@ class Decoded:
 
 
 def to_rgb_array(image: Any, size: int) -> np.ndarray:
-    """PIL image or array -> uint8 ``[size, size, 3]``: bicubic resize of the shorter side
-    to ``size``, then a centre crop; images already ``size`` x ``size`` are left as they are."""
+    """PIL image or array -> uint8 ``[size, size, 3]``: decoded to 8-bit upright RGB by
+    ``tta_bench.images.decode_rgb`` (16-bit scaled, alpha over white, EXIF orientation
+    applied, ...), then a bicubic resize of the shorter side to ``size`` and a centre crop;
+    images already ``size`` x ``size`` are left as they are. Raises
+    ``images.ImageDecodeError`` (a ``ValueError``) for an image with no 8-bit meaning."""
     from PIL import Image
 
     if not isinstance(image, Image.Image):
@@ -132,7 +139,7 @@ def to_rgb_array(image: Any, size: int) -> np.ndarray:
         if arr.dtype == np.uint8 and arr.shape == (size, size, 3):
             return arr  # already RGB at the model's size: nothing to do
         image = Image.fromarray(arr)
-    image = image.convert("RGB")
+    image = images.decode_rgb(image)
     w, h = image.size
     if (w, h) != (size, size):
         scale = size / min(w, h)
@@ -143,21 +150,19 @@ def to_rgb_array(image: Any, size: int) -> np.ndarray:
     return np.asarray(image, dtype=np.uint8)
 
 
-def _open_raw(raw: Any) -> tuple[Any, str | None]:
+def _open_raw(raw: Any, body: bytes | None = None) -> tuple[Any, str | None]:
     """An undecoded ``datasets.Image`` value (``{"bytes", "path"}``), a PIL image or an
-    array -> (an object ``_to_rgb_array`` takes, the file path for error messages)."""
-    from PIL import Image
-
+    array -> (an object ``to_rgb_array`` takes, the file path for error messages). A file
+    is fully decoded here (``images.decode_rgb``), so truncation is caught per image;
+    ``body``: its bytes when the caller has read them already."""
     if isinstance(raw, dict) and ("bytes" in raw or "path" in raw):
         path = raw.get("path")
-        if raw.get("bytes") is not None:
-            img = Image.open(io.BytesIO(raw["bytes"]))
-        elif path:
-            img = Image.open(path)
-        else:
-            raise ValueError("image entry has neither bytes nor a path")
-        img.load()  # force the full decode here, so truncation is caught per image
-        return img, path
+        body = body if body is not None else raw.get("bytes")
+        if body is not None:
+            return images.decode_rgb(body, name=path or "in-memory image"), path
+        if path:
+            return images.decode_rgb(path), path
+        raise ValueError("image entry has neither bytes nor a path")
     return raw, None
 
 
@@ -200,7 +205,7 @@ def decoded_bytes(stream: DomainStream, size: int) -> int:
 
 def cache_key(stream: DomainStream, size: int) -> str:
     blob = (
-        f"{stream.fingerprint}|n={len(stream)}|{size}|{RESIZE_RECIPE}|"
+        f"{stream.fingerprint}|n={len(stream)}|{size}|{RESIZE_RECIPE}|{images.DECODE_VERSION}|"
         f"content={content_signature(stream)}"
     )
     return hashlib.sha256(blob.encode()).hexdigest()[:24]
@@ -351,31 +356,38 @@ def _decode_into_cache(
 
 def decode_one(raw: Any, size: int) -> np.ndarray:
     """One undecoded image (``{"bytes", "path"}``, PIL image or array) as uint8
-    ``[size, size, 3]``; raises ``OSError``/``ValueError``/``SyntaxError`` (PIL's errors)
-    for a corrupt file. The single decoding function of every path (cache or stream).
+    ``[size, size, 3]``; raises ``images.ImageDecodeError`` (a ``ValueError``; ``OSError``
+    too for corrupt or unreadable files) naming the file. The single decoding function of
+    every path (cache or stream): ``images.decode_rgb``, then ``to_rgb_array``'s resize.
 
-    JPEGs are decoded by torchvision's libjpeg-turbo ``decode_jpeg`` when it is installed
-    (~1.8x faster than PIL on 224 px files, and the same pixels: both are libjpeg-turbo
-    with its default IDCT and upsampling; tests/test_pipeline.py compares them); a file it
-    cannot decode goes to PIL, which names the error."""
-    jpeg = _jpeg_bytes(raw)
-    if jpeg is not None:
-        decoded = _decode_jpeg(jpeg)
+    Plain JPEGs (``images.is_plain_jpeg``: baseline 8-bit YCbCr or gray, upright) are
+    decoded by torchvision's libjpeg-turbo ``decode_jpeg`` when it is installed (~1.8x
+    faster than PIL on 224 px files, and the same pixels: both are libjpeg-turbo with its
+    default IDCT and upsampling; tests/test_pipeline.py and harness/tests/test_images.py
+    compare them); every other JPEG (progressive, CMYK, EXIF-oriented, ...) and a file it
+    cannot decode go to ``decode_rgb``, which applies the rules or names the error."""
+    body = _file_bytes(raw)
+    if body is not None and images.is_plain_jpeg(body):
+        decoded = _decode_jpeg(body)
         if decoded is not None:
             return to_rgb_array(decoded, size)
-    img, _ = _open_raw(raw)
+    img, _ = _open_raw(raw, body)
     return to_rgb_array(img, size)
 
 
-def _jpeg_bytes(raw: Any) -> bytes | None:
-    """The file's bytes when ``raw`` is an undecoded JPEG (by its magic number), else None."""
+def _file_bytes(raw: Any) -> bytes | None:
+    """The file's bytes when ``raw`` is an undecoded image (read once, here), else None
+    (also when the file cannot be read: ``images.decode_rgb`` then names the error)."""
     if not isinstance(raw, dict):
         return None
-    data = raw.get("bytes")
-    if data is None and raw.get("path"):
-        with open(raw["path"], "rb") as fh:
-            data = fh.read()
-    return data if data is not None and data[:2] == b"\xff\xd8" else None
+    body = raw.get("bytes")
+    if body is None and raw.get("path"):
+        try:
+            with open(raw["path"], "rb") as fh:
+                body = fh.read()
+        except OSError:
+            return None
+    return body
 
 
 def _decode_jpeg(data: bytes) -> np.ndarray | None:

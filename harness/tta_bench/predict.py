@@ -16,9 +16,17 @@ does in a benchmark run (``tta_bench.adapter.Adapter``) and predicts it. Layouts
   else is ambiguous and an error asking for ``layout``.
 
 Image files: ``.png .jpg .jpeg .bmp .gif .webp .tif .tiff`` (any case; subfolders are read
-recursively; hidden files and other files are skipped and listed in the summary). Images
-are resized (shorter side, bicubic) and centre-cropped to the model's size as the harness
-does.
+recursively; hidden files are skipped; other files, dangling or looping symlinks and
+special files are skipped and listed in the summary, ``ignored_files``, each with its
+reason in ``ignored_reasons``). Images are decoded as the harness decodes them
+(``tta_bench.images.decode_rgb``: any mode as its 8-bit RGB copy, EXIF orientation
+applied), each resized (shorter side, bicubic) and centre-cropped to the model's size as
+soon as it is read, so a batch holds one full-size image at a time.
+
+Pixel budget: ``max_pixels`` (default ``DEFAULT_MAX_PIXELS``, 40 megapixels, 120 MB
+decoded) per image, checked from the file's header before a pixel is decoded (a 32 KB PNG
+can declare 12000 x 12000 = 144 megapixels, 432 MB as RGB). A larger image is a bad image
+(``on_bad_image``), reported by path with its width, height and pixel count.
 
 Adaptation state: ``reset`` = ``per_batch`` (each batch from the state after setup),
 ``per_folder`` (a subfolder's batches adapt in sequence; ``subfolders`` and ``folder``
@@ -39,16 +47,19 @@ Failures: a batch that raises (an unreadable file under ``on_bad_image=fail_batc
 error in the method) is retried up to ``max_retry`` times, then reported in the summary
 (and left unfinished for the next rerun) while the other batches continue. A failure
 inside the method's step resets the adaptation state before the retry (a partial update
-cannot be trusted). ``on_bad_image=skip`` (default) leaves a corrupt or truncated image
-out of its batch and reports it by path.
+cannot be trusted). ``on_bad_image=skip`` (default) leaves a bad image (corrupt,
+truncated, unreadable, with no 8-bit meaning, or over ``max_pixels``) out of its batch and
+reports it by path in the batch's result and the summary.
 """
 
 from __future__ import annotations
 
 import copy
 import dataclasses
+import errno
 import hashlib
 import json
+import os
 import random
 import time
 from collections.abc import Mapping
@@ -56,6 +67,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tta_bench.images import ImageDecodeError, ImageTooLargeError, decode_rgb
 from tta_bench.paths import atomic_write_text
 from tta_bench.templates import resolve_templates
 
@@ -70,12 +82,16 @@ __all__ = [
     "RESETS",
     "ON_BAD_IMAGE",
     "IMAGE_EXTENSIONS",
+    "DEFAULT_MAX_PIXELS",
 ]
 
 LAYOUTS = ("auto", "folder", "subfolders", "classes")
+NOT_AN_IMAGE = "not an image file (by its extension)"
 RESETS = ("per_batch", "per_folder", "never")
 ON_BAD_IMAGE = ("skip", "fail_batch")
 IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
+#: The default per-image pixel budget (``max_pixels``): 40 megapixels, 120 MB as RGB.
+DEFAULT_MAX_PIXELS = 40_000_000
 RESULT_SUFFIX = "_result.json"
 LOG_NAME = "predict.jsonl"
 
@@ -97,6 +113,7 @@ _FIELDS: dict[str, tuple[tuple[type, ...], Any, str]] = {
     "max_retry": ((int,), 1, "retries of a failing batch"),
     "reset": ((str,), "per_batch", f"one of {', '.join(RESETS)}"),
     "on_bad_image": ((str,), "skip", f"one of {', '.join(ON_BAD_IMAGE)}"),
+    "max_pixels": ((int,), DEFAULT_MAX_PIXELS, "pixels per image, checked before decoding"),
     "layout": ((str,), "auto", f"one of {', '.join(LAYOUTS)}"),
     "top_k": ((int,), 5, "classes listed per image"),
     "seed": ((int,), 0, "the method's seed (setup and per-batch randomness)"),
@@ -133,6 +150,7 @@ class PredictJob:
     max_retry: int = 1
     reset: str = "per_batch"
     on_bad_image: str = "skip"
+    max_pixels: int = DEFAULT_MAX_PIXELS
     layout: str = "auto"
     top_k: int = 5
     seed: int = 0
@@ -193,7 +211,7 @@ class PredictJob:
                     f"predict job key {key!r} must be one of {', '.join(choices)}, got "
                     f"{getattr(self, key)!r}"
                 )
-        for key, low in (("batch_size", 1), ("max_retry", 0), ("top_k", 1)):
+        for key, low in (("batch_size", 1), ("max_retry", 0), ("top_k", 1), ("max_pixels", 1)):
             if getattr(self, key) < low:
                 raise ValueError(
                     f"predict job key {key!r} must be >= {low}, got {getattr(self, key)}"
@@ -248,6 +266,8 @@ class Plan:
     batches: list[PlannedBatch]
     labeled: bool
     ignored: list[str]  # files that are not images, or outside the chosen layout
+    #: Why each ignored file is ignored (not an image, a dangling symlink, ...).
+    reasons: dict[str, str] = field(default_factory=dict)
 
     def groups(self, reset: str) -> list[list[PlannedBatch]]:
         """Batches that share adaptation state, in order (see the module docstring)."""
@@ -265,15 +285,37 @@ def _is_image(p: Path) -> bool:
     return p.suffix.lower() in IMAGE_EXTENSIONS
 
 
-def _visible_files(folder: Path, recursive: bool) -> list[Path]:
+def _visible_files(
+    folder: Path, recursive: bool, unusable: dict[Path, str] | None = None
+) -> list[Path]:
+    """The files below ``folder`` (hidden ones left out), sorted. Entries that are neither
+    a file nor a folder (a dangling or looping symlink, a device, a pipe) are added to
+    ``unusable`` with the reason, instead of vanishing."""
     items = folder.rglob("*") if recursive else folder.iterdir()
     out = []
     for p in items:
         rel = p.relative_to(folder)
-        if any(part.startswith(".") for part in rel.parts) or not p.is_file():
+        if any(part.startswith(".") for part in rel.parts):
             continue
-        out.append(p)
+        if p.is_file():
+            out.append(p)
+        elif not p.is_dir() and unusable is not None:
+            unusable[p] = _why_unusable(p)
     return sorted(out)
+
+
+def _why_unusable(p: Path) -> str:
+    """Why ``p`` (neither a file nor a folder) cannot be read as an image."""
+    try:
+        p.stat()
+    except OSError as exc:
+        if not p.is_symlink():
+            return f"cannot be read: {exc.strerror or exc}"
+        target = os.readlink(p)
+        if exc.errno == errno.ELOOP:
+            return f"symlink loop: its target {target!r} leads back to it"
+        return f"dangling symlink: its target {target!r} does not exist"
+    return "not a regular file (a device, pipe or socket)"
 
 
 def _safe_name(name: str) -> str:
@@ -293,7 +335,8 @@ def plan_batches(
 ) -> Plan:
     """The job's batches in order; raises ``ValueError`` for an ambiguous or empty folder."""
     root = Path(input_dir)
-    top = _visible_files(root, recursive=False)
+    unusable: dict[Path, str] = {}
+    top = _visible_files(root, recursive=False, unusable=unusable)
     top_images = [p for p in top if _is_image(p)]
     subdirs = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
     image_dirs = [d for d in subdirs if any(_is_image(p) for p in _visible_files(d, True))]
@@ -305,22 +348,24 @@ def plan_batches(
             "class (label) boundaries: the method would learn the labels from the resets; "
             "use reset=per_batch or never"
         )
-    ignored = [str(p.relative_to(root)) for p in top if not _is_image(p)]
+    reasons = {_rel(root, p): NOT_AN_IMAGE for p in top if not _is_image(p)}
     if layout == "folder":
-        ignored += [_rel(root, d) + "/" for d in image_dirs]
+        reasons.update({_rel(root, d) + "/": "a subfolder (layout folder)" for d in image_dirs})
         batches = _plan_folder(root, top_images, batch_size, shuffle, seed)
     else:
-        ignored += [_rel(root, p) for p in top_images]
-        files = _folder_files(root, image_dirs, classnames, layout, ignored)
+        reasons.update({_rel(root, p): f"a top-level image (layout {layout})" for p in top_images})
+        files = _folder_files(root, image_dirs, classnames, layout, reasons, unusable)
         if layout == "classes":
             batches = _plan_classes(files, batch_size, shuffle, seed)
         else:
             batches = _plan_subfolders(image_dirs, files, batch_size, shuffle, seed)
+    reasons.update({_rel(root, p): why for p, why in unusable.items()})
     if not batches:
         raise ValueError(
             f"no images ({', '.join(IMAGE_EXTENSIONS)}) found in {str(root)!r} for layout {layout}"
         )
-    return Plan(layout, batches, layout == "classes", sorted(ignored))
+    ignored = sorted(reasons)
+    return Plan(layout, batches, layout == "classes", ignored, {k: reasons[k] for k in ignored})
 
 
 def _rel(root: Path, p: Path) -> str:
@@ -341,10 +386,16 @@ def _plan_folder(
 
 
 def _folder_files(
-    root: Path, image_dirs: list[Path], classnames: list[str], layout: str, ignored: list[str]
+    root: Path,
+    image_dirs: list[Path],
+    classnames: list[str],
+    layout: str,
+    reasons: dict[str, str],
+    unusable: dict[Path, str],
 ) -> list[tuple[str, int | None, str]]:
     """``(file, label or None, folder)`` of every image below the subfolders (non-images
-    are added to ``ignored``); in the classes layout every subfolder must be a class."""
+    are added to ``reasons``, unreadable entries to ``unusable``); in the classes layout
+    every subfolder must be a class."""
     if layout == "classes":
         unknown = [d.name for d in image_dirs if d.name not in classnames]
         if unknown:
@@ -354,8 +405,8 @@ def _folder_files(
             )
     out: list[tuple[str, int | None, str]] = []
     for d in image_dirs:
-        files = _visible_files(d, recursive=True)
-        ignored += [_rel(root, p) for p in files if not _is_image(p)]
+        files = _visible_files(d, recursive=True, unusable=unusable)
+        reasons.update({_rel(root, p): NOT_AN_IMAGE for p in files if not _is_image(p)})
         label = classnames.index(d.name) if layout == "classes" else None
         out += [(_rel(root, p), label, d.name) for p in files if _is_image(p)]
     return out
@@ -587,6 +638,8 @@ class _Job:
             "top_k": job.top_k,
             "device": a.device.type,
         }
+        if job.max_pixels != DEFAULT_MAX_PIXELS:  # so jobs from before the key still resume
+            key["max_pixels"] = job.max_pixels
         blob = json.dumps(key, sort_keys=True, default=str)
         return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
@@ -596,18 +649,30 @@ class _Job:
 
     # -- one batch --------------------------------------------------------------------------
     def _load(self, batch: PlannedBatch) -> tuple[list[Any], list[int], list[dict[str, Any]]]:
-        """Decoded PIL images of the batch, their positions in it, and its bad images."""
-        from PIL import Image
+        """The batch's images decoded (``decode_rgb``, within ``max_pixels``, checked from
+        the header) and each at once resized to the model's size (uint8 arrays: the batch
+        never holds more than one full-size image), their positions in the batch, and its
+        bad images (``{file, error}``; over the budget also ``width, height, pixels``)."""
+        from tta_bench.data import to_rgb_array
 
+        size = self.adapter.image_size
         images, keep, bad = [], [], []
         for i, rel in enumerate(batch.files):
             try:
-                with Image.open(self.input_dir / rel) as img:
-                    img.load()  # the full decode here: truncation shows per file
-                    images.append(img.convert("RGB"))
+                img = decode_rgb(
+                    self.input_dir / rel,
+                    name=rel,
+                    max_pixels=self.job.max_pixels,
+                    budget_name="predict job key 'max_pixels'",
+                )
+                images.append(to_rgb_array(img, size))
+                del img
                 keep.append(i)
-            except (OSError, ValueError, SyntaxError, Image.DecompressionBombError) as exc:
-                bad.append({"file": rel, "error": f"{type(exc).__name__}: {exc}"})
+            except ImageDecodeError as exc:
+                entry: dict[str, Any] = {"file": rel, "error": f"{type(exc).__name__}: {exc}"}
+                if isinstance(exc, ImageTooLargeError):
+                    entry.update(width=exc.width, height=exc.height, pixels=exc.pixels)
+                bad.append(entry)
         if bad and self.job.on_bad_image == "fail_batch":
             shown = "; ".join(f"{b['file']}: {b['error']}" for b in bad[:5])
             raise BadImagesError(
@@ -775,6 +840,7 @@ class _Job:
             "images": len(preds),
             "bad_images": list(self.bad_images),
             "ignored_files": self.plan.ignored,
+            "ignored_reasons": self.plan.reasons,
             "accuracy": sum(p["correct"] for p in labeled) / len(labeled) if labeled else None,
             "labeled_images": len(labeled),
             "wall_s": wall_s,
@@ -824,6 +890,9 @@ def main(config: str | Path, quiet: bool = False) -> int:
             f"accuracy {100 * summary['accuracy']:.2f}% over {summary['labeled_images']} "
             "labeled images"
         )
+    notable = [(f, why) for f, why in summary["ignored_reasons"].items() if why != NOT_AN_IMAGE]
+    for file, why in notable[:10]:  # images left out by the layout, broken symlinks, ...
+        print(f"ignored {file}: {why}", file=sys.stderr)
     for bad in summary["bad_images"][:10]:
         print(f"bad image {bad['file']} (batch {bad['batch']}): {bad['error']}", file=sys.stderr)
     if len(summary["bad_images"]) > 10:

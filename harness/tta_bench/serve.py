@@ -70,7 +70,6 @@ import asyncio
 import contextlib
 import dataclasses
 import hmac
-import io
 import json
 import logging
 import os
@@ -80,7 +79,6 @@ import socket
 import sys
 import threading
 import time
-import warnings
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from concurrent.futures import ThreadPoolExecutor
@@ -431,28 +429,36 @@ def _parse_multipart(body: bytes, boundary: bytes, max_images: int) -> list[tupl
     return out
 
 
+def _client_error(exc: Exception, name: str) -> ClientError:
+    """The HTTP answer to ``tta_bench.images``' refusal of image ``name``: 415 for data that
+    is no image in an accepted format, 413 for too many pixels, 422 for the rest."""
+    from tta_bench import images
+
+    if isinstance(exc, images.NotAnImageError):
+        accepted = ", ".join(ACCEPTED_FORMATS)
+        return ClientError(
+            415, f"image {name!r} is not an image in an accepted format ({accepted})"
+        )
+    if isinstance(exc, images.ImageTooLargeError):
+        return ClientError(413, str(exc))
+    return ClientError(422, f"image {name!r} cannot be decoded: {exc}")
+
+
 def image_header_size(name: str, data: bytes) -> tuple[int, int]:
-    """``(width, height)`` of an image in memory, read from its header only (PIL's
-    ``Image.open`` decodes no pixel before ``load()``); refused as ``decode_image`` refuses
-    it: 413 for a decompression bomb PIL itself refuses, 415 for anything not an image in an
-    accepted format."""
-    from PIL import Image, UnidentifiedImageError
+    """``(width, height)`` of an image in memory, from its header only
+    (``tta_bench.images.read_header``: no pixel is decoded); refused as ``decode_image``
+    refuses it."""
+    from tta_bench import images
 
     try:
-        with warnings.catch_warnings():
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            with Image.open(io.BytesIO(data), formats=ACCEPTED_FORMATS) as img:
-                width, height = img.size
-    except Image.DecompressionBombError as exc:
-        raise ClientError(413, f"image {name!r}: {exc}") from None
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError):
+        header = images.read_header(data, name=name, formats=ACCEPTED_FORMATS)
+    except images.ImageDecodeError as exc:
+        raise _client_error(exc, name) from None
+    if header.width <= 0 or header.height <= 0:
         raise ClientError(
-            415,
-            f"image {name!r} is not an image in an accepted format ({', '.join(ACCEPTED_FORMATS)})",
-        ) from None
-    if width <= 0 or height <= 0:
-        raise ClientError(422, f"image {name!r} is {width}x{height}: no pixels to classify")
-    return width, height
+            422, f"image {name!r} is {header.width}x{header.height}: no pixels to classify"
+        )
+    return header.width, header.height
 
 
 def resized_size(width: int, height: int, size: int) -> tuple[int, int]:
@@ -501,34 +507,22 @@ def check_headers(uploads: list[tuple[str, bytes]], limits: Limits, image_size: 
 
 
 def decode_image(name: str, data: bytes, max_pixels: int) -> Any:
-    """A fully decoded RGB PIL image from memory; the pixel count is read from the header
-    and checked against ``max_pixels`` before any pixel is decoded."""
-    from PIL import Image, UnidentifiedImageError
+    """A fully decoded, upright 8-bit RGB PIL image from memory, decoded as the runner,
+    ``predict`` and ``Adapter`` decode files (``tta_bench.images.decode_rgb``: 16-bit,
+    palette, alpha, CMYK and EXIF-rotated images included); the header's pixel count is
+    checked against ``max_pixels`` before any pixel is decoded."""
+    from tta_bench import images
 
     try:
-        with warnings.catch_warnings():
-            # our own limit applies below; PIL's warning would only repeat it in the log
-            warnings.simplefilter("ignore", Image.DecompressionBombWarning)
-            img = Image.open(io.BytesIO(data), formats=ACCEPTED_FORMATS)
-    except Image.DecompressionBombError as exc:
-        raise ClientError(413, f"image {name!r}: {exc}") from None
-    except (UnidentifiedImageError, OSError, ValueError, SyntaxError):
-        raise ClientError(
-            415,
-            f"image {name!r} is not an image in an accepted format ({', '.join(ACCEPTED_FORMATS)})",
-        ) from None
-    width, height = img.size
-    if width * height > max_pixels:
-        raise ClientError(
-            413,
-            f"image {name!r} is {width}x{height} = {width * height} pixels; the limit is "
-            f"{max_pixels} pixels per image (--max-image-pixels)",
+        return images.decode_rgb(
+            data,
+            name=name,
+            max_pixels=max_pixels,
+            formats=ACCEPTED_FORMATS,
+            budget_name="--max-image-pixels",
         )
-    try:
-        img.load()
-        return img.convert("RGB")
-    except (OSError, ValueError, SyntaxError) as exc:
-        raise ClientError(422, f"image {name!r} cannot be decoded: {exc}") from None
+    except images.ImageDecodeError as exc:
+        raise _client_error(exc, name) from None
 
 
 # -- the service -----------------------------------------------------------------------------
