@@ -23,12 +23,18 @@ HARNESS_CATALOG = str(Path(__file__).with_name("registry.yaml"))
 SECTIONS = (*KINDS, "suites", "templates", "defaults")
 
 _CATALOG: dict[str, dict[str, Any]] | None = None
+#: ``tta_bench.include.state()`` the merged catalogue was read under.
+_INCLUDE_STATE = [""]
 _EXTRA: list[dict[str, Any]] = []
 
 
 def _load_file(path: Path, origin: str) -> dict[str, Any]:
     with open(path, encoding="utf-8") as fh:
         data = yaml.safe_load(fh) or {}
+    return _check_sections(data, path, origin)
+
+
+def _check_sections(data: dict[str, Any], path: Path, origin: str) -> dict[str, Any]:
     unknown = set(data) - set(SECTIONS) - {"schema_version"}
     if unknown:
         raise RegistryError(
@@ -39,8 +45,14 @@ def _load_file(path: Path, origin: str) -> dict[str, Any]:
 
 
 def catalog() -> dict[str, dict[str, Any]]:
-    """All catalogues merged: ``{section: {name: metadata}}``."""
+    """All catalogues merged: ``{section: {name: metadata}}``: the installed distributions',
+    then the included YAML files (``--include``, ``tta_bench.include``), then in-process ones
+    (``add_catalog``); one entry in two of them is an error naming both origins."""
     global _CATALOG
+    from tta_bench import include  # --include: local YAML catalogues; imports no harness module
+
+    if include.state() != _INCLUDE_STATE[0]:
+        _INCLUDE_STATE[0], _CATALOG = include.state(), None
     if _CATALOG is None:
         merged: dict[str, dict[str, Any]] = {s: {} for s in SECTIONS}
         owner: dict[tuple[str, str], str] = {}
@@ -50,6 +62,12 @@ def catalog() -> dict[str, dict[str, Any]]:
                 dist = ep.dist.metadata["Name"] if ep.dist is not None else ep.name
                 if distribution_allowed(dist):
                     sources.append((dist, _load_file(Path(ep.load()), dist)))
+        try:
+            local = include.catalogues()
+        except include.IncludeError as exc:
+            raise RegistryError(str(exc)) from None
+        for f, data in local:
+            sources.append((f.distribution, _check_sections(data, f.path, f.distribution)))
         sources.extend(("__local__", extra) for extra in _EXTRA)
         for dist, data in sources:
             for section in SECTIONS:

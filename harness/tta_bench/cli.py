@@ -1,4 +1,5 @@
-"""``tta-bench``: run, ls, env.
+"""``tta-bench``: run, ls, validate, env, and the commands each section below names; every
+command takes ``--include FILE_OR_DIR`` (local components, ``tta_bench.include``).
 
 Exit status: 0 success, 1 runtime failure, 2 bad input (unknown name, bad override, bad
 value); every bad-input message names the value and lists the options.
@@ -31,6 +32,7 @@ def _resolve_run(args: argparse.Namespace) -> tuple[Any, Any]:
         args.overrides,
         output=args.output,
         data_dir=args.data_dir,
+        dataset=getattr(args, "dataset", None),
     )
 
 
@@ -416,6 +418,15 @@ def build_parser() -> argparse.ArgumentParser:
     for add in (_add_run, _add_ls, _add_sweep, _add_profile, _add_env_and_cache, _add_reports):
         add(sub)
     _add_deployment(sub)
+    _add_validate(sub)
+    for command in sub.choices.values():  # a global option, given after the command
+        command.add_argument(
+            "--include",
+            action="append",
+            metavar="FILE_OR_DIR",
+            help="load local components: a Python file declaring TTA_BENCH = {kind: {name: "
+            "object}}, a YAML catalogue, or a directory of them (repeatable; docs/plugins.md)",
+        )
     return p
 
 
@@ -429,6 +440,7 @@ def _add_run(sub: Any) -> None:
     r.add_argument("--method", help=f"method name (tta-bench ls methods); {_CATALOGUE_DEFAULT}")
     r.add_argument("--suite", help=f"suite name (tta-bench ls suites); {_CATALOGUE_DEFAULT}")
     r.add_argument("--model", help="model name (tta-bench ls models); default: the suite's")
+    r.add_argument("--dataset", help=_DATASET_HELP)
     r.add_argument("--output", help="results JSON path; default: a timestamped file")
     r.add_argument("--data-dir", help="root of local data for hub-backed datasets")
     r.add_argument(
@@ -486,6 +498,7 @@ def _add_profile(sub: Any) -> None:
     pr.add_argument("--method", help=f"method name; {_CATALOGUE_DEFAULT}")
     pr.add_argument("--suite", help=f"suite name; {_CATALOGUE_DEFAULT}")
     pr.add_argument("--model", help="model name; default: the suite's")
+    pr.add_argument("--dataset", help=_DATASET_HELP)
     pr.add_argument("--data-dir", help="root of local data for hub-backed datasets")
     pr.add_argument("overrides", nargs="*", help="Hydra overrides (key=value)")
     pr.set_defaults(func=cmd_profile, output=None, cfg=False, quiet=True)
@@ -502,6 +515,11 @@ def _add_env_and_cache(sub: Any) -> None:
     c.set_defaults(func=cmd_cache)
 
 
+_DATASET_HELP = (
+    "run a registered dataset without a suite (tta-bench ls datasets): an ad-hoc suite from "
+    "its dataset.<arg>=VALUE overrides (dataset.path=DIR for its data_dir), clean images "
+    "unless protocol.shifts=[...] is given (docs/cli.md)"
+)
 BASELINE_HELP = (
     "method to pair against; default: the catalogues' reference method (defaults: reference "
     "in a plugin's registry.yaml; `tta-bench ls defaults`), '' for none"
@@ -567,6 +585,46 @@ def _add_deployment(sub: Any) -> None:
     sv.set_defaults(func=cmd_serve)
 
 
+# -- validate (implemented in tta_bench.validate) ----------------------------------------
+def cmd_validate(args: argparse.Namespace) -> int:
+    from tta_bench import validate
+
+    try:
+        report = validate.validate(
+            args.kind,
+            args.name,
+            model=args.model,
+            suite=args.suite,
+            data_dir=args.data_dir,
+            device=args.device,
+        )
+    except ValueError as exc:  # an unknown kind, model or suite; no default model
+        raise UsageError(str(exc)) from exc
+    print(report.text())
+    return 0 if report.ok else 1
+
+
+def _add_validate(sub: Any) -> None:
+    from tta_bench.validate import KIND_NAMES
+
+    v = sub.add_parser(
+        "validate",
+        help="check one component against its contract (a line per check)",
+        description="Run the contract checks on one component and print PASS, FAIL or SKIP "
+        "with the reason for each check. Exit status 0 when none fails, 1 when one does, 2 "
+        "for an unknown kind or name. Methods run on --model (default: the catalogues') "
+        "with a few images of --suite's dataset (default: the catalogues' suite), or random "
+        "images when that dataset is not available.",
+    )
+    v.add_argument("kind", help=f"the kind of component: {', '.join(KIND_NAMES)}")
+    v.add_argument("name", help="the component's name (tta-bench ls KIND)")
+    v.add_argument("--model", help="model the method checks run on; default: the catalogues'")
+    v.add_argument("--suite", help="suite whose dataset gives the images; default: the catalogues'")
+    v.add_argument("--data-dir", help="root of local data (datasets that read local files)")
+    v.add_argument("--device", default="cpu", help="device the checks run on (default cpu)")
+    v.set_defaults(func=cmd_validate)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     import os
 
@@ -580,9 +638,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         args.overrides = [*args.overrides, *unknown]
     if getattr(args, "quiet", False):
         os.environ["TQDM_DISABLE"] = "1"  # also silences plugins' own bars (pretraining)
+    from tta_bench.include import IncludeError, included
+
     try:
-        return int(args.func(args) or 0)
-    except (UsageError, RegistryError) as exc:
+        with included(*(getattr(args, "include", None) or ())):  # for this command only
+            if getattr(args, "include", None):
+                catalog.catalog()  # an included catalogue's sections and clashes: up front
+            return int(args.func(args) or 0)
+    except (UsageError, RegistryError, IncludeError) as exc:
         print(f"tta-bench: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:

@@ -14,6 +14,7 @@ so they run, and resume, per seed) are listed in ``STATEFUL``.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field, fields
@@ -66,6 +67,10 @@ class Protocol:
     #: The clean source split that methods estimating source statistics draw unlabeled
     #: images from (EATA's Fisher): ``{dataset, dataset_args}``; part of the id when set.
     source: dict[str, Any] | None = None
+    #: An identity of the data itself: an ad-hoc suite (``tta-bench run --dataset``) holds
+    #: its dataset's content fingerprint, so two folders never share an id. Part of the id
+    #: when set.
+    data_fingerprint: str | None = None
     default_model: str | None = None
     description: str = field(default="", compare=False)
 
@@ -117,6 +122,8 @@ class Protocol:
             data.pop("dirichlet_delta")
         if data["source"] is None:
             data.pop("source")
+        if data["data_fingerprint"] is None:
+            data.pop("data_fingerprint")
         if data["templates"] is None:
             data.pop("templates")
         else:
@@ -148,12 +155,85 @@ OVERRIDABLE = (
 )
 
 
+#: The shift of a clean domain: the images as they are (an ad-hoc suite's default, when no
+#: ``protocol.shifts`` are given). The harness registers it in-process when a protocol
+#: names it (``register_clean_shift``); a plugin cannot register this name as well.
+CLEAN = "clean"
+#: The name prefix of ad-hoc suites: ``adhoc-<dataset>``.
+ADHOC_PREFIX = "adhoc-"
+#: What an ad-hoc suite uses where its run names nothing (``protocol.<field>=`` overrides).
+ADHOC_DEFAULTS: dict[str, Any] = {
+    "version": 1,
+    "shifts": [CLEAN],
+    "severities": [1],
+    "batch_size": 64,
+    "reset": "reset_each_shift",
+}
+#: Ad-hoc suites defined in this process (``adhoc_suite``), found by ``load_protocol``.
+_ADHOC: dict[str, dict[str, Any]] = {}
+
+
+def clean(images: Any, severity: int, *, generator: Any) -> Any:
+    """The clean domain's shift: ``images`` unchanged (``severity`` and ``generator``
+    unused)."""
+    return images
+
+
+def register_clean_shift() -> None:
+    """Register ``clean`` (``CLEAN``) in this process's shift registry, once, as the
+    harness's own (distribution ``tta-bench``); a plugin's shift of that name is an error."""
+    from tta_bench._version import __version__
+    from tta_bench.registry import RegistryError, registry
+
+    shifts = registry("shifts")
+    if CLEAN in shifts:
+        origin = shifts.origin(CLEAN)
+        if origin.value != f"{__name__}:clean":
+            raise RegistryError(
+                f"shift name {CLEAN!r} is the harness's clean domain, but {origin.value} (from "
+                f"{origin.distribution}) registers it too; rename that shift"
+            )
+        return
+    shifts.add(CLEAN, clean, distribution="tta-bench", version=__version__)
+
+
+def adhoc_suite(
+    dataset: str,
+    dataset_args: dict[str, Any],
+    *,
+    fingerprint: str,
+    default_model: str | None,
+    description: str = "",
+) -> str:
+    """Define the ad-hoc suite of ``dataset`` with ``dataset_args`` in this process and
+    return its name, ``adhoc-<dataset>``: ``ADHOC_DEFAULTS`` (the clean images, batch size
+    64, ``reset_each_shift``), ``fingerprint`` (the dataset's own content fingerprint) as
+    ``data_fingerprint``. The id hashes the dataset, its arguments (a folder's absolute path
+    among them) and the fingerprint, so two folders never share an id; ``load_protocol``
+    applies a run's ``protocol.<field>=`` overrides as for any suite. A later definition of
+    the same dataset replaces the earlier one."""
+    name = ADHOC_PREFIX + dataset
+    _ADHOC[name] = {
+        **ADHOC_DEFAULTS,
+        "description": description or f"ad-hoc suite of dataset {dataset!r}",
+        "dataset": dataset,
+        "dataset_args": dict(dataset_args),
+        "data_fingerprint": fingerprint,
+        "default_model": default_model,
+    }
+    return name
+
+
 def load_protocol(suite: str, **overrides: Any) -> Protocol:
-    """Resolve a named suite from the catalogue, applying non-None overrides."""
+    """Resolve a named suite from the catalogue (or an ad-hoc suite of this process,
+    ``adhoc_suite``), applying non-None overrides."""
     suites = catalog.catalog()["suites"]
-    if suite not in suites:
+    if suite in _ADHOC and suite not in suites:
+        spec = copy.deepcopy(_ADHOC[suite])
+    elif suite not in suites:
         raise UnknownNameError("suites", suite, list(suites))
-    spec = dict(suites[suite])
+    else:
+        spec = dict(suites[suite])
     unknown = set(spec) - PROTOCOL_FIELDS
     if unknown:
         raise ValueError(
@@ -165,6 +245,8 @@ def load_protocol(suite: str, **overrides: Any) -> Protocol:
             raise ValueError(f"cannot override {key!r}; overridable: {', '.join(OVERRIDABLE)}")
         if value is not None:
             spec[key] = value
+    if suite in _ADHOC and overrides.get("shifts") and overrides.get("severities") is None:
+        spec["severities"] = None  # the run's own shifts: the suites' default severity (5)
     spec["name"] = suite
     spec.setdefault("version", 1)
     spec.setdefault("dataset_args", {})

@@ -3,7 +3,8 @@
 Model name, weights and their hashes (file and loaded state), method and its resolved
 config (+ hash), protocol id and identity, seeds, the resolved run config, and provenance:
 git sha, package versions, device (CPU model, the instruction set torch dispatches to,
-thread count), precision, and the distribution and version of every plugin component used.
+thread count), precision, the distribution and version of every plugin component used, and
+each file included with ``--include`` with its full SHA-256 (``provenance.includes``).
 """
 
 from __future__ import annotations
@@ -14,6 +15,7 @@ import torch
 
 from tta_bench import results
 from tta_bench._version import SCHEMA_VERSION
+from tta_bench.include import provenance as included_provenance
 from tta_bench.method import config_dict, effective_precision
 from tta_bench.model import state_sha256
 from tta_bench.registry import provenance, registry
@@ -45,6 +47,7 @@ def new_record(spec: Any, bundle: Any, device: torch.device, *, from_registry: b
     loss = getattr(spec.method_config, "loss", None)
     if isinstance(loss, str) and loss in registry("losses"):
         plugins.append(provenance("losses", loss))
+    includes = included_provenance()
     return {
         "schema_version": SCHEMA_VERSION,
         "created": results.now_iso(),
@@ -73,6 +76,8 @@ def new_record(spec: Any, bundle: Any, device: torch.device, *, from_registry: b
             "torch": torch.__version__,
             "precision": precision_record(spec.method_config, device),
             "plugins": plugins,
+            # --include: every included local file, with its full SHA-256
+            **({"includes": includes} if includes else {}),
         },
         "cells": [],
         "summary": results.summarize([]),

@@ -1,4 +1,6 @@
-"""Plugin registries: entry points are the only way components are discovered.
+"""Plugin registries: entry points are the only way installed components are discovered;
+local files named with ``--include`` (``tta_bench.include``) join them through the same
+checks, and ``Registry.add`` registers an object in-process.
 
 One typed, lazy ``Registry`` per entry-point group. Listing reads entry-point metadata and
 the catalogues (``registry.yaml`` files) only, so ``tta-bench ls`` never imports torch.
@@ -119,23 +121,35 @@ class Registry(Generic[T]):
     # -- discovery (metadata only) -------------------------------------------------------
     def _scan(self) -> dict[str, tuple[Origin, Callable[[], Any]]]:
         if self._entries is None:
-            entries: dict[str, tuple[Origin, Callable[[], Any]]] = {}
+            from tta_bench import include  # --include: local files; imports no harness module
+
+            found: list[tuple[Origin, Callable[[], Any]]] = []
             for ep in _entry_points(self.group):
                 origin = _origin(self.group, ep)
-                if not distribution_allowed(origin.distribution):
-                    continue
-                if ep.name in entries:
-                    first = entries[ep.name][0]
+                if distribution_allowed(origin.distribution):
+                    found.append((origin, ep.load))
+            try:  # included files are explicit: never filtered out
+                local = include.declared(self.kind)
+            except include.IncludeError as exc:
+                raise RegistryError(str(exc)) from None
+            for d in local:
+                origin = Origin(self.group, d.name, d.value, d.distribution, d.version)
+                found.append((origin, d.load))
+            entries: dict[str, tuple[Origin, Callable[[], Any]]] = {}
+            for origin, load in found:
+                if origin.name in entries:
+                    first = entries[origin.name][0]
                     # The same distribution seen twice on sys.path (e.g. an editable install
                     # plus a build dir) pointing at the same object is not a conflict.
                     if (first.distribution, first.value) == (origin.distribution, origin.value):
                         continue
                     raise RegistryError(
-                        f"duplicate {SINGULAR[self.kind]} name {ep.name!r} in group {self.group}: "
-                        f"{first.value} (from {first.distribution} {first.version}) and "
-                        f"{origin.value} (from {origin.distribution} {origin.version})"
+                        f"duplicate {SINGULAR[self.kind]} name {origin.name!r} in group "
+                        f"{self.group}: {first.value} (from {first.distribution} "
+                        f"{first.version}) and {origin.value} (from {origin.distribution} "
+                        f"{origin.version})"
                     )
-                entries[ep.name] = (origin, ep.load)
+                entries[origin.name] = (origin, load)
             self._entries = entries
         return self._entries
 
@@ -175,8 +189,11 @@ class Registry(Generic[T]):
             self._loaded[name] = obj
         return self._loaded[name]
 
-    def add(self, name: str, obj: T, distribution: str = "__local__") -> None:
-        """Register an object directly (for in-process plugins and tests)."""
+    def add(self, name: str, obj: T, distribution: str = "__local__", version: str = "0") -> None:
+        """Register an object directly, in this process only (in-process plugins, tests,
+        the harness's own ``clean`` shift): validated like an entry point, a name already
+        registered is an error naming both origins; ``distribution`` and ``version`` are
+        what results record as its origin. Forgotten by ``reset_registries``."""
         entries = self._scan()
         if name in entries:
             first = entries[name][0]
@@ -187,7 +204,7 @@ class Registry(Generic[T]):
         if self._validate is not None and (problem := self._validate(obj)):
             raise RegistryError(f"{SINGULAR[self.kind]} {name!r} is invalid: {problem}")
         value = f"{getattr(obj, '__module__', '?')}:{getattr(obj, '__qualname__', repr(obj))}"
-        origin = Origin(self.group, name, value, distribution, "0")
+        origin = Origin(self.group, name, value, distribution, version)
         entries[name] = (origin, lambda: obj)
 
 
@@ -259,8 +276,18 @@ _VALIDATORS: dict[str, Callable[[Any], str | None]] = {
 _REGISTRIES: dict[str, Registry[Any]] = {}
 
 
+#: ``tta_bench.include.state()`` when the registries were last scanned.
+_INCLUDE_STATE = [""]
+
+
 def registry(kind: str) -> Registry[Any]:
-    """The process-wide registry of one kind (``methods``, ``losses``, ``shifts``, ...)."""
+    """The process-wide registry of one kind (``methods``, ``losses``, ``shifts``, ...);
+    every registry is rescanned when the included files (``--include``) change."""
+    from tta_bench.include import state
+
+    if state() != _INCLUDE_STATE[0]:
+        _INCLUDE_STATE[0] = state()
+        reset_registries()
     if kind not in _REGISTRIES:
         if kind not in KINDS:
             raise UnknownNameError("registry kinds", kind, list(KINDS))

@@ -57,10 +57,16 @@ def resolve_run(
     *,
     output: str | None = None,
     data_dir: str | None = None,
+    dataset: str | None = None,
 ) -> tuple[Any, Any]:
     """``(composed config, RunSpec)`` of a run; bad input raises ``UsageError`` (a
     ``ValueError``) or ``RegistryError`` naming the value, before anything is built.
-    ``method``/``suite``/``model`` may also come as ``method=...`` overrides."""
+    ``method``/``suite``/``model``/``dataset`` may also come as ``method=...`` overrides.
+
+    ``dataset`` (instead of a suite): an ad-hoc suite of that registered dataset, with the
+    ``dataset.<arg>=VALUE`` overrides as its factory's arguments (``adhoc_dataset_args``)
+    and ``tta_bench.protocol.ADHOC_DEFAULTS`` where no ``protocol.<field>=`` says otherwise;
+    its model defaults to the catalogues' default model."""
     from omegaconf import OmegaConf
 
     from tta_bench.config import compose
@@ -70,15 +76,38 @@ def resolve_run(
     o_method, overrides = _split_choice(overrides, "method")
     o_model, overrides = _split_choice(overrides, "model")
     o_suite, overrides = _split_choice(overrides, "suite")
+    o_dataset, overrides = _split_choice(overrides, "dataset")
+    dataset_args, overrides = split_dataset_args(overrides)
+    dataset = dataset or o_dataset
     method = method or o_method or _default("method")
-    suite = suite or o_suite or _default("suite")
     model = model or o_model
-    catalog_suites = catalog.catalog()["suites"]
-    if suite not in catalog_suites:
-        from tta_bench.registry import UnknownNameError
+    adhoc: dict[str, Any] | None = None
+    if dataset is not None or dataset_args:
+        if dataset is None:
+            raise UsageError(
+                f"dataset.{next(iter(dataset_args))}= is an argument of --dataset NAME (an "
+                "ad-hoc suite); give --dataset, or use a suite's own dataset_args"
+            )
+        if suite or o_suite:
+            raise UsageError(
+                f"--dataset {dataset!r} builds its own suite; drop --suite {suite or o_suite!r} "
+                "(or drop --dataset to run the suite)"
+            )
+        o_dir, overrides = _split_choice(overrides, "data_dir")
+        adhoc = adhoc_dataset_args(dataset, dataset_args, data_dir or o_dir)
+        data_dir = None  # it is the dataset's argument now, part of the protocol id
+        from tta_bench.protocol import ADHOC_PREFIX
 
-        raise UnknownNameError("suites", suite, list(catalog_suites))
-    model = model or catalog_suites[suite].get("default_model")
+        suite = ADHOC_PREFIX + dataset
+        model = model or _default("model")
+    else:
+        suite = suite or o_suite or _default("suite")
+        catalog_suites = catalog.catalog()["suites"]
+        if suite not in catalog_suites:
+            from tta_bench.registry import UnknownNameError
+
+            raise UnknownNameError("suites", suite, list(catalog_suites))
+        model = model or catalog_suites[suite].get("default_model")
     if not model:
         raise UsageError(f"suite {suite!r} names no default model; pass --model")
     from tta_bench.config import resolve_method
@@ -107,6 +136,8 @@ def resolve_run(
     _check_run_keys(cfg)
     _check_keys("method", method, cfg.method, registry("methods").get(method).Config)
     _check_keys("model", model, cfg.model, None, registry("models").get(model))
+    if adhoc is not None:
+        define_adhoc_suite(str(dataset), adhoc, model)
     from tta_bench.spec import spec_from_config
 
     try:
@@ -118,8 +149,150 @@ def resolve_run(
         if type(exc).__module__.startswith("omegaconf"):
             raise UsageError(f"bad method configuration: {exc}") from exc
         raise
+    from tta_bench.protocol import CLEAN, register_clean_shift
+
+    if CLEAN in spec.protocol.shifts and spec.protocol.shift_source == "synthetic":
+        register_clean_shift()
+    if adhoc is not None:  # the resolved config says which data, after the suite's name
+        items = list(spec.config.items())
+        at = next((i + 1 for i, (k, _) in enumerate(items) if k == "suite"), len(items))
+        items.insert(at, ("dataset", {"name": dataset, **adhoc}))
+        spec.config = dict(items)
     _check_spec(spec)
     return cfg, spec
+
+
+# -- ad-hoc suites: any registered dataset from the command line ---------------------------
+#: ``dataset.path=`` names a factory's ``data_dir`` (unless the factory takes ``path``).
+PATH_ALIAS = ("path", "data_dir")
+
+
+def split_dataset_args(overrides: Sequence[str]) -> tuple[dict[str, Any], list[str]]:
+    """Pull the ``dataset.<arg>=VALUE`` overrides out of the Hydra overrides: ``({arg:
+    value}, the other overrides)``, each value parsed with Hydra's grammar (``[a,b]`` a list,
+    ``3`` an int, quotes for strings with commas). A sweep (``a,b``) is refused."""
+    import re
+
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+
+    parser = OverridesParser.create()
+    args: dict[str, Any] = {}
+    rest: list[str] = []
+    for o in overrides:
+        m = re.match(r"^\+{0,2}dataset\.([A-Za-z_]\w*)=(.*)$", o.strip(), re.DOTALL)
+        if m is None:
+            rest.append(o)
+            continue
+        key, text = m.groups()
+        try:
+            parsed = parser.parse_overrides([f"x={text}"])[0]
+        except Exception as exc:  # Hydra's grammar errors
+            raise UsageError(f"bad value in {o!r}: {exc}") from None
+        if parsed.is_sweep_override():
+            raise UsageError(f"{o!r}: a dataset argument takes one value, not a sweep")
+        args[key] = _plain(parsed.value())
+    return args, rest
+
+
+def _plain(value: Any) -> Any:
+    """Hydra's parsed value as plain Python (lists, dicts, str, numbers, bool, None)."""
+    if isinstance(value, dict):
+        return {str(k): _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def adhoc_dataset_args(
+    dataset: str, args: dict[str, Any], data_dir: str | None = None
+) -> dict[str, Any]:
+    """The factory arguments of an ad-hoc suite of ``dataset``: every key of ``args`` must
+    be a keyword of the factory (unknown ones are refused with "did you mean"), ``path``
+    names its ``data_dir`` when it takes no ``path`` (``PATH_ALIAS``), ``data_dir``
+    (``--data-dir``) fills in the same argument, a folder is made absolute (so it is part of
+    the protocol id wherever the run starts), and the factory's required keywords must be
+    given."""
+    import difflib
+    import inspect
+    from pathlib import Path
+
+    factory = registry("datasets").get(dataset)  # unknown names: "did you mean"
+    params = {
+        p.name: p
+        for p in inspect.signature(factory).parameters.values()
+        if p.kind == p.KEYWORD_ONLY and not p.name.startswith("_")
+    }
+    alias, target = PATH_ALIAS
+    aliased = target in params and alias not in params
+    offered = [*([alias] if aliased else []), *params]
+    out: dict[str, Any] = {}
+    for key, value in args.items():
+        name = target if aliased and key == alias else key
+        if name not in params:
+            close = difflib.get_close_matches(key, offered, n=1)
+            hint = f" (did you mean 'dataset.{close[0]}'?)" if close else ""
+            raise UsageError(
+                f"unknown dataset option 'dataset.{key}'{hint} for {dataset}; {dataset} takes: "
+                f"{', '.join(offered) or 'no options'}"
+                + (f" (dataset.{alias} is its {target})" if aliased else "")
+            )
+        if name in out:
+            raise UsageError(f"dataset.{alias} and dataset.{target} name the same argument")
+        out[name] = value
+    if data_dir is not None:
+        if target not in params:
+            raise UsageError(f"--data-dir {data_dir!r}: dataset {dataset!r} reads no local data")
+        given = out.get(target)
+        if (
+            given is not None
+            and Path(str(given)).expanduser().resolve() != Path(data_dir).expanduser().resolve()
+        ):
+            raise UsageError(
+                f"--data-dir {data_dir!r} and dataset.{alias if aliased else target}={given!r} "
+                "disagree; give one"
+            )
+        out[target] = data_dir
+    if out.get(target) is not None:
+        out[target] = str(Path(str(out[target])).expanduser().resolve())
+    missing = [
+        n for n, p in params.items() if p.default is inspect.Parameter.empty and n not in out
+    ]
+    if missing:
+        shown = alias if aliased and missing[0] == target else missing[0]
+        raise UsageError(
+            f"dataset {dataset!r} needs dataset.{shown}=...; it takes: {', '.join(offered)}"
+        )
+    return out
+
+
+def define_adhoc_suite(dataset: str, args: dict[str, Any], model: str | None) -> str:
+    """Build the dataset once (after its ``check_args``) for its content fingerprint and
+    size, and define its ad-hoc suite (``tta_bench.protocol.adhoc_suite``); returns the
+    suite's name. Missing data or bad arguments are a ``UsageError`` naming the dataset."""
+    from tta_bench.protocol import ADHOC_PREFIX, adhoc_suite
+
+    if ADHOC_PREFIX + dataset in catalog.catalog()["suites"]:
+        raise UsageError(
+            f"a catalogue defines a suite named {ADHOC_PREFIX + dataset!r}, the name of "
+            f"--dataset {dataset}'s ad-hoc suite; run it with --suite, or rename it"
+        )
+    factory = registry("datasets").get(dataset)
+    check = getattr(factory, "check_args", None)
+    try:
+        if callable(check):
+            check(**args)
+        stream = factory(**args)
+    except (ValueError, OSError) as exc:  # DataUnavailableError is both
+        raise UsageError(f"dataset {dataset}: {exc}") from exc
+    except TypeError as exc:  # an argument of the wrong type
+        raise UsageError(f"dataset {dataset}: bad argument: {exc}") from exc
+    where = args.get(PATH_ALIAS[1])
+    about = f"{dataset}{f' at {where}' if where else ''}: {len(stream)} images, "
+    about += f"{len(stream.classnames)} classes ({', '.join(stream.classnames[:5])}"
+    about += ", ...)" if len(stream.classnames) > 5 else ")"
+    return adhoc_suite(
+        dataset, args, fingerprint=stream.fingerprint, default_model=model, description=about
+    )
 
 
 def _check_run_keys(cfg: Any) -> None:

@@ -1137,7 +1137,7 @@ def _help_epilog() -> str:
 example (the token from a file, never on the command line, where every local user sees it
 in ps):
   umask 077; python -c 'import secrets; print(secrets.token_urlsafe(32))' > serve.token
-  tta-bench serve --method mura --host 0.0.0.0 --token-file serve.token
+  tta-bench serve --method NAME --host 0.0.0.0 --token-file serve.token
 
 deadlines: a request's headers must arrive within --header-timeout-s of the connection
 opening (or of its previous response), its body within --body-timeout-s of its headers

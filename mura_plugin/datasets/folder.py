@@ -1,10 +1,14 @@
-"""Any local dataset: an image-folder tree or parquet files, class names given in config.
+"""Any local dataset: an image-folder tree or parquet files.
 
 ``imagefolder``: ``<data_dir>/<class>/*.jpg``; labels follow the sorted folder names (the
 HF ``imagefolder`` convention); ``classnames`` (in that order) are what the prompts say,
 default: the folder names with ``_`` read as spaces.
 ``parquet``: files with an image column (HF ``Image`` struct or encoded bytes) and an
-integer label column 0..C-1 naming ``classnames[label]``.
+integer label column 0..C-1 naming ``classnames[label]``; default: the label column's own
+class names, when it is an HF ``ClassLabel``.
+
+Both run without a suite: ``tta-bench run --dataset imagefolder dataset.path=DIR`` (the
+harness maps ``dataset.path`` to ``data_dir``; docs/cli.md).
 """
 
 from __future__ import annotations
@@ -84,7 +88,7 @@ def _parquet_files(root: Path, split: str | None) -> tuple[Path, list[Path]]:
 def parquet(
     *,
     data_dir: str | None = None,
-    classnames: Sequence[str],
+    classnames: Sequence[str] | None = None,
     image_column: str = "image",
     label_column: str = "label",
     split: str | None = None,
@@ -93,11 +97,21 @@ def parquet(
 ) -> DomainStream:
     """Local parquet file(s) (``data_dir`` = a file or a folder of them) as a stream;
     ``split`` picks the files named for it by the hub's convention (``train-00000-of-00001``,
-    ``test/``, ``validation.parquet``, ...); ``None``: all files, if they are of one split."""
+    ``test/``, ``validation.parquet``, ...); ``None``: all files, if they are of one split.
+    ``classnames``: default the label column's ``ClassLabel`` names; without them, an error
+    asking for ``classnames``."""
     import datasets
 
     base, files = _parquet_files(_root(data_dir, "parquet"), split)
     raw = datasets.Dataset.from_parquet([str(f) for f in files])
+    if classnames is None:
+        feature = raw.features.get(label_column)
+        if not isinstance(feature, datasets.ClassLabel):
+            raise ValueError(
+                f"parquet {base}: column {label_column!r} holds no class names (not an HF "
+                "ClassLabel); give classnames (dataset.classnames=[...]) in label order"
+            )
+        classnames = list(feature.names)
     if image_column in raw.column_names and not isinstance(
         raw.features[image_column], datasets.Image
     ):
