@@ -14,9 +14,11 @@ import sys
 from collections.abc import Sequence
 from typing import Any
 
-from tta_bench import catalog
+from tta_bench import catalog, log
 from tta_bench.registry import KINDS, SINGULAR, RegistryError, registry
 from tta_bench.resolve import NO_PLUGINS, UsageError, check_output, resolve_run
+
+LOGGER = log.LOGGER
 
 LIST_KINDS = (*[k for k in KINDS if k != "configs"], "suites", "configs", "defaults")
 #: Listed only when asked for by name (``tta-bench ls configs``, ``ls defaults``).
@@ -68,7 +70,7 @@ def cmd_run(args: argparse.Namespace) -> int:
         print(f"resume: skipped {record['skipped_cells']} finished cell(s) already in {output}")
     _print_skipped_images(record)
     for event in record.get("events", []):
-        print(f"warning: {event}", file=sys.stderr)
+        LOGGER.warning(event)
     seeds = record.get("seeds") or spec.seeds  # what the file holds: merged runs included
     print(
         f"\n{spec.method_preset or method} on {protocol.name} ({protocol.id}), model {model}, "
@@ -382,7 +384,7 @@ def cmd_leaderboard(args: argparse.Namespace) -> int:
     except ValueError as exc:
         raise UsageError(str(exc)) from exc
     for name, reason in board.left_out:
-        print(f"left out {name}: {reason}", file=sys.stderr)
+        LOGGER.warning(f"left out {name}: {reason}")
     print(f"ranked {len(board.entries)} runs under {board.protocol_id}")
     for path in written:
         print(f"wrote {path}")
@@ -409,17 +411,53 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 
 # -- entry point -------------------------------------------------------------------------
+#: Each command's ``--help`` example (the serve command has its own, with the token setup).
+EXAMPLES = {
+    "run": [
+        "tta-bench run --method tent 'seeds=[0,1,2]' method.lr=1e-3",
+        "tta-bench run --method mura --suite digits-c log_samples=logits --output r.json",
+    ],
+    "ls": ["tta-bench ls methods", "tta-bench ls --json"],
+    "sweep": ["tta-bench sweep --dir sweep method=tent,mura 'seeds=[0,1,2]'"],
+    "profile": ["tta-bench profile --method tent --batches 10"],
+    "env": ["tta-bench env --json"],
+    "cache": ["tta-bench cache list", "tta-bench cache clear --kind text"],
+    "table": ["tta-bench table results/digits-c/*.json --format csv-summary"],
+    "leaderboard": ["tta-bench leaderboard results/digits-c --suite digits-c"],
+    "rescore": ["tta-bench rescore r.json --write"],
+    "predict": ["tta-bench predict --config job.json"],
+    "validate": ["tta-bench validate method tent", "tta-bench validate shift fog"],
+}
+
+
 def build_parser() -> argparse.ArgumentParser:
+    from tta_bench import __version__
+
     p = argparse.ArgumentParser(
         prog="tta-bench",
         description="Test-time adaptation benchmark for CLIP-style models.",
+        epilog="example: tta-bench run --method tent; tta-bench COMMAND --help for each",
     )
+    p.add_argument("--version", action="version", version=f"tta-bench {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
     for add in (_add_run, _add_ls, _add_sweep, _add_profile, _add_env_and_cache, _add_reports):
         add(sub)
     _add_deployment(sub)
     _add_validate(sub)
-    for command in sub.choices.values():  # a global option, given after the command
+    for name, command in sub.choices.items():  # global options, given after the command
+        if name in EXAMPLES and not command.epilog:
+            command.epilog = "example:\n" + "\n".join(f"  {e}" for e in EXAMPLES[name])
+            command.formatter_class = argparse.RawDescriptionHelpFormatter
+        command.add_argument(
+            "-v",
+            "--verbose",
+            action="count",
+            default=0,
+            help="more messages on stderr (-v progress notes, -vv debug)",
+        )
+        command.add_argument(
+            "--quiet-log", "-q", dest="quiet_log", action="store_true", help="errors only"
+        )
         command.add_argument(
             "--include",
             action="append",
@@ -636,8 +674,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(f"unrecognized arguments: {' '.join(stray or unknown)}")
     if unknown:
         args.overrides = [*args.overrides, *unknown]
-    if getattr(args, "quiet", False):
+    if getattr(args, "quiet", False) or getattr(args, "quiet_log", False):
         os.environ["TQDM_DISABLE"] = "1"  # also silences plugins' own bars (pretraining)
+    log.configure(-1 if getattr(args, "quiet_log", False) else getattr(args, "verbose", 0))
     from tta_bench.include import IncludeError, included
 
     try:

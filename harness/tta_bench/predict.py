@@ -59,6 +59,7 @@ import dataclasses
 import errno
 import hashlib
 import json
+import logging
 import os
 import random
 import time
@@ -891,16 +892,16 @@ def main(config: str | Path, quiet: bool = False) -> int:
             "labeled images"
         )
     notable = [(f, why) for f, why in summary["ignored_reasons"].items() if why != NOT_AN_IMAGE]
+    log = logging.getLogger("tta_bench")
     for file, why in notable[:10]:  # images left out by the layout, broken symlinks, ...
-        print(f"ignored {file}: {why}", file=sys.stderr)
+        log.warning(f"ignored {file}: {why}")
     for bad in summary["bad_images"][:10]:
-        print(f"bad image {bad['file']} (batch {bad['batch']}): {bad['error']}", file=sys.stderr)
+        log.warning(f"bad image {bad['file']} (batch {bad['batch']}): {bad['error']}")
     if len(summary["bad_images"]) > 10:
-        print(f"... and {len(summary['bad_images']) - 10} more bad images", file=sys.stderr)
+        log.warning(f"... and {len(summary['bad_images']) - 10} more bad images")
     for fail in summary["failed"]:
-        print(
-            f"failed batch {fail['batch']} after {fail['attempts']} attempt(s): {fail['error']}",
-            file=sys.stderr,
+        log.error(
+            f"failed batch {fail['batch']} after {fail['attempts']} attempt(s): {fail['error']}"
         )
     print(f"results: {job.output_dir} (summary.json, logs/{LOG_NAME})")
     return job_exit_status(summary)

@@ -435,7 +435,7 @@ def _check_cache_writable() -> None:
 def _warn_unused_data_dir(spec: Any) -> None:
     """``--data-dir`` given to a suite none of whose datasets reads local data: say so."""
     import inspect
-    import sys
+    import logging
 
     if spec.data_dir is None:
         return
@@ -447,10 +447,9 @@ def _warn_unused_data_dir(spec: Any) -> None:
         "data_dir" in inspect.signature(registry("datasets").get(d)).parameters for d in datasets
     ]
     if not any(reads):
-        print(
-            f"tta-bench: warning: --data-dir {spec.data_dir!r} is ignored: suite "
-            f"{protocol.name!r} (dataset {protocol.dataset!r}) reads no local data",
-            file=sys.stderr,
+        logging.getLogger("tta_bench").warning(
+            f"--data-dir {spec.data_dir!r} is ignored: suite {protocol.name!r} (dataset "
+            f"{protocol.dataset!r}) reads no local data"
         )
 
 

@@ -1311,17 +1311,15 @@ def resolve_token(
                 f"--token-file {token_file}: its first line is empty; expected the token there"
             )
         if mode & 0o077:
-            print(
-                f"tta-bench serve: warning: --token-file {token_file} is readable by other "
-                f"users (mode {mode & 0o777:o}); chmod 600 {token_file}",
-                file=sys.stderr,
+            logging.getLogger("tta_bench").warning(
+                f"serve: --token-file {token_file} is readable by other users (mode "
+                f"{mode & 0o777:o}); chmod 600 {token_file}"
             )
         return first
     if token is not None:
-        print(
-            "tta-bench serve: warning: --token is visible to every local user in ps; put the "
-            f"token in a file (--token-file PATH, mode 600) or in ${TOKEN_ENV}",
-            file=sys.stderr,
+        logging.getLogger("tta_bench").warning(
+            "serve: --token is visible to every local user in ps; put the token in a file "
+            f"(--token-file PATH, mode 600) or in ${TOKEN_ENV}"
         )
         return token or None
     return (environ if environ is not None else os.environ).get(TOKEN_ENV) or None
@@ -1373,10 +1371,9 @@ def build_service(args: argparse.Namespace, token: str | None = _FROM_ARGS) -> S
         seed=args.seed,
     )
     if not token and args.host not in ("127.0.0.1", "localhost", "::1"):
-        print(
-            f"tta-bench serve: warning: listening on {args.host} without a token; anyone who "
-            f"can reach it can use it (--token-file PATH or ${TOKEN_ENV})",
-            file=sys.stderr,
+        logging.getLogger("tta_bench").warning(
+            f"serve: listening on {args.host} without a token; anyone who can reach it can "
+            f"use it (--token-file PATH or ${TOKEN_ENV})"
         )
     return Service(adapter, limits, token=token)
 
