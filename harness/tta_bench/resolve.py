@@ -76,6 +76,11 @@ def resolve_run(
     o_method, overrides = _split_choice(overrides, "method")
     o_model, overrides = _split_choice(overrides, "model")
     o_suite, overrides = _split_choice(overrides, "suite")
+    # logger=wandb means logger=[wandb] (Hydra would refuse a bare string for the list)
+    overrides = [
+        f"logger=[{o.split('=', 1)[1]}]" if o.startswith("logger=") and "[" not in o else o
+        for o in overrides
+    ]
     o_dataset, overrides = _split_choice(overrides, "dataset")
     dataset_args, overrides = split_dataset_args(overrides)
     dataset = dataset or o_dataset

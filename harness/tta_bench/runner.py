@@ -6,7 +6,8 @@ one screen: get the batch, corrupt it, step the method, check it, score it, fold
 cell. The rest lives in modules named for their job: ``tta_bench.inputs`` (sources,
 loader, shift kernels, text heads), ``tta_bench.accounting`` (costs and cell entries),
 ``tta_bench.resume`` (which cells a file already holds), ``tta_bench.results`` (the locked,
-merging, atomic writer) and ``tta_bench.record`` (what a record says about its run).
+merging, atomic writer), ``tta_bench.record`` (what a record says about its run) and
+``tta_bench.loggers`` (the experiment trackers that observe the finished cells).
 """
 
 from __future__ import annotations
@@ -23,6 +24,7 @@ from tta_bench import results, resume, samples
 from tta_bench.accounting import CellBook, CostMeter, log_batch, non_finite
 from tta_bench.cost import PeakMemory
 from tta_bench.inputs import RunInputs
+from tta_bench.loggers import Trackers
 from tta_bench.method import Method
 from tta_bench.model import ZeroShotClassifier, count_parameters
 from tta_bench.record import new_record
@@ -49,6 +51,10 @@ class Evaluation:
     ``observer(seed, batch, images)``: called with every batch after the shift, before the
     method sees it (tests record the stream with it). ``max_batches``: stop after that many
     batches (``tta-bench profile``); the partial cells are still written.
+    ``on_cells(cells, record)``: called after every finished group, once the results file
+    has been handed the record, with the group's new cells (the last of ``record["cells"]``)
+    and the record (experiment trackers, ``tta_bench.loggers``); never with the cells a
+    resumed run skipped.
     """
 
     def __init__(
@@ -59,6 +65,7 @@ class Evaluation:
         bundle: Any = None,
         observer: Callable[[int, Batch, torch.Tensor], None] | None = None,
         max_batches: int | None = None,
+        on_cells: Callable[[list[dict[str, Any]], dict[str, Any]], None] | None = None,
     ):
         self.spec = spec
         self.output = Path(output)
@@ -67,6 +74,7 @@ class Evaluation:
         self.bundle = bundle
         self.observer = observer
         self.max_batches = max_batches
+        self.on_cells = on_cells
         #: Filled by ``run()``: cells skipped because a previous run had finished them.
         self.skipped_cells = 0
         #: Filled by ``run()``: seconds per phase over the whole run (profile).
@@ -165,9 +173,12 @@ class Evaluation:
                 ):
                     end += 1
                 group, k = [b for _, b in plan[k:end]], end
-                record["cells"].extend(self.run_group(stream, group, it, bar, record))
+                cells = self.run_group(stream, group, it, bar, record)
+                record["cells"].extend(cells)
                 record["summary"] = results.summarize(record["cells"])
                 writer.submit(record)
+                if self.on_cells is not None:  # trackers: the new cells only
+                    self.on_cells(cells, record)
         finally:
             it.close()  # loader workers end now, not when a traceback's frames are collected
             writer.close()  # also on an error or Ctrl-C: every finished group is saved
@@ -298,12 +309,16 @@ def _record_parameters(record: dict[str, Any], method: Method) -> None:
 
 def run(spec: RunSpec, output: Path, **kwargs: Any) -> dict[str, Any]:
     """Run ``spec`` into ``output`` (resuming it when it holds the same run); see
-    ``Evaluation`` for ``kwargs``. A finished run is returned as is, without any work."""
+    ``Evaluation`` for ``kwargs``. A finished run is returned as is, without any work.
+    The trackers ``spec.loggers`` names receive the config now, the new cells as they
+    finish, and the final results file (and per-sample folder) at the end."""
     if kwargs.get("max_batches") is None:
         done = finished_record(spec, output)
         if done is not None:
             return done
-    start = time.perf_counter()
-    record = Evaluation(spec, output, **kwargs).run()
-    record["wall_time_s"] = time.perf_counter() - start
-    return results.ResultsFile(Path(output)).write(record)
+    with Trackers.start(spec, Path(output)) as trackers:  # none chosen: does nothing
+        start = time.perf_counter()
+        record = Evaluation(spec, output, on_cells=trackers.log_cells, **kwargs).run()
+        record["wall_time_s"] = time.perf_counter() - start
+        record = results.ResultsFile(Path(output)).write(record)
+    return record

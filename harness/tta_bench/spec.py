@@ -51,19 +51,26 @@ class RunSpec:
     cache: str = "auto"
     #: The named preset the method config came from (``method=<preset>``), if any.
     method_preset: str | None = None
+    #: Experiment trackers that receive the run (``tta_bench.loggers``), checked: known
+    #: names whose libraries are installed.
+    loggers: list[str] = field(default_factory=list)
 
 
 def spec_from_config(cfg: Any, method: str, model: str) -> RunSpec:
     """The ``RunSpec`` of a composed run config (``tta_bench.config``); ``method`` and
     ``model`` are the config-group choices. Callers adjust CLI-only fields with
-    ``dataclasses.replace``."""
+    ``dataclasses.replace``. Bad values are ``ValueError``s raised before anything is built:
+    out-of-range settings, an unknown ``logger`` name, a chosen tracker whose library (the
+    extra ``tta-bench[<name>]``) is not installed."""
     from omegaconf import OmegaConf
 
     from tta_bench.bounds import check_values
     from tta_bench.config import method_config, to_container
+    from tta_bench.loggers import check_loggers
     from tta_bench.protocol import load_protocol
     from tta_bench.samples import mode as samples_mode
 
+    loggers = check_loggers(cfg.get("logger") or [])  # names and extras, importing none
     for node in ("protocol", "loader"):  # declared ranges, before anything is built
         check_values(OmegaConf.to_object(cfg[node]), node)
     mcfg = method_config(cfg)
@@ -94,6 +101,7 @@ def spec_from_config(cfg: Any, method: str, model: str) -> RunSpec:
         log_samples_top_k=int(cfg.get("log_samples_top_k", 5)),
         flops=bool(cfg.get("flops", False)),
         cache=str(cfg.get("cache", "auto")),
+        loggers=loggers,
     )
 
 
