@@ -85,7 +85,9 @@ def test_different_protocols_are_refused():
 
 
 def test_unknown_format_lists_the_formats():
-    with pytest.raises(ValueError, match="github, markdown, latex, csv, html"):
+    with pytest.raises(
+        ValueError, match="github, markdown, latex, html, plain, csv-formatted, json, csv"
+    ):
         report.render_tables(RESULTS, "rst")
 
 

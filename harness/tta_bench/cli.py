@@ -412,21 +412,22 @@ def cmd_serve(args: argparse.Namespace) -> int:
 
 # -- entry point -------------------------------------------------------------------------
 #: Each command's ``--help`` example (the serve command has its own, with the token setup).
+#: (METHOD, SUITE, ...: the names ``tta-bench ls`` lists.)
 EXAMPLES = {
     "run": [
-        "tta-bench run --method tent 'seeds=[0,1,2]' method.lr=1e-3",
-        "tta-bench run --method mura --suite digits-c log_samples=logits --output r.json",
+        "tta-bench run --method METHOD 'seeds=[0,1,2]' method.lr=1e-3",
+        "tta-bench run --method METHOD --suite SUITE log_samples=logits --output r.json",
     ],
     "ls": ["tta-bench ls methods", "tta-bench ls --json"],
-    "sweep": ["tta-bench sweep --dir sweep method=tent,mura 'seeds=[0,1,2]'"],
-    "profile": ["tta-bench profile --method tent --batches 10"],
+    "sweep": ["tta-bench sweep --dir sweep method=METHOD1,METHOD2 'seeds=[0,1,2]'"],
+    "profile": ["tta-bench profile --method METHOD --batches 10"],
     "env": ["tta-bench env --json"],
     "cache": ["tta-bench cache list", "tta-bench cache clear --kind text"],
-    "table": ["tta-bench table results/digits-c/*.json --format csv-summary"],
-    "leaderboard": ["tta-bench leaderboard results/digits-c --suite digits-c"],
+    "table": ["tta-bench table results/SUITE/*.json --format csv-summary"],
+    "leaderboard": ["tta-bench leaderboard results/SUITE --suite SUITE"],
     "rescore": ["tta-bench rescore r.json --write"],
     "predict": ["tta-bench predict --config job.json"],
-    "validate": ["tta-bench validate method tent", "tta-bench validate shift fog"],
+    "validate": ["tta-bench validate method METHOD", "tta-bench validate shift SHIFT"],
 }
 
 
@@ -436,7 +437,8 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="tta-bench",
         description="Test-time adaptation benchmark for CLIP-style models.",
-        epilog="example: tta-bench run --method tent; tta-bench COMMAND --help for each",
+        epilog="example: tta-bench run --method METHOD (tta-bench ls methods); tta-bench "
+        "COMMAND --help for each",
     )
     p.add_argument("--version", action="version", version=f"tta-bench {__version__}")
     sub = p.add_subparsers(dest="command", required=True)
