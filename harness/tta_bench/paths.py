@@ -52,3 +52,35 @@ def atomic_write_text(path: str | Path, text: str, *, fsync: bool = False) -> No
     """Write ``text`` (UTF-8) to ``path`` through ``atomic_path``."""
     with atomic_path(path, fsync=fsync) as tmp:
         tmp.write_text(text, encoding="utf-8")
+
+
+class AtomicLog:
+    """A text log (JSON lines) that reaches its file only whole: ``write`` collects lines,
+    ``flush`` (each finished group or batch) and ``close`` replace the file atomically with
+    everything written so far, so a reader or a killed run sees the last flushed log, never
+    a torn line. ``append=True`` keeps what the file already holds (a resumed job)."""
+
+    def __init__(self, path: str | Path, *, append: bool = False):
+        self.path = Path(path)
+        old = self.path.read_text(encoding="utf-8") if append and self.path.is_file() else ""
+        self._parts = [old] if old else []
+        self._dirty = not append  # a new log replaces the old file even when left empty
+
+    def write(self, text: str) -> int:
+        self._parts.append(text)
+        self._dirty = True
+        return len(text)
+
+    def flush(self) -> None:
+        if self._dirty:
+            atomic_write_text(self.path, "".join(self._parts))
+            self._dirty = False
+
+    def close(self) -> None:
+        self.flush()
+
+    def __enter__(self) -> AtomicLog:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()

@@ -69,7 +69,7 @@ from pathlib import Path
 from typing import Any
 
 from tta_bench.images import ImageDecodeError, ImageTooLargeError, decode_rgb
-from tta_bench.paths import atomic_write_text
+from tta_bench.paths import AtomicLog, atomic_write_text
 from tta_bench.templates import resolve_templates
 
 __all__ = [
@@ -550,7 +550,7 @@ class _ResultStore:
         atomic_write_text(self.result_path(batch), json.dumps(result, indent=1, allow_nan=False))
 
     def open_log(self) -> Any:
-        return open(self.output_dir / "logs" / LOG_NAME, "a", encoding="utf-8")  # noqa: SIM115
+        return AtomicLog(self.output_dir / "logs" / LOG_NAME, append=True)  # whole lines only
 
     def write_summary(self, summary: dict[str, Any]) -> None:
         atomic_write_text(

@@ -27,6 +27,7 @@ from tta_bench.inputs import RunInputs
 from tta_bench.loggers import Trackers
 from tta_bench.method import Method
 from tta_bench.model import ZeroShotClassifier, count_parameters
+from tta_bench.paths import AtomicLog
 from tta_bench.record import new_record
 from tta_bench.registry import registry
 from tta_bench.resume import finished_record
@@ -158,9 +159,8 @@ class Evaluation:
             unit="batch",
             disable=not self.spec.progress,
         )
-        if self.spec.batch_log:  # one log per run: start it empty
-            Path(self.spec.batch_log).parent.mkdir(parents=True, exist_ok=True)
-            self._log = open(self.spec.batch_log, "w", encoding="utf-8")  # noqa: SIM115
+        if self.spec.batch_log:  # one log per run: start it empty; whole after each group
+            self._log = AtomicLog(self.spec.batch_log)
         loop_start, k = time.perf_counter(), 0
         try:
             while k < len(plan):  # one group: consecutive batches of one seed and group
@@ -177,6 +177,8 @@ class Evaluation:
                 record["cells"].extend(cells)
                 record["summary"] = results.summarize(record["cells"])
                 writer.submit(record)
+                if self._log is not None:
+                    self._log.flush()
                 if self.on_cells is not None:  # trackers: the new cells only
                     self.on_cells(cells, record)
         finally:
