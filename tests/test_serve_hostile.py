@@ -496,3 +496,15 @@ def test_reading_budget_must_hold_a_whole_body():
         Limits(max_body_bytes=10, max_reading_bytes=5)
     with pytest.raises(ValueError, match="body_timeout_s must be a positive number, got 0"):
         Limits(body_timeout_s=0)
+
+
+def test_a_refused_request_whose_body_arrived_keeps_its_connection(default_bundle, digit_png):
+    """An unknown session or a bad top_k is answered after the body was read, on an open
+    connection: answering first and closing under a client still sending made it see a
+    connection reset instead of the 404 (observed in CI)."""
+    with running(_service(default_bundle)) as url, httpx.Client(base_url=url, timeout=30) as c:
+        for query in ("session=gone", "top_k=0"):
+            r = c.post(f"/predict?{query}", files=_files([digit_png] * 8))
+            assert r.status_code in (404, 422)
+            assert r.headers.get("connection") != "close"
+        assert c.post("/predict", files=_files([digit_png])).status_code == 200

@@ -126,6 +126,15 @@ class Decoded:
     from_cache: bool = False
 
 
+def resized_size(width: int, height: int, size: int) -> tuple[int, int]:
+    """The size ``to_rgb_array`` resizes a ``width x height`` image to before its centre
+    crop: the shorter side to ``size`` (the service checks it against its pixel limit)."""
+    if (width, height) == (size, size):
+        return width, height
+    scale = size / min(width, height)
+    return max(size, round(width * scale)), max(size, round(height * scale))
+
+
 def to_rgb_array(image: Any, size: int) -> np.ndarray:
     """PIL image or array -> uint8 ``[size, size, 3]``: decoded to 8-bit upright RGB by
     ``tta_bench.images.decode_rgb`` (16-bit scaled, alpha over white, EXIF orientation
@@ -142,8 +151,7 @@ def to_rgb_array(image: Any, size: int) -> np.ndarray:
     image = images.decode_rgb(image)
     w, h = image.size
     if (w, h) != (size, size):
-        scale = size / min(w, h)
-        nw, nh = max(size, round(w * scale)), max(size, round(h * scale))
+        nw, nh = resized_size(w, h, size)
         image = image.resize((nw, nh), Image.BICUBIC)
         left, top = (nw - size) // 2, (nh - size) // 2
         image = image.crop((left, top, left + size, top + size))

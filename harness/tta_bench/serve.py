@@ -461,21 +461,14 @@ def image_header_size(name: str, data: bytes) -> tuple[int, int]:
     return header.width, header.height
 
 
-def resized_size(width: int, height: int, size: int) -> tuple[int, int]:
-    """The size ``tta_bench.data.to_rgb_array`` resizes a ``width x height`` image to
-    before its centre crop: the shorter side to ``size``."""
-    if (width, height) == (size, size):
-        return width, height
-    scale = size / min(width, height)
-    return max(size, round(width * scale)), max(size, round(height * scale))
-
-
 def check_headers(uploads: list[tuple[str, bytes]], limits: Limits, image_size: int) -> int:
     """The decoded pixels of all ``uploads``, from every image's header, before any image
     is decoded; 413 naming the limit when one image has more than ``max_image_pixels``,
     when resizing one's shorter side to ``image_size`` would make more than
     ``max_image_pixels`` (an elongated image, e.g. 1 x 16,000,000), or when they add up to
     more than ``max_request_pixels``."""
+    from tta_bench.data import resized_size
+
     total = 0
     for name, data in uploads:
         width, height = image_header_size(name, data)
@@ -835,27 +828,25 @@ def _authorise(service: Service, request: Any) -> None:
 
 
 async def _predict(service: Service, request: Any, session: str | None, top_k: int | None):
-    """``POST /predict``: checks first (session names, top_k, the session exists), then the
-    body is read in memory (``read_body``: its deadline and byte limits); only a request
-    whose whole body has arrived is admitted (the pending limit, 503 beyond), split and
-    predicted. A refusal before the body was wholly read closes the connection."""
-    try:
-        header = request.headers.get(SESSION_HEADER)
-        if session is not None and header is not None and session != header:
-            raise ClientError(
-                422, f"two sessions named: ?session={session!r} and {SESSION_HEADER}: {header!r}"
-            )
-        sid = session if session is not None else header
-        classes = len(service.template.classnames)
-        k = service.limits.top_k if top_k is None else top_k
-        if not 1 <= k <= classes:
-            raise ClientError(422, f"top_k must be in 1..{classes} (the classes), got {k}")
-        if sid is not None:
-            service.session(sid)  # unknown or expired: 404 before reading the body
-        body = await read_body(request, service)
-    except ClientError as exc:
-        exc.headers = _closing(exc.headers)
-        raise
+    """``POST /predict``: the body is read in memory first (``read_body``: its deadline and
+    byte limits; a refusal there closes the connection), then the request is checked
+    (session names, top_k, the session exists): answering those before the body was read
+    would close the connection under a client still sending, which sees a reset instead of
+    the answer. Only a request whose whole body has arrived is admitted (the pending limit,
+    503 beyond), split and predicted."""
+    body = await read_body(request, service)  # its refusals carry Connection: close
+    header = request.headers.get(SESSION_HEADER)
+    if session is not None and header is not None and session != header:
+        raise ClientError(
+            422, f"two sessions named: ?session={session!r} and {SESSION_HEADER}: {header!r}"
+        )
+    sid = session if session is not None else header
+    classes = len(service.template.classnames)
+    k = service.limits.top_k if top_k is None else top_k
+    if not 1 <= k <= classes:
+        raise ClientError(422, f"top_k must be in 1..{classes} (the classes), got {k}")
+    if sid is not None:
+        service.session(sid)  # unknown or expired: 404
     if service.pending >= service.limits.max_pending:
         raise ClientError(
             503,
