@@ -456,7 +456,7 @@ def test_multipart_parser_gives_parts_or_its_own_error_on_any_input():
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    from tta_bench.serve import ClientError, _parse_multipart, split_uploads
+    from tta_bench.uploads import ClientError, _parse_multipart, split_uploads
 
     @settings(
         max_examples=300,
