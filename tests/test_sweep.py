@@ -8,6 +8,7 @@ import subprocess
 import sys
 
 from tta_bench import results
+from tta_bench.rescore import rescore
 from tta_bench.sweep import first_job, split_seed_overrides
 
 SMALL = ["protocol.shifts=[contrast]", "protocol.max_images=24", "protocol.batch_size=24"]
@@ -36,7 +37,10 @@ def test_seed_lists_become_one_job_per_seed():
 
 def test_sweep_runs_jobs_merges_and_a_rerun_does_no_work(tmp_path):
     sweep_dir = tmp_path / "sweep"
-    first = _sweep("--dir", str(sweep_dir), "method=zeroshot,tent", "seeds=[0,1]", *SMALL)
+    first = _sweep(
+        "--dir", str(sweep_dir), "method=zeroshot,tent", "seeds=[0,1]", *SMALL,
+        "log_samples=logits",
+    )  # fmt: skip
     assert first.stdout.count("(0 skipped as finished)") == 4
     runs = sorted((sweep_dir / "runs").glob("*.json"))
     assert len(runs) == 4  # one job per method x seed, each its own normal results file
@@ -49,6 +53,9 @@ def test_sweep_runs_jobs_merges_and_a_rerun_does_no_work(tmp_path):
         record = results.load_results(path)
         assert record["seeds"] == [0, 1] and len(record["cells"]) == 2
         assert len(record["merged_from"]) == 2
+        # the jobs' per-sample files gathered beside the merged file: rescore reads it
+        checks = {c.name: c for c in rescore(path)}
+        assert checks["accuracy"].stored == 2 and checks["accuracy"].max_difference == 0.0
     mtimes = {p: p.stat().st_mtime_ns for p in runs}
 
     # The same sweep again, in two joblib worker processes: every job finds its file done.

@@ -175,9 +175,28 @@ def merge(sweep_dir: str | Path) -> list[Path]:
         h = first.get("method_config_hash", "")
         name = f"{first['method']}-{h}_{first['model']['name']}_{proto}.json"
         out = root / re.sub(r"[^A-Za-z0-9@._+-]", "_", name)
+        _merge_samples([root / n for n in names[key]], out)  # before the file lists them
         results.write_json_atomic(out, merged)
         written.append(out)
     return written
+
+
+def _merge_samples(jobs: list[Path], merged: Path) -> None:
+    """The job files' per-sample folders (``log_samples``) gathered into the merged file's,
+    so ``tta-bench rescore`` reads a sweep's merged file as it reads one run's (each cell's
+    Parquet file copied atomically; cells are disjoint across the jobs of one key)."""
+    import shutil
+
+    from tta_bench.paths import atomic_path
+    from tta_bench.samples import samples_dir
+
+    for job in jobs:
+        folder = samples_dir(job)
+        if not folder.is_dir():
+            continue
+        for part in sorted(folder.glob("*.parquet")):
+            with atomic_path(samples_dir(merged) / part.name) as tmp:
+                shutil.copyfile(part, tmp)
 
 
 def main(overrides: Sequence[str], sweep_dir: str, *, cfg: str | None = None) -> int:
