@@ -15,6 +15,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 import torch
+from predict_jobs import batch_results, write_job
 
 from tta_bench.cli import main
 
@@ -76,20 +77,6 @@ def flat_dir(tmp_path_factory, classnames):
     return root
 
 
-def _job(tmp_path: Path, **kw) -> Path:
-    cfg = {"dataset": "digits", "batch_size": 8, "progress": False, **kw}
-    path = tmp_path / f"job-{len(list(tmp_path.glob('job-*.json')))}.json"
-    path.write_text(json.dumps(cfg))
-    return path
-
-
-def _results(out: Path) -> dict[str, dict]:
-    return {
-        p.name.removesuffix("_result.json"): json.loads(p.read_text())
-        for p in sorted(out.glob("*_result.json"))
-    }
-
-
 def _adapter_replay(bundle, input_dir: Path, results: dict, method: str, reset: str, **kw):
     """What the standalone adapter predicts for the batches the job formed (same files in
     the same order, the same resets)."""
@@ -110,7 +97,7 @@ def test_labeled_folder_matches_the_adapter_and_reports_accuracy(
     tmp_path, labeled_dir, default_bundle, method, reset, capsys
 ):
     out = tmp_path / "out"
-    job = _job(
+    job = write_job(
         tmp_path,
         input_dir=str(labeled_dir),
         output_dir=str(out),
@@ -127,7 +114,7 @@ def test_labeled_folder_matches_the_adapter_and_reports_accuracy(
     assert summary["status"] == "complete" and summary["batches"] == 6  # 41 files / 8
     assert [b["file"] for b in summary["bad_images"]] == [CORRUPT]
     assert summary["ignored_files"] == ["three/notes.txt"]
-    results = _results(out)
+    results = batch_results(out)
     assert len(results) == 6 and summary["images"] == 40
     overrides = {"steps": 1} if method == "tent" else {"views": 15}
     expected = _adapter_replay(
@@ -158,11 +145,11 @@ def test_labeled_folder_matches_the_adapter_and_reports_accuracy(
 
 def test_flat_folder_of_unlabeled_images(tmp_path, flat_dir):
     out = tmp_path / "out"
-    job = _job(tmp_path, input_dir=str(flat_dir), output_dir=str(out), top_k=20)
+    job = write_job(tmp_path, input_dir=str(flat_dir), output_dir=str(out), top_k=20)
     assert main(["predict", "--config", str(job), "--quiet"]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["layout"] == "folder" and summary["accuracy"] is None
-    results = _results(out)
+    results = batch_results(out)
     assert list(results) == ["batch-00000", "batch-00001", "batch-00002"]
     first = results["batch-00000"]["predictions"][0]
     assert first["file"] == "0000.png" and "correct" not in first
@@ -181,13 +168,13 @@ def test_subfolders_are_batches(tmp_path, flat_dir):
             src = sorted(flat_dir.glob("*.png"))[i]
             Image.open(src).save(root / folder / f"{i}.png")
     out = tmp_path / "out"
-    job = _job(
+    job = write_job(
         tmp_path, input_dir=str(root), output_dir=str(out), reset="per_folder", method="tent"
     )
     assert main(["predict", "--config", str(job), "--quiet"]) == 0
     summary = json.loads((out / "summary.json").read_text())
     assert summary["layout"] == "subfolders"
-    assert sorted(_results(out)) == ["cam-b-00000", "cam-b-00001", "cam_a"]
+    assert sorted(batch_results(out)) == ["cam-b-00000", "cam-b-00001", "cam_a"]
 
 
 @pytest.mark.parametrize(
@@ -207,7 +194,7 @@ def test_subfolders_are_batches(tmp_path, flat_dir):
 )
 def test_bad_job_exits_2_naming_the_problem(tmp_path, labeled_dir, capsys, change, message):
     cfg = {"input_dir": str(labeled_dir), "output_dir": str(tmp_path / "out"), **change}
-    assert main(["predict", "--config", str(_job(tmp_path, **cfg))]) == 2
+    assert main(["predict", "--config", str(write_job(tmp_path, **cfg))]) == 2
     assert message in capsys.readouterr().err
 
 
@@ -217,7 +204,7 @@ def test_ambiguous_layout_is_an_error(tmp_path, flat_dir, capsys):
     (root / "elsewhere").mkdir()
     for d in ("one", "elsewhere"):
         (root / d / "a.png").write_bytes(next(flat_dir.glob("*.png")).read_bytes())
-    job = _job(tmp_path, input_dir=str(root), output_dir=str(tmp_path / "out"))
+    job = write_job(tmp_path, input_dir=str(root), output_dir=str(tmp_path / "out"))
     assert main(["predict", "--config", str(job)]) == 2
     assert "ambiguous layout" in capsys.readouterr().err
 
@@ -236,7 +223,7 @@ def test_failing_batch_is_retried_reported_and_redone_on_rerun(
     data = tmp_path / "data"
     shutil.copytree(labeled_dir, data)
     out = tmp_path / "out"
-    job = _job(
+    job = write_job(
         tmp_path,
         input_dir=str(data),
         output_dir=str(out),
@@ -270,16 +257,16 @@ def test_failing_batch_is_retried_reported_and_redone_on_rerun(
 
 def test_other_jobs_results_are_not_mixed_in(tmp_path, flat_dir, capsys):
     out = tmp_path / "out"
-    first = _job(tmp_path, input_dir=str(flat_dir), output_dir=str(out))
+    first = write_job(tmp_path, input_dir=str(flat_dir), output_dir=str(out))
     assert main(["predict", "--config", str(first), "--quiet"]) == 0
-    other = _job(tmp_path, input_dir=str(flat_dir), output_dir=str(out), method="tent")
+    other = write_job(tmp_path, input_dir=str(flat_dir), output_dir=str(out), method="tent")
     assert main(["predict", "--config", str(other), "--quiet"]) == 2
     assert "holds results of another job" in capsys.readouterr().err
-    fresh = _job(
+    fresh = write_job(
         tmp_path, input_dir=str(flat_dir), output_dir=str(out), method="tent", resume=False
     )
     assert main(["predict", "--config", str(fresh), "--quiet"]) == 0
-    assert all(r["method"] == "tent" for r in _results(out).values())
+    assert all(r["method"] == "tent" for r in batch_results(out).values())
 
 
 def test_killed_job_resumes_where_it_stopped(tmp_path, labeled_dir):
@@ -292,7 +279,7 @@ def test_killed_job_resumes_where_it_stopped(tmp_path, labeled_dir):
         "overrides": {"steps": 2},
     }
     out = tmp_path / "killed"
-    job = _job(tmp_path, output_dir=str(out), **cfg)
+    job = write_job(tmp_path, output_dir=str(out), **cfg)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     proc = subprocess.Popen(
         [sys.executable, "-m", "tta_bench.cli", "predict", "--config", str(job), "--quiet"],
@@ -318,8 +305,11 @@ def test_killed_job_resumes_where_it_stopped(tmp_path, labeled_dir):
     assert not list(out.glob(".*.tmp"))
 
     reference = tmp_path / "reference"
-    assert main(["predict", "--config", str(_job(tmp_path, output_dir=str(reference), **cfg))]) == 0
-    got, want = _results(out), _results(reference)
+    assert (
+        main(["predict", "--config", str(write_job(tmp_path, output_dir=str(reference), **cfg))])
+        == 0
+    )
+    got, want = batch_results(out), batch_results(reference)
     assert sorted(got) == sorted(want)
     for name in want:
         g, w = got[name]["predictions"], want[name]["predictions"]

@@ -12,22 +12,9 @@ from pathlib import Path
 
 import numpy as np
 import pytest
+from predict_jobs import batch_results, write_job
 
 from tta_bench.cli import main
-
-
-def _job(tmp_path: Path, **kw) -> Path:
-    cfg = {"dataset": "digits", "batch_size": 8, "progress": False, **kw}
-    path = tmp_path / f"job-{len(list(tmp_path.glob('job-*.json')))}.json"
-    path.write_text(json.dumps(cfg))
-    return path
-
-
-def _results(out: Path) -> dict[str, dict]:
-    return {
-        p.name.removesuffix("_result.json"): json.loads(p.read_text())
-        for p in sorted(out.glob("*_result.json"))
-    }
 
 
 def _summary(out: Path) -> dict:
@@ -78,9 +65,9 @@ def test_16bit_pngs_predict_exactly_as_their_8bit_copies(tmp_path, digits_stream
     summaries, results = {}, {}
     for depth in (8, 16):
         out = tmp_path / f"out{depth}"
-        job = _job(tmp_path, input_dir=str(tmp_path / f"png{depth}"), output_dir=str(out))
+        job = write_job(tmp_path, input_dir=str(tmp_path / f"png{depth}"), output_dir=str(out))
         assert main(["predict", "--config", str(job), "--quiet"]) == 0
-        summaries[depth], results[depth] = _summary(out), _results(out)
+        summaries[depth], results[depth] = _summary(out), batch_results(out)
     assert summaries[8]["images"] == summaries[16]["images"] == 24
     assert summaries[8]["accuracy"] > 0.8
     assert summaries[16]["accuracy"] == summaries[8]["accuracy"]
@@ -127,7 +114,7 @@ def test_an_image_over_the_pixel_budget_is_skipped_from_its_header_never_decoded
 
     monkeypatch.setattr(ImageFile.ImageFile, "load", spy)
     out = tmp_path / "out"
-    job = _job(tmp_path, input_dir=str(budget_dir), output_dir=str(out))  # default budget
+    job = write_job(tmp_path, input_dir=str(budget_dir), output_dir=str(out))  # default budget
     assert main(["predict", "--config", str(job), "--quiet"]) == 0
     assert (12000, 12000) not in loaded, "the oversized image must not be decoded"
     message = (
@@ -141,14 +128,14 @@ def test_an_image_over_the_pixel_budget_is_skipped_from_its_header_never_decoded
     expected = {"file": "huge.png", "error": message, "width": 12000, "height": 12000}
     expected["pixels"] = 144_000_000
     assert summary["bad_images"] == [{**expected, "batch": "batch-00000"}]
-    (result,) = _results(out).values()
+    (result,) = batch_results(out).values()
     assert result["bad_images"] == [expected]
     assert "huge.png" not in [p["file"] for p in result["predictions"]]
 
 
 def test_fail_batch_fails_the_batch_holding_an_image_over_the_budget(tmp_path, budget_dir):
     out = tmp_path / "out"
-    job = _job(
+    job = write_job(
         tmp_path,
         input_dir=str(budget_dir),
         output_dir=str(out),
@@ -184,9 +171,11 @@ def test_fail_batch_fails_the_batch_holding_an_image_over_the_budget(tmp_path, b
 def test_a_job_without_max_pixels_resumes_as_one_with_the_default(tmp_path, budget_dir):
     """The default budget leaves the job's fingerprint as it was before the key existed."""
     out = tmp_path / "out"
-    before = _job(tmp_path, input_dir=str(budget_dir), output_dir=str(out))
+    before = write_job(tmp_path, input_dir=str(budget_dir), output_dir=str(out))
     assert main(["predict", "--config", str(before), "--quiet"]) == 0
-    same = _job(tmp_path, input_dir=str(budget_dir), output_dir=str(out), max_pixels=40_000_000)
+    same = write_job(
+        tmp_path, input_dir=str(budget_dir), output_dir=str(out), max_pixels=40_000_000
+    )
     assert main(["predict", "--config", str(same), "--quiet"]) == 0
     assert _summary(out)["computed_batches"] == 0 and _summary(out)["skipped_batches"] == 1
 
@@ -201,7 +190,7 @@ def test_a_job_without_max_pixels_resumes_as_one_with_the_default(tmp_path, budg
     ],
 )
 def test_a_bad_max_pixels_exits_2_naming_it(tmp_path, budget_dir, capsys, value, message):
-    job = _job(
+    job = write_job(
         tmp_path, input_dir=str(budget_dir), output_dir=str(tmp_path / "o"), max_pixels=value
     )
     assert main(["predict", "--config", str(job)]) == 2
@@ -229,7 +218,7 @@ def test_dangling_and_looping_symlinks_are_listed_with_their_reason(
     (first_class / "moved.png").symlink_to(tmp_path / "nowhere" / "moved.png")
 
     out = tmp_path / "out-flat"
-    job = _job(tmp_path, input_dir=str(flat), output_dir=str(out))
+    job = write_job(tmp_path, input_dir=str(flat), output_dir=str(out))
     assert main(["predict", "--config", str(job)]) == 0
     summary = _summary(out)
     assert summary["status"] == "complete" and summary["images"] == 5  # 4 + the alias
@@ -244,7 +233,7 @@ def test_dangling_and_looping_symlinks_are_listed_with_their_reason(
     assert "ignored gone.png: dangling symlink: its target 'missing.png' does not exist" in err
 
     out = tmp_path / "out-classes"
-    job = _job(tmp_path, input_dir=str(classes), output_dir=str(out))
+    job = write_job(tmp_path, input_dir=str(classes), output_dir=str(out))
     assert main(["predict", "--config", str(job), "--quiet"]) == 0
     summary = _summary(out)
     rel = f"{first_class.name}/moved.png"
