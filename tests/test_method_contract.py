@@ -1,18 +1,26 @@
 """The Method contract (docs/design.md#contracts), checked on every registered method with the real
 default model: reset() returns to the state after setup(); the frozen backbone is
-bit-identical after adaptation; only declared parameters change; methods never see labels."""
+bit-identical after adaptation; only declared parameters change; methods never see labels.
+And what the leaderboard page shows of each method: its family, from the allowed set, and
+its paper, official code and commit, the ones its provenance header names."""
 
 from __future__ import annotations
 
 import copy
+import re
+import sys
 
 import pytest
 import torch
 
+from tta_bench import catalog
 from tta_bench.method import Method
 from tta_bench.registry import registry
 
 METHODS = registry("methods").names()
+#: The families this plugin's methods belong to (``family:`` in a method's catalogue
+#: entry): the leaderboard page filters by them.
+FAMILIES = ("reference", "TENT family", "CLIP batch", "episodic", "online")
 
 
 def _fresh(name: str, classifier) -> Method:
@@ -136,3 +144,38 @@ def test_methods_never_receive_labels(classifier, digits_stream):
     for args, kwargs in seen:
         assert kwargs == {}
         assert len(args) == 1 and args[0].is_floating_point() and args[0].dim() == 4
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_every_method_declares_a_family_from_the_allowed_set(name):
+    family = catalog.entry("methods", name).get("family")
+    assert family in FAMILIES, f"{name}: family {family!r} is not one of {FAMILIES}"
+    assert (family == "reference") == registry("methods").get(name).is_reference
+
+
+#: "Official code: <url>[,.] [read at] commit <sha>" in a provenance header.
+OFFICIAL = re.compile(
+    r"Official code: (https://\S+?)[,.]?\s(?:read at )?(?:commit ([0-9a-f]{40}))?"
+)
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_the_catalogue_links_are_those_of_the_provenance_header(name):
+    """The paper, official code and commit the leaderboard links each method to (its
+    catalogue entry) are those its module's provenance header names."""
+    cls = registry("methods").get(name)
+    header = " ".join((sys.modules[cls.__module__].__doc__ or "").split())
+    meta = catalog.entry("methods", name)
+    assert str(meta.get("paper", "")).startswith("https://"), f"{name}: no paper link"
+    found = OFFICIAL.search(header)
+    assert meta.get("official_code") == (found.group(1) if found else None), name
+    assert meta.get("official_commit") == (found.group(2) if found else None), name
+
+
+def test_the_header_pattern_reads_a_commit():
+    header = "Official code: https://github.com/a/b, read at commit " + "0" * 40 + " (x.py)"
+    assert OFFICIAL.search(header).groups() == ("https://github.com/a/b", "0" * 40)
+    assert OFFICIAL.search("Official code: https://github.com/a/b. Then").groups() == (
+        "https://github.com/a/b",
+        None,
+    )

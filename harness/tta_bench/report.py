@@ -2,11 +2,14 @@
 
 ``table`` prints the shift-wise table, the suite summary and the cost table of one or more
 results files of one protocol. ``leaderboard`` ranks the results of one suite found in a
-directory and writes ``leaderboard.md``, ``leaderboard.html`` and (with matplotlib) two PNG
-plots next to them. The output is a pure function of the results files: nothing depends on
-the current time, file order or the absolute directory, so regenerating it is
-byte-identical. Runs of another protocol (or incomplete, duplicate or unreadable files) are
-never ranked; each one is listed with the reason.
+directory and writes ``leaderboard.md``, ``leaderboard.html`` (a page rendered from the
+Jinja2 template ``templates_html/leaderboard.html.j2``: sortable, filterable by method
+family, self-contained) and (with matplotlib) the PNG figures that fit the suite next to
+them. The output is a pure function of the results files and the installed catalogues
+(method families and provenance links): nothing depends on the current time, file order
+or the absolute directory, so regenerating it is byte-identical. Runs of another protocol
+(or incomplete, duplicate or unreadable files) are never ranked; each one is listed with
+the reason.
 """
 
 from __future__ import annotations
@@ -14,20 +17,34 @@ from __future__ import annotations
 import hashlib
 import html
 import json
+import re
+import statistics
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tta_bench import plots, results, stats, tables
+from tta_bench import catalog, plots, results, stats, tables
 from tta_bench.metric_columns import table_columns
 from tta_bench.paths import atomic_write_text
 
 LEADERBOARD_MD = "leaderboard.md"
 LEADERBOARD_HTML = "leaderboard.html"
+PLOT_FOREST = "forest.png"
+PLOT_HEATMAP = "delta_heatmap.png"
 PLOT_SEVERITY = "accuracy_vs_severity.png"
+PLOT_STREAM = "accuracy_over_stream.png"
 PLOT_PARETO = "accuracy_vs_time.png"
+#: Every figure a leaderboard may draw (``leaderboard_figures`` says which fit a suite).
+PLOT_FILES = (PLOT_FOREST, PLOT_HEATMAP, PLOT_SEVERITY, PLOT_STREAM, PLOT_PARETO)
+#: Reset policies whose cells form one stream in a fixed order: accuracy over the stream.
+STREAM_RESETS = ("continual", "gradual")
+#: The family of a method whose catalogue entry declares none.
+OTHER_FAMILY = "other"
+#: The page template, in the package folder ``TEMPLATE_DIR``.
+TEMPLATE_DIR = "templates_html"
+TEMPLATE = "leaderboard.html.j2"
 SECTION_TITLES = {
     "shift": "Accuracy (%) per shift, mean ± std over seeds",
     "summary": "Suite summary: accuracy mean ± 95% CI over seeds, paired Δ vs baseline",
@@ -189,7 +206,6 @@ def _name(record: dict[str, Any]) -> str:
 def _expected_protocol(suite: str, candidates: list[tuple[Path, dict[str, Any]]]) -> str:
     """The suite's protocol id from the catalogue; for a suite no installed catalogue
     defines, the id most files share (ties: the smallest id)."""
-    from tta_bench import catalog
     from tta_bench.protocol import load_protocol
 
     if suite in catalog.catalog()["suites"]:
@@ -371,15 +387,450 @@ def _notes(board: Leaderboard, baseline: str | None, test: str) -> list[str]:
     return [n for n in notes if n]
 
 
+# -- the page: figures, families, provenance links ---------------------------------------
+@dataclass(frozen=True)
+class Figure:
+    """One figure of a leaderboard: its PNG next to the pages, its heading and caption."""
+
+    file: str
+    title: str
+    caption: str
+    #: Shown across the page's whole width (the others share rows).
+    wide: bool = False
+
+
+@dataclass
+class _Analysis:
+    """What the page and the figures read besides the tables: the baseline's label, each
+    entry's paired comparison, and the per-shift differences (percentage points; rows
+    aligned with the entries, columns ``shifts`` then the mean)."""
+
+    baseline: str | None
+    comparisons: list[stats.PairedComparison | None]
+    shifts: list[str]
+    per_shift: list[list[float | None] | None]
+
+
+def _mean_difference(
+    record: dict[str, Any], other: dict[str, Any], shift: str | None = None
+) -> float | None:
+    """``record - other`` in percentage points on the cells both hold (of ``shift`` only,
+    when given): per seed the mean over those cells, then the mean over seeds."""
+    mine, theirs = stats.cell_values(record), stats.cell_values(other)
+    common = [k for k in mine if k in theirs and (shift is None or k[0] == shift)]
+    if not common:
+        return None
+    a = stats.per_seed_means({k: mine[k] for k in common})
+    b = stats.per_seed_means({k: theirs[k] for k in common})
+    return 100 * statistics.fmean(a[s] - b[s] for s in a)
+
+
+def _analyse(board: Leaderboard, baseline: str | None, test: str) -> _Analysis:
+    records = [e.record for e in board.entries]
+    base_rec, label = tables.resolve_baseline(records, baseline)
+    shifts = tables.shift_order(records)
+    comparisons: list[stats.PairedComparison | None] = []
+    per_shift: list[list[float | None] | None] = []
+    for rec in records:
+        other = None
+        if label is not None and not stats.diverged_cells(rec):
+            other = tables.pairing_record(rec, base_rec, baseline)
+        if other is None:
+            comparisons.append(None)
+            per_shift.append(None)
+            continue
+        comparisons.append(stats.paired_comparison(rec, other, test=test))
+        row = [_mean_difference(rec, other, s) for s in shifts]
+        per_shift.append([*row, _mean_difference(rec, other)])
+    return _Analysis(label, comparisons, shifts, per_shift)
+
+
+def _severities(board: Leaderboard) -> list[int]:
+    return sorted({int(c["severity"]) for e in board.entries for c in e.record["cells"]})
+
+
+def _stream_order(board: Leaderboard) -> list[tuple[str, int]]:
+    """The (shift, severity) cells in the order a stream-ordered run visits them."""
+    records = [e.record for e in board.entries]
+    severities = _severities(board)
+    return [(shift, sev) for shift in tables.shift_order(records) for sev in severities]
+
+
+def leaderboard_figures(
+    board: Leaderboard, baseline: str | None = tables.REFERENCE, test: str = "t"
+) -> list[Figure]:
+    """The figures that fit the suite, in page order: the forest plot and the heatmap of
+    the difference to the baseline (when there is one to pair with), accuracy against
+    severity (only for more than one severity), accuracy over the stream (only for
+    stream-ordered suites, ``STREAM_RESETS``) and accuracy against cost."""
+    return _figures(board, _analyse(board, baseline, test))
+
+
+def _figures(board: Leaderboard, analysis: _Analysis) -> list[Figure]:
+    if not board.entries:
+        return []
+    out = []
+    label = analysis.baseline
+    if label is not None and any(c is not None for c in analysis.comparisons):
+        out.append(
+            Figure(
+                PLOT_FOREST,
+                f"Difference to {label}",
+                f"Each run's accuracy minus {label}'s on the same seeds and cells, in "
+                "percentage points, with its 95% interval: blue where the interval lies "
+                "above zero, red below, grey where it spans zero.",
+                wide=True,
+            )
+        )
+        out.append(
+            Figure(
+                PLOT_HEATMAP,
+                f"Difference to {label} per shift",
+                f"Per shift (mean over severities and seeds), each run's accuracy minus "
+                f"{label}'s, in percentage points; the last column is the suite mean.",
+                wide=True,
+            )
+        )
+    if len(_severities(board)) > 1:
+        out.append(
+            Figure(
+                PLOT_SEVERITY,
+                "Accuracy vs severity",
+                "Mean accuracy over shifts at each severity, 95% interval over seeds.",
+            )
+        )
+    if board.entries[0].record["protocol"].get("reset") in STREAM_RESETS:
+        out.append(
+            Figure(
+                PLOT_STREAM,
+                "Accuracy over the stream",
+                "Accuracy of each cell in the order the stream visits them (the model is "
+                "never reset), mean over seeds; the frozen reference model dashed.",
+            )
+        )
+    out.append(
+        Figure(
+            PLOT_PARETO,
+            "Accuracy vs cost",
+            "Accuracy against measured time per sample; the dashed step line is the "
+            "Pareto front (no other run is both faster and more accurate).",
+        )
+    )
+    return out
+
+
+def _draw(board: Leaderboard, analysis: _Analysis, root: Path, figures: list[Figure]) -> list[Path]:
+    records = [e.record for e in board.entries]
+    labels = [e.label for e in board.entries]
+    written = []
+    for fig in figures:
+        path = root / fig.file
+        if fig.file == PLOT_FOREST:
+            rows = [
+                (e.label, 100 * c.mean_difference, _pct(c.ci_low), _pct(c.ci_high))
+                for e, c in zip(board.entries, analysis.comparisons)
+                if c is not None
+            ]
+            written.append(plots.forest(rows, str(analysis.baseline), path))
+        elif fig.file == PLOT_HEATMAP:
+            keep = [i for i, row in enumerate(analysis.per_shift) if row is not None]
+            written.append(
+                plots.delta_heatmap(
+                    [labels[i] for i in keep],
+                    [*analysis.shifts, "mean"],
+                    [analysis.per_shift[i] or [] for i in keep],
+                    str(analysis.baseline),
+                    path,
+                )
+            )
+        elif fig.file == PLOT_SEVERITY:
+            written.append(plots.accuracy_vs_severity(records, labels, path))
+        elif fig.file == PLOT_STREAM:
+            flags = [tables.is_reference_run(r) for r in records]
+            order = _stream_order(board)
+            written.append(plots.accuracy_over_stream(records, labels, order, path, flags))
+        elif fig.file == PLOT_PARETO:
+            written.append(plots.accuracy_vs_time(records, labels, path))
+    return written
+
+
+def _pct(value: float | None) -> float | None:
+    return None if value is None else 100 * value
+
+
+def family(method: str) -> str:
+    """The family a method's catalogue entry declares (``family:``), the leaderboard's
+    filter; ``OTHER_FAMILY`` where it declares none."""
+    return str(catalog.entry("methods", method).get("family") or OTHER_FAMILY)
+
+
+def _url(value: Any) -> str | None:
+    """A catalogue link the page may point at: http(s) only."""
+    text = str(value or "").strip()
+    return text if text.startswith(("https://", "http://")) else None
+
+
+def _short_url(url: str) -> str:
+    return url.split("://", 1)[-1].removeprefix("www.").removeprefix("github.com/").rstrip("/")
+
+
+def method_links(method: str) -> dict[str, str | None]:
+    """A method's provenance from its catalogue entry: ``paper``, ``code`` (the official
+    repository), ``commit`` (the one its implementation was read at) and ``code_at`` (the
+    repository at that commit, for GitHub repositories; else the repository)."""
+    meta = catalog.entry("methods", method)
+    code = _url(meta.get("official_code"))
+    commit = str(meta.get("official_commit") or "").strip() or None
+    code_at = code
+    if code and commit and code.startswith("https://github.com/"):
+        code_at = f"{code.rstrip('/')}/tree/{commit}"
+    return {"paper": _url(meta.get("paper")), "code": code, "commit": commit, "code_at": code_at}
+
+
+_NUMBER = re.compile(r"^(<)?([+-]?\d[\d,]*(?:\.\d+)?)")
+
+
+def _sort_value(text: str) -> str:
+    """The number a cell shows, as its sort key (``<0.001`` sorts below 0.001); empty for
+    a cell without one (``-``, ``diverged``), which sorts last."""
+    m = _NUMBER.match(str(text).strip())
+    if not m:
+        return ""
+    value = float(m.group(2).replace(",", ""))
+    return repr(value / 2 if m.group(1) else value)
+
+
+def _anchors(labels: list[str]) -> list[str]:
+    out: list[str] = []
+    for label in labels:
+        base = "m-" + (re.sub(r"[^a-z0-9]+", "-", label.lower()).strip("-") or "run")
+        anchor, n = base, 1
+        while anchor in out:
+            n += 1
+            anchor = f"{base}-{n}"
+        out.append(anchor)
+    return out
+
+
+#: What a header means, shown when the pointer rests on it.
+HEADER_HELP = {
+    "accuracy % (95% CI)": "mean over seeds of the mean over all cells, 95% Student t interval",
+    "p": "two-sided p-value of the paired difference",
+    "ms/sample": "total time per sample, mean over cells (ms)",
+    "data ms": "data wait per sample (ms)",
+    "adapt ms": "adaptation per sample: forward + backward + step (ms)",
+    "predict ms": "prediction per sample (ms)",
+    "peak MB": "peak memory of the heaviest cell (MiB)",
+    "fwd/sample": "image-encoder forward passes per sample",
+    "bwd/sample": "image-encoder backward passes per sample",
+}
+#: Columns of the page's summary: what a reader decides by; the rest of the cost table is
+#: one click away (``PAGE_COST``). ``METRICS``: every metric the runs hold.
+PAGE_SUMMARY = ("accuracy % (95% CI)", "Δ", "p", METRICS, "ms/sample", "peak MB")
+PAGE_COST = (
+    "model",
+    "seeds",
+    "ms/sample",
+    "data ms",
+    "adapt ms",
+    "predict ms",
+    "samples/s",
+    "peak MB",
+    "trainable params",
+    "total params",
+    "fwd/sample",
+    "bwd/sample",
+    "GFLOPs/sample",
+)
+
+
+def _pick(
+    wanted: Sequence[str], heads: Sequence[list[str]], metric_labels: list[str]
+) -> list[tuple[str, int, int]]:
+    """``(header, table, column)`` of each wanted column present in ``heads``."""
+    out = []
+    for col in wanted:
+        names = metric_labels if col == METRICS else [col]
+        for name in names:
+            for t, head in enumerate(heads):
+                hits = [i for i, h in enumerate(head) if h == name or (col == "Δ" and h[:1] == "Δ")]
+                if hits:
+                    out.append((head[hits[0]], t, hits[0]))
+                    break
+    return out
+
+
+def _delta_class(cmp: stats.PairedComparison | None) -> str:
+    if cmp is None or cmp.ci_low is None or cmp.ci_high is None:
+        return ""
+    return "better" if cmp.ci_low > 0 else "worse" if cmp.ci_high < 0 else ""
+
+
+def _cell(
+    text: Any, numeric: bool = True, cls: str = "", style: str = "", title: str = ""
+) -> dict[str, Any]:
+    """A table cell of the page: its text, its sort key, and how it shows."""
+    text = str(text)
+    sort = _sort_value(text) if numeric else text.lower()
+    return {
+        "text": text,
+        "sort": sort,
+        "numeric": numeric,
+        "cls": cls,
+        "style": style,
+        "title": title,
+    }
+
+
+def _shade(value: float | None, limit: float) -> str:
+    if value is None:
+        return ""
+    alpha = min(abs(value) / limit, 1.0) * 0.45
+    rgb = "31,111,235" if value > 0 else "207,34,46"
+    return f"background-color:rgba({rgb},{alpha:.2f})" if alpha >= 0.01 else ""
+
+
+def _page(
+    board: Leaderboard, baseline: str | None, test: str, figures: list[Figure] | None
+) -> dict[str, Any]:
+    """Everything the page template shows, as text: tables as header and cell dicts."""
+    from tta_bench.config import presets
+
+    analysis = _analyse(board, baseline, test)
+    records = [e.record for e in board.entries]
+    labels = [e.label for e in board.entries]
+    anchors = _anchors(labels)
+    families = [family(r["method"]) for r in records]
+    s_head, s_rows = tables.summary_rows(records, labels, baseline, test)
+    c_head, c_rows = tables.cost_rows(records, labels)
+    metric_labels = [c.label for c in table_columns(c for r in records for c in r["cells"])]
+    several_models = len({r["model"]["name"] for r in records}) > 1
+    summary_cols = _pick(
+        (("model",) if several_models else ()) + PAGE_SUMMARY, (s_head, c_head), metric_labels
+    )
+    cost_cols = _pick(PAGE_COST, (s_head, c_head), metric_labels)
+
+    def head(name: str, numeric: bool = True) -> dict[str, Any]:
+        help_text = HEADER_HELP.get(name, "")
+        if name.startswith("Δ"):
+            help_text = "paired difference to the baseline, 95% interval"
+        return {"label": name, "numeric": numeric, "help": help_text}
+
+    links = [method_links(r["method"]) for r in records]
+    summary_rows, cost_rows = [], []
+    for i in range(len(records)):
+        both = (s_rows[i], c_rows[i])
+        cells = []
+        for name, t, col in summary_cols:
+            extra = {"cls": _delta_class(analysis.comparisons[i])} if name[:1] == "Δ" else {}
+            cells.append(_cell(both[t][col], name != "model", **extra))
+        summary_rows.append({"cells": cells, "links": links[i]})
+        cost_rows.append(
+            {"cells": [_cell(both[t][col], name != "model") for name, t, col in cost_cols]}
+        )
+    shift_head, shift_rows = tables.method_shift_rows(records, labels) if records else ([], [])
+    deltas = [v for row in analysis.per_shift if row for v in row if v is not None]
+    limit = max([1.0, *(abs(v) for v in deltas)])
+    shift_table = []
+    for i, row in enumerate(shift_rows):
+        diffs = analysis.per_shift[i] or [None] * (len(row) - 1)
+        cells = []
+        for text, d in zip(row[1:], diffs):
+            title = "" if d is None else f"{d:+.1f} vs {analysis.baseline}"
+            cells.append(_cell(text, style=_shade(d, limit), title=title))
+        shift_table.append({"cells": cells})
+    known_presets = presets()
+    methods = []
+    for i, rec in enumerate(records):
+        preset = rec.get("method_preset")
+        found = known_presets.get(preset) if preset else None
+        config = rec.get("method_config") or {}
+        methods.append(
+            {
+                "description": catalog.description("methods", rec["method"]),
+                "method": rec["method"],
+                "links": links[i],
+                "code_name": _short_url(links[i]["code"]) if links[i]["code"] else "",
+                "paper_name": _short_url(links[i]["paper"]) if links[i]["paper"] else "",
+                "preset": preset,
+                "preset_description": found.description if found else "",
+                "preset_source": f"{found.package}: method/{preset}.yaml" if found else "",
+                "config": ", ".join(f"{k}={json.dumps(v)}" for k, v in config.items()),
+                "config_hash": rec.get("method_config_hash") or _config_hash(rec),
+            }
+        )
+    p_head, p_rows = _provenance_rows(board)
+    entries = [
+        {"rank": i + 1, "label": labels[i], "anchor": anchors[i], "family": families[i]}
+        for i in range(len(records))
+    ]
+    return {
+        "title": f"Leaderboard: {board.suite}",
+        "suite": board.suite,
+        "protocol_id": board.protocol_id,
+        "notes": _notes(board, baseline, test),
+        "families": sorted(
+            Counter(families).items(), key=lambda kv: (kv[0] == OTHER_FAMILY, kv[0].lower())
+        ),
+        "entries": entries,
+        "summary": {
+            "head": [head(n, n != "model") for n, _, _ in summary_cols],
+            "rows": summary_rows,
+        },
+        "cost": {"head": [head(n, n != "model") for n, _, _ in cost_cols], "rows": cost_rows},
+        "shift": {"head": [head(n) for n in shift_head[1:]], "rows": shift_table},
+        "baseline": analysis.baseline,
+        "figures": figures or [],
+        "methods": methods,
+        "runs": {"head": p_head, "rows": p_rows},
+        "left_out": board.left_out,
+    }
+
+
+_ENV: list[Any] = []
+
+
+def _environment() -> Any:
+    """The Jinja2 environment of the page templates (``tta_bench/templates_html``):
+    autoescaped, strict about undefined names."""
+    if not _ENV:
+        import jinja2
+
+        _ENV.append(
+            jinja2.Environment(
+                loader=jinja2.PackageLoader("tta_bench", TEMPLATE_DIR),
+                autoescape=True,
+                undefined=jinja2.StrictUndefined,
+                trim_blocks=True,
+                lstrip_blocks=True,
+                keep_trailing_newline=True,
+            )
+        )
+        _ENV[0].filters["code_marks"] = _code_marks
+    return _ENV[0]
+
+
+def _code_marks(text: str) -> Any:
+    """Escaped ``text`` with its markdown code spans as ``<code>``."""
+    from markupsafe import Markup, escape
+
+    parts = str(escape(text)).split("`")
+    return Markup("".join(f"<code>{p}</code>" if i % 2 else p for i, p in enumerate(parts)))
+
+
 def leaderboard_markdown(
     board: Leaderboard,
     baseline: str | None = tables.REFERENCE,
     test: str = "t",
-    images: bool = True,
+    images: bool | Sequence[Figure] = True,
 ) -> str:
+    """The leaderboard as markdown: the ranked table (``leaderboard_rows``), the method x
+    shift table, the figures (``images``: the figures to show; True: those that fit the
+    suite, ``leaderboard_figures``), what was left out and the provenance."""
     headers, rows = leaderboard_rows(board, baseline, test)
     records = [e.record for e in board.entries]
     labels = [e.label for e in board.entries]
+    figures = _figure_list(board, baseline, test, images)
     parts = [f"# Leaderboard: {board.suite}", ""]
     parts += [f"{n}\n" for n in _notes(board, baseline, test)]
     parts += [tables.render(rows, headers, "github"), ""]
@@ -390,15 +841,10 @@ def leaderboard_markdown(
             tables.method_shift_table(records, "github", labels=labels),
             "",
         ]
-    if images:
-        parts += [
-            "## Plots",
-            "",
-            f"![accuracy vs severity]({PLOT_SEVERITY})",
-            "",
-            f"![accuracy vs time per sample]({PLOT_PARETO})",
-            "",
-        ]
+    if figures:
+        parts += ["## Plots", ""]
+        for fig in figures:
+            parts += [f"![{fig.title}]({fig.file})", ""]
     if board.left_out:
         parts += ["## Left out", ""]
         parts += [f"- `{name}`: {reason}" for name, reason in board.left_out]
@@ -408,47 +854,29 @@ def leaderboard_markdown(
     return "\n".join(parts)
 
 
+def _figure_list(
+    board: Leaderboard, baseline: str | None, test: str, images: bool | Sequence[Figure]
+) -> list[Figure]:
+    if images is True:
+        return leaderboard_figures(board, baseline, test)
+    return list(images or [])
+
+
 def leaderboard_html(
     board: Leaderboard,
     baseline: str | None = tables.REFERENCE,
     test: str = "t",
-    images: bool = True,
+    images: bool | Sequence[Figure] = True,
 ) -> str:
-    headers, rows = leaderboard_rows(board, baseline, test)
-    records = [e.record for e in board.entries]
-    labels = [e.label for e in board.entries]
-    esc = html.escape
-    title = f"Leaderboard: {board.suite}"
-    parts = [
-        "<!DOCTYPE html>",
-        '<html lang="en">',
-        "<head>",
-        '<meta charset="utf-8">',
-        f"<title>{esc(title)}</title>",
-        "<style>body{font-family:sans-serif;margin:2em}table{border-collapse:collapse}"
-        "td,th{border:1px solid #ccc;padding:3px 8px;text-align:right}"
-        "td:nth-child(2),th:nth-child(2){text-align:left}</style>",
-        "</head>",
-        "<body>",
-        f"<h1>{esc(title)}</h1>",
-    ]
-    parts += [f"<p>{esc(n).replace('`', '')}</p>" for n in _notes(board, baseline, test)]
-    parts.append(tables.render(rows, headers, "html"))
-    if records:
-        parts.append("<h2>Accuracy (%) per shift, mean ± std over seeds</h2>")
-        parts.append(tables.method_shift_table(records, "html", labels=labels))
-    if images:
-        parts.append("<h2>Plots</h2>")
-        parts.append(f'<p><img src="{PLOT_SEVERITY}" alt="accuracy vs severity"></p>')
-        parts.append(f'<p><img src="{PLOT_PARETO}" alt="accuracy vs time per sample"></p>')
-    if board.left_out:
-        parts.append("<h2>Left out</h2>")
-        parts.append("<ul>")
-        parts += [f"<li><code>{esc(n)}</code>: {esc(r)}</li>" for n, r in board.left_out]
-        parts.append("</ul>")
-    p_head, p_rows = _provenance_rows(board)
-    parts += ["<h2>Provenance</h2>", tables.render(p_rows, p_head, "html"), "</body>", "</html>"]
-    return "\n".join(parts) + "\n"
+    """The leaderboard page: one self-contained HTML file (style and script inline, no
+    network at view time; figures as PNG files beside it, by relative path) from the
+    template ``templates_html/leaderboard.html.j2``: the summary a reader decides by,
+    sortable by any column and filterable by method family, the cost details one click
+    away, the figures, the per-shift table scrolling in its own box, and each method's
+    provenance (paper, official code at its commit, preset)."""
+    figures = _figure_list(board, baseline, test, images)
+    page = _page(board, baseline, test, figures)
+    return _environment().get_template(TEMPLATE).render(**page)
 
 
 def write_leaderboard(
@@ -460,7 +888,9 @@ def write_leaderboard(
     with_plots: bool = True,
 ) -> tuple[Leaderboard, list[Path]]:
     """Write the leaderboard files into ``results_dir``; returns the board (entries and
-    what was left out, with reasons) and the paths written."""
+    what was left out, with reasons) and the paths written. With plots, the figures that
+    fit the suite are drawn and any other figure of ``PLOT_FILES`` there (left by an
+    earlier leaderboard of another shape) is removed."""
     board = collect(results_dir, suite, protocol_id)
     if not board.entries:
         reasons = "; ".join(f"{n}: {r}" for n, r in board.left_out) or "no *.json files"
@@ -470,15 +900,19 @@ def write_leaderboard(
         )
     root = Path(results_dir)
     images = with_plots and plots.available()
-    written = []
+    written: list[Path] = []
+    figures: list[Figure] = []
     if images:
-        records = [e.record for e in board.entries]
-        labels = [e.label for e in board.entries]
-        written.append(plots.accuracy_vs_severity(records, labels, root / PLOT_SEVERITY))
-        written.append(plots.accuracy_vs_time(records, labels, root / PLOT_PARETO))
+        analysis = _analyse(board, baseline, test)
+        figures = _figures(board, analysis)
+        written += _draw(board, analysis, root, figures)
+        drawn = {f.file for f in figures}
+        for name in PLOT_FILES:
+            if name not in drawn and (root / name).is_file():
+                (root / name).unlink()
     for name, text in (
-        (LEADERBOARD_MD, leaderboard_markdown(board, baseline, test, images)),
-        (LEADERBOARD_HTML, leaderboard_html(board, baseline, test, images)),
+        (LEADERBOARD_MD, leaderboard_markdown(board, baseline, test, figures)),
+        (LEADERBOARD_HTML, leaderboard_html(board, baseline, test, figures)),
     ):
         path = root / name
         atomic_write_text(path, text)  # a reader sees the old page or the new one, whole

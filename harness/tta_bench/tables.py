@@ -156,6 +156,14 @@ def method_shift_table(
 ) -> str:
     """Several runs of one protocol. Rows: methods; columns: shifts (mean over severities)
     in protocol order, then the mean; each ``mean ± std`` over seeds, in percent."""
+    headers, rows = method_shift_rows(records, labels)
+    return render(rows, headers, fmt)
+
+
+def method_shift_rows(
+    records: Sequence[dict[str, Any]], labels: Sequence[str] | None = None
+) -> tuple[list[str], list[list[Any]]]:
+    """Headers and rows of the method x shift table (see ``method_shift_table``)."""
     _check_one_protocol(records)
     names = _labels(records, labels)
     shifts = shift_order(records)
@@ -166,7 +174,7 @@ def method_shift_table(
             row.append(_acc_text([c for c in rec["cells"] if c["shift"] == shift]))
         row.append(_acc_text(rec["cells"]))
         rows.append(row)
-    return render(rows, ["method", *shifts, "mean"], fmt)
+    return ["method", *shifts, "mean"], rows
 
 
 # -- suite summary ---------------------------------------------------------------------
@@ -233,18 +241,27 @@ def compare_to_baseline(
 ) -> stats.PairedComparison | None:
     """The paired comparison of ``record`` with the resolved baseline; None for the
     baseline itself, or when no baseline figures exist for this run."""
+    other = pairing_record(record, baseline_record, baseline)
+    return None if other is None else stats.paired_comparison(record, other, test=test)
+
+
+def pairing_record(
+    record: dict[str, Any], baseline_record: dict[str, Any] | None, baseline: str | None
+) -> dict[str, Any] | None:
+    """The record ``record`` is paired with (see ``compare_to_baseline``): the resolved
+    baseline's, or the run's own reference cells; None where there is nothing to pair."""
     baseline = baseline_name(baseline)
     if baseline is None or record is baseline_record:
         return None
     if baseline_record is not None:
         if stats.diverged_cells(baseline_record) or stats.diverged_cells(record):
             return None  # nothing to pair: a diverged cell has no accuracy
-        return stats.paired_comparison(record, baseline_record, test=test)
+        return baseline_record
     if is_reference_run(record) or not any(
         c.get("reference_accuracy") is not None for c in record["cells"]
     ):
         return None
-    return stats.paired_comparison(record, stats.reference_record(record), test=test)
+    return stats.reference_record(record)
 
 
 def summary_rows(
