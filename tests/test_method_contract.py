@@ -179,3 +179,34 @@ def test_the_header_pattern_reads_a_commit():
         "https://github.com/a/b",
         None,
     )
+
+
+LIGHT = [n for n in METHODS if registry("methods").get(n).light]
+
+
+def test_the_light_methods_are_the_ones_sweeps_pack():
+    assert LIGHT, "no method declares light: sweeps would pack nothing"
+
+
+@pytest.mark.parametrize("name", LIGHT)
+def test_a_light_method_runs_one_forward_per_sample_and_no_backward(name, tmp_path):
+    """What ``Method.light`` promises (``tta-bench sweep`` packs such jobs several to a
+    task), measured by the runner's own pass counters on a short run with the defaults."""
+    from tta_bench import runner
+    from tta_bench.protocol import load_protocol
+    from tta_bench.spec import RunSpec
+
+    cls = registry("methods").get(name)
+    spec = RunSpec(
+        method=name,
+        method_config=cls.Config(),
+        model="tiny-clip-digits",
+        model_args={},
+        protocol=load_protocol("digits-c", shifts=["contrast"], max_images=48, batch_size=16),
+        seeds=[0],
+        progress=False,
+        reference=False,
+    )
+    cell = runner.run(spec, tmp_path / "r.json")["cells"][0]
+    assert cell["forward_passes_per_sample"] <= 1.0, cell["forward_passes_per_sample"]
+    assert cell["backward_passes_per_sample"] == 0.0

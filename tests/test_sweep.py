@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import subprocess
 import sys
+
+import pytest
 
 from tta_bench import results
 from tta_bench.rescore import rescore
@@ -90,3 +93,89 @@ def test_submitit_slurm_config_composes(tmp_path):
     ).stdout
     assert "SlurmLauncher" in out and "partition: gpu" in out and "timeout_min: 120" in out
     assert not (tmp_path / "slurm").exists()  # --cfg runs nothing
+
+
+def test_light_jobs_are_packed_into_one_task_with_the_same_results(tmp_path):
+    grid = ["method=zeroshot,tda,tent", "seeds=[0,1]", *SMALL]
+    packed = _sweep("--dir", str(tmp_path / "packed"), *grid).stdout
+    alone = _sweep("--dir", str(tmp_path / "alone"), "--pack", "1", *grid).stdout
+    # zeroshot's and tda's 4 jobs run in job 0; tent's 2 jobs each alone
+    lines = re.findall(r"\[job (\d+) pid \d+\] (\S+) seeds \[(\d)\].*?(\(packed, \d of \d\))?"
+                       r" -> ", packed)  # fmt: skip
+    assert sorted((job, m) for job, m, _, _ in lines) == [
+        ("0", "tda"), ("0", "tda"), ("0", "zeroshot"), ("0", "zeroshot"), ("1", "tent"),
+        ("2", "tent")]  # fmt: skip
+    assert packed.count("(packed, ") == 4 and "(packed, " not in alone
+    plan = json.loads((tmp_path / "packed" / "jobs" / "packs.json").read_text())
+    assert len(plan) == 1 and len(next(iter(plan.values()))) == 3
+    for a, b in zip(sorted((tmp_path / "packed").glob("*.json")),
+                    sorted((tmp_path / "alone").glob("*.json"))):  # fmt: skip
+        ra, rb = results.load_results(a), results.load_results(b)
+        assert a.name == b.name and ra["seeds"] == rb["seeds"] == [0, 1]
+        assert [c["accuracy"] for c in ra["cells"]] == [c["accuracy"] for c in rb["cells"]]
+        assert ra["config"] == rb["config"]  # a packed job's record is the job's own
+
+
+def test_a_sharded_sweep_merges_its_parts_into_the_whole_cell(tmp_path):
+    grid = ["method=tent", "seeds=[0]", "protocol.reset=episodic_batch",
+            "protocol.shifts=[contrast]", "protocol.max_images=24",
+            "protocol.batch_size=4"]  # fmt: skip
+    out = _sweep("--dir", str(tmp_path / "s"), "--shards", "3", *grid).stdout
+    assert out.count("[job ") == 3
+    parts = sorted((tmp_path / "s" / "runs").glob("*_shard*of3.json"))
+    assert len(parts) == 3
+    merged = results.load_results(next((tmp_path / "s").glob("*.json")))
+    whole = _sweep("--dir", str(tmp_path / "w"), *grid)
+    assert whole.returncode == 0
+    unsharded = results.load_results(next((tmp_path / "w").glob("*.json")))
+    keys = ("n", "accuracy", "nll", "ece", "batches")
+    assert [{k: c[k] for k in keys} for c in merged["cells"]] == [
+        {k: c[k] for k in keys} for c in unsharded["cells"]
+    ]
+
+
+def _sweep_rc(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
+    cmd = [sys.executable, "-m", "tta_bench.cli", "sweep", *args]
+    return subprocess.run(cmd, env=env or dict(os.environ), capture_output=True, text=True,
+                          timeout=120)  # fmt: skip
+
+
+def test_a_cluster_launcher_without_sbatch_or_an_unknown_one_exits_2(tmp_path):
+    bare = {**os.environ, "PATH": os.path.dirname(sys.executable)}  # no sbatch on it
+    done = _sweep_rc("--dir", str(tmp_path / "x"), "method=tent", "hydra/launcher=submitit_slurm",
+                     env=bare)  # fmt: skip
+    assert done.returncode == 2, done.stderr
+    assert "'sbatch', which is not on the PATH" in done.stderr and "joblib" in done.stderr
+    done = _sweep_rc("--dir", str(tmp_path / "x"), "method=tent", "hydra/launcher=pbs")
+    assert done.returncode == 2 and "available: basic, joblib, submitit_local" in done.stderr
+    done = _sweep_rc("--dir", str(tmp_path / "x"), "--shards", "1", "method=tent")
+    assert done.returncode == 2 and "--shards 1" in done.stderr
+    assert not (tmp_path / "x").exists()  # refused before anything was written
+
+
+def test_a_launcher_whose_extra_is_missing_says_how_to_install_it(monkeypatch):
+    import importlib.util
+
+    from tta_bench import sweep
+
+    real = importlib.util.find_spec
+
+    def without_submitit(name, *args):
+        return None if name.startswith("hydra_plugins.hydra_submitit") else real(name, *args)
+
+    monkeypatch.setattr(importlib.util, "find_spec", without_submitit)
+    with pytest.raises(ValueError, match=r"pip install 'tta-bench\[sweep\]'"):
+        sweep.check_launcher(["hydra/launcher=submitit_slurm"])
+    assert sweep.check_launcher(["hydra/launcher=joblib"]) == "joblib"
+    assert sweep.check_launcher([]) == "basic"
+
+
+def test_slurm_sweeps_requeue_after_a_timeout_unless_told_otherwise():
+    from tta_bench import sweep
+
+    assert sweep.launcher_defaults(["hydra/launcher=submitit_slurm"]) == [
+        "hydra.launcher.max_num_timeout=3"
+    ]
+    given = ["hydra/launcher=submitit_slurm", "hydra.launcher.max_num_timeout=0"]
+    assert sweep.launcher_defaults(given) == []
+    assert sweep.launcher_defaults(["hydra/launcher=joblib"]) == []

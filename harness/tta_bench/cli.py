@@ -110,9 +110,38 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from tta_bench import sweep
 
     overrides = list(args.overrides)
+    try:
+        sweep.check_launcher(overrides)  # before anything is composed or submitted
+        if args.shards is not None:
+            overrides = sweep.shard_overrides(overrides, args.shards)
+    except ValueError as exc:
+        raise UsageError(str(exc)) from exc
+    if args.pack < 1:
+        raise UsageError(f"--pack {args.pack}: expected 1 (no packing) or more")
     if not args.seeds_per_job_all:
         overrides = sweep.split_seed_overrides(overrides)
-    return sweep.main(overrides, args.dir, cfg=args.cfg)
+    return sweep.main(overrides, args.dir, cfg=args.cfg, pack=args.pack)
+
+
+def cmd_merge(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from tta_bench import shard
+
+    out = Path(args.output)
+    if out.exists() and not args.force:
+        raise UsageError(f"--output {str(out)!r} exists; choose another path or pass --force")
+    try:
+        record = shard.merge_parts(args.parts, out)
+    except ValueError as exc:  # MergeError: parts of different runs, a part missing
+        raise UsageError(str(exc)) from exc
+    n = sum(int(c["n"]) for c in record["cells"])
+    print(
+        f"merged {len(args.parts)} parts of {record['method']} on {record['protocol']['id']}: "
+        f"{len(record['cells'])} cells, {n} samples, mean accuracy "
+        f"{100 * record['summary']['mean_accuracy']:.2f}% -> {out}"
+    )
+    return 0
 
 
 def cmd_profile(args: argparse.Namespace) -> int:
@@ -419,7 +448,13 @@ EXAMPLES = {
         "tta-bench run --method METHOD --suite SUITE log_samples=logits --output r.json",
     ],
     "ls": ["tta-bench ls methods", "tta-bench ls --json"],
-    "sweep": ["tta-bench sweep --dir sweep method=METHOD1,METHOD2 'seeds=[0,1,2]'"],
+    "sweep": [
+        "tta-bench sweep --dir sweep method=METHOD1,METHOD2 'seeds=[0,1,2]'",
+        "tta-bench sweep --dir sweep method=METHOD hydra/launcher=submitit_slurm "
+        "hydra.launcher.partition=gpu hydra.launcher.gpus_per_node=1 device=cuda",
+        "tta-bench sweep --dir sweep method=METHOD protocol.reset=episodic_batch --shards 4",
+    ],
+    "merge": ["tta-bench merge part0.json part1.json part2.json part3.json --output whole.json"],
     "profile": ["tta-bench profile --method METHOD --batches 10"],
     "env": ["tta-bench env --json"],
     "cache": ["tta-bench cache list", "tta-bench cache clear --kind text"],
@@ -510,7 +545,8 @@ def _add_sweep(sub: Any) -> None:
         description="Hydra multirun over run overrides, e.g. method=NAME1,NAME2 seeds=[0,1,2] "
         "hydra/launcher=joblib hydra.launcher.n_jobs=2. One job per method x model x seed; "
         "each writes a results JSON into --dir; rerunning skips finished cells. Launchers: "
-        "basic (default), joblib, submitit_slurm (pip install 'tta-bench[sweep]').",
+        "basic (default), joblib, submitit_local, submitit_slurm (pip install "
+        "'tta-bench[sweep]'); cluster use: docs/cluster.md.",
     )
     sw.add_argument("--dir", default="tta-results/sweep", help="sweep directory (results)")
     sw.add_argument(
@@ -523,8 +559,36 @@ def _add_sweep(sub: Any) -> None:
         choices=("job", "hydra", "all"),
         help="print the composed config (Hydra --cfg) and run nothing",
     )
+    sw.add_argument(
+        "--shards",
+        type=int,
+        metavar="N",
+        help="split every cell into N parts, one job each (protocol.shard=0/N,...; reset "
+        "policies episodic_batch/episodic_sample only), combined exactly when the sweep ends",
+    )
+    sw.add_argument(
+        "--pack",
+        type=int,
+        default=8,
+        metavar="N",
+        help="run up to N light jobs (methods declaring light: one forward per sample) in "
+        "one launcher task (default 8; 1 packs nothing)",
+    )
     sw.add_argument("overrides", nargs="*", help="Hydra overrides, sweeps as a,b")
     sw.set_defaults(func=cmd_sweep)
+    mg = sub.add_parser(
+        "merge",
+        help="combine the shard parts of a run (protocol.shard=i/N) into its results file",
+        description="Combine the N parts of one run, written with protocol.shard=i/N, into "
+        "the results file the unsharded run writes: each cell's metrics computed once over "
+        "all its samples (from the parts' per-sample logits). Refuses parts of different "
+        "runs (model weights, method config, protocol, seeds, settings), a missing or "
+        "repeated part, and unfinished parts.",
+    )
+    mg.add_argument("parts", nargs="+", help="the parts' results files")
+    mg.add_argument("--output", "-o", required=True, help="the merged results file")
+    mg.add_argument("--force", action="store_true", help="replace --output if it exists")
+    mg.set_defaults(func=cmd_merge)
 
 
 def _add_profile(sub: Any) -> None:

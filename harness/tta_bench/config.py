@@ -34,6 +34,10 @@ class ProtocolOverrides:
     severity_table: Optional[str] = None
     #: ``non_iid`` only: Dirichlet concentration of the label order (part of the id).
     dirichlet_delta: Optional[float] = bounded(None, gt=0)
+    #: ``INDEX/COUNT``: run only part INDEX of COUNT of every cell (the batches whose number
+    #: is INDEX mod COUNT), for reset policies episodic_batch/episodic_sample only; the parts
+    #: are combined exactly by ``tta-bench merge`` (``tta_bench.shard``). Not part of the id.
+    shard: Optional[str] = None
 
 
 @dataclass

@@ -82,6 +82,10 @@ class Method(abc.ABC):
     #: True for the frozen source model itself (the reference a run is compared with):
     #: its cells' ``reference_accuracy`` is its own accuracy.
     is_reference: ClassVar[bool] = False
+    #: True for cheap cells: with its defaults, at most one forward pass per sample and no
+    #: backward pass. ``tta-bench sweep`` packs light jobs several to a launcher task, so a
+    #: cluster task (and its GPU) is not held for one small cell (docs/cluster.md).
+    light: ClassVar[bool] = False
 
     def __init__(self, model: ZeroShotClassifier, config: Any = None):
         self.model = model

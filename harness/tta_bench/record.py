@@ -81,4 +81,6 @@ def new_record(spec: Any, bundle: Any, device: torch.device, *, from_registry: b
         },
         "cells": [],
         "summary": results.summarize([]),
+        # a part of every cell (protocol.shard=i/N), never a cell: tta-bench merge
+        **({"shard": spec.shard.as_dict()} if getattr(spec, "shard", None) else {}),
     }

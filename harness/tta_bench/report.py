@@ -236,6 +236,16 @@ def collect(results_dir: str | Path, suite: str, protocol_id: str | None = None)
         if record.get("suite") != suite:
             left_out.append((path.name, f"suite {record.get('suite')!r}, not {suite!r}"))
             continue
+        if record.get("shard"):  # part of every cell, never a cell (tta_bench.shard)
+            part = record["shard"]
+            left_out.append(
+                (
+                    path.name,
+                    f"shard part {part['index']}/{part['count']}: combine the parts with "
+                    "tta-bench merge",
+                )
+            )
+            continue
         candidates.append((path, record))
     expected = protocol_id or _expected_protocol(suite, candidates)
     complete: list[Entry] = []

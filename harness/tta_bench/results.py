@@ -280,6 +280,8 @@ def record_key(record: dict[str, Any], with_weights: bool = False) -> dict[str, 
     }
     if with_weights:
         key["state_sha256"] = record["model"].get("state_sha256")
+    if record.get("shard"):  # a part of each cell (tta_bench.shard): never another part's
+        key["shard"] = record["shard"]
     return key
 
 

@@ -46,6 +46,8 @@ def spec_key(spec: Any, state_sha256: str | None = None) -> dict[str, Any]:
     }
     if state_sha256 is not None:
         key["state_sha256"] = state_sha256
+    if getattr(spec, "shard", None) is not None:
+        key["shard"] = spec.shard.as_dict()
     return key
 
 

@@ -20,7 +20,7 @@ from typing import Any
 
 import torch
 
-from tta_bench import results, resume, samples
+from tta_bench import results, resume, samples, shard
 from tta_bench.accounting import CellBook, CostMeter, log_batch, non_finite
 from tta_bench.cost import PeakMemory
 from tta_bench.inputs import RunInputs
@@ -80,6 +80,8 @@ class Evaluation:
         self.skipped_cells = 0
         #: Filled by ``run()``: seconds per phase over the whole run (profile).
         self.phase_seconds: dict[str, float] = {}
+        #: ``{seed: {batch number: the method's seed for that batch}}`` (``batch_seeds``).
+        self.batch_seeds: dict[int, dict[int, int]] = {}
         self.meter = CostMeter(self.device)
         self._log: Any = None
 
@@ -112,6 +114,9 @@ class Evaluation:
         streams, finished = [], {}
         for seed in spec.seeds:
             stream = build_stream(self.protocol, seed, self.inputs.labels)
+            self.batch_seeds[seed] = batch_seeds(stream)  # of the whole stream, before a shard
+            if spec.shard is not None:
+                stream = shard.take(stream, spec.shard)
             finished[seed] = resume.done_groups(stream, done)
             self.skipped_cells += sum(len(stream.groups[g]) for g in finished[seed])
             streams.append(stream.without_groups(finished[seed]))
@@ -220,7 +225,7 @@ class Evaluation:
         )
         diverged: str | None = None
         diverged_at = -1
-        positions: dict[int, int] = {}  # batches seen per domain: keys the method's seed
+        seeds = self.batch_seeds[seed]
         with PeakMemory(self.device) as memory:
             for batch in group:
                 count_flops = spec.flops and not book.seen(_first_domain(batch))
@@ -234,7 +239,7 @@ class Evaluation:
                         with meter.phase("method"), measured.flop_mode:
                             if batch.reset_before:
                                 method.reset()
-                            method.reseed(_batch_seed(stream, batch, seed, positions))
+                            method.reseed(seeds[batch.number])
                             logits = method.step(x).detach().float()
                         measured.passes_done()
                         loss = method.last_loss if method.adapts else None
@@ -289,16 +294,23 @@ def _first_domain(batch: Batch) -> int:
     return int(batch.domains[0])
 
 
-def _batch_seed(stream: Stream, batch: Batch, seed: int, positions: dict[int, int]) -> int:
-    """The method's seed for ``batch``: keyed by its domain and its position among that
-    domain's batches in the group (``positions`` counts them)."""
-    dom = batch.single_domain()
-    if dom is None:
-        return stable_seed("batch", seed, "mixed", batch.number) % 2**63
-    position = positions.get(dom, 0)
-    positions[dom] = position + 1
-    shift, severity = stream.domains[dom]
-    return stable_seed("batch", seed, shift, severity, position) % 2**63
+def batch_seeds(stream: Stream) -> dict[int, int]:
+    """The method's seed for every batch of the whole ``stream``, by batch number: keyed by
+    the batch's domain and its position among that domain's batches (a mixed batch: by its
+    number). Computed before resume or a shard (``protocol.shard``) leaves batches out, so a
+    batch gets the same seed however the stream is split."""
+    positions: dict[int, int] = {}
+    out = {}
+    for batch in stream.batches:
+        dom = batch.single_domain()
+        if dom is None:
+            out[batch.number] = stable_seed("batch", stream.seed, "mixed", batch.number) % 2**63
+            continue
+        position = positions.get(dom, 0)
+        positions[dom] = position + 1
+        shift, severity = stream.domains[dom]
+        out[batch.number] = stable_seed("batch", stream.seed, shift, severity, position) % 2**63
+    return out
 
 
 def _record_parameters(record: dict[str, Any], method: Method) -> None:

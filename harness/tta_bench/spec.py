@@ -54,6 +54,8 @@ class RunSpec:
     #: Experiment trackers that receive the run (``tta_bench.loggers``), checked: known
     #: names whose libraries are installed.
     loggers: list[str] = field(default_factory=list)
+    #: Part of every cell this run computes (``protocol.shard=i/N``; ``tta_bench.shard``).
+    shard: Any = None
 
 
 def spec_from_config(cfg: Any, method: str, model: str) -> RunSpec:
@@ -64,6 +66,7 @@ def spec_from_config(cfg: Any, method: str, model: str) -> RunSpec:
     extra ``tta-bench[<name>]``) is not installed."""
     from omegaconf import OmegaConf
 
+    from tta_bench import shard
     from tta_bench.bounds import check_values
     from tta_bench.config import method_config, to_container
     from tta_bench.loggers import check_loggers
@@ -76,7 +79,12 @@ def spec_from_config(cfg: Any, method: str, model: str) -> RunSpec:
     mcfg = method_config(cfg)
     check_values(mcfg, "method")
     overrides = {k: v for k, v in to_container(cfg.protocol).items() if v is not None}
+    part = shard.parse(overrides.pop("shard", None))  # not the protocol's: not in its id
     protocol = load_protocol(cfg.suite, **overrides)
+    log_samples = samples_mode(cfg.get("log_samples", False))
+    if part is not None:
+        shard.check_shardable(protocol.reset, protocol.name, part)
+        log_samples = "logits"  # the merge recomputes every metric from the parts' logits
     cfg_dict = to_container(cfg)
     cfg_dict.pop("defaults", None)
     cfg_dict["method"] = {"name": method, **cfg_dict["method"]}
@@ -97,11 +105,12 @@ def spec_from_config(cfg: Any, method: str, model: str) -> RunSpec:
         resume=bool(cfg.resume),
         batch_log=cfg.get("batch_log"),
         per_class_accuracy=bool(cfg.get("per_class_accuracy", False)),
-        log_samples=samples_mode(cfg.get("log_samples", False)),
+        log_samples=log_samples,
         log_samples_top_k=int(cfg.get("log_samples_top_k", 5)),
         flops=bool(cfg.get("flops", False)),
         cache=str(cfg.get("cache", "auto")),
         loggers=loggers,
+        shard=part,
     )
 
 

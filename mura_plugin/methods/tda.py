@@ -167,6 +167,9 @@ class _Cache:
 
 class TDA(Method):
     Config = TDAConfig
+    #: one forward of the image per sample with the defaults on the digits and corruption
+    #: suites (views=official is single-view there), no backward: sweeps pack its jobs
+    light = True
 
     def setup(self) -> None:
         cfg = self.config

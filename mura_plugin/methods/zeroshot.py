@@ -19,6 +19,7 @@ class ZeroShot(Method):
     """No adaptation: ``step`` is a no-grad forward."""
 
     is_reference = True  # the frozen model every run is compared with
+    light = True  # one forward per sample: sweeps pack its jobs several to a task
 
     @torch.no_grad()
     def step(self, images: torch.Tensor) -> torch.Tensor:

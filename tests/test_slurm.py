@@ -1,0 +1,241 @@
+"""Sweeps on a real scheduler: a single-node SLURM cluster (tools/slurm-cluster.sh) runs
+`tta-bench sweep hydra/launcher=submitit_slurm` as array jobs; a task is preempted and
+requeued; one episodic cell is split over 4 array tasks and merged.
+
+The cluster is the one ``SLURM_CONF`` names (``.ci/run`` starts it), or one these tests
+start under a temporary directory when the packages are installed and we are root; where
+neither is possible every test here is skipped with the reason."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from tta_bench import report, results
+
+ROOT = Path(__file__).resolve().parents[1]
+SCRIPT = ROOT / "tools" / "slurm-cluster.sh"
+#: A task's cells: small, so each array task runs for seconds.
+SMALL = ["protocol.shifts=[contrast,fog]", "protocol.max_images=24", "protocol.batch_size=24"]
+#: Every task gets one CPU and a wall-time limit long enough that submitit reads the
+#: signal of a test as a preemption (below 80% of the limit), not as a timeout.
+ON_SLURM = [
+    "hydra/launcher=submitit_slurm",
+    "hydra.launcher.cpus_per_task=1",
+    "hydra.launcher.timeout_min=60",
+]
+#: What a cell computes (never its timings): these must be equal, bit for bit.
+SCORES = (
+    *("shift", "severity", "seed", "n", "accuracy", "nll", "ece", "error"),
+    *("reference_accuracy", "forward_passes_per_sample", "backward_passes_per_sample"),
+)
+
+
+def _sinfo_ok(env: dict[str, str]) -> bool:
+    try:
+        out = subprocess.run(["sinfo", "-h", "-o", "%T"], env=env, capture_output=True,
+                             text=True, timeout=10)  # fmt: skip
+    except (OSError, subprocess.TimeoutExpired):
+        return False
+    return out.returncode == 0 and any(
+        s in out.stdout for s in ("idle", "mixed", "allocated", "completing")
+    )
+
+
+def _unavailable(reason: str) -> None:
+    """Skip, naming the reason; where the cluster must be there (``.ci/run`` sets
+    ``TTA_BENCH_REQUIRE_SLURM=1``), fail instead."""
+    if os.environ.get("TTA_BENCH_REQUIRE_SLURM") == "1":
+        pytest.fail(f"TTA_BENCH_REQUIRE_SLURM=1 but {reason}")
+    pytest.skip(reason)
+
+
+@pytest.fixture(scope="module")
+def cluster(tmp_path_factory):
+    """The environment of a running cluster (``SLURM_CONF`` set), or a skip with why."""
+    env = dict(os.environ)
+    if env.get("SLURM_CONF") and _sinfo_ok(env):
+        yield env
+        return
+    if shutil.which("sbatch") is None:
+        _unavailable(
+            "no SLURM client (sbatch): apt-get install slurmctld slurmd munge slurm-client"
+        )
+    if os.geteuid() != 0:
+        _unavailable("starting the test cluster's daemons needs root (no systemd here)")
+    folder = tmp_path_factory.mktemp("slurm")
+    start = subprocess.run(["bash", str(SCRIPT), "start", str(folder)], capture_output=True,
+                           text=True, timeout=120)  # fmt: skip
+    if start.returncode != 0:
+        _unavailable(f"the test cluster did not start: {start.stderr.strip()[-500:]}")
+    env["SLURM_CONF"] = str(folder / "slurm.conf")
+    try:
+        yield env
+    finally:
+        subprocess.run(["bash", str(SCRIPT), "stop", str(folder)], timeout=60)
+
+
+def _cli(env: dict[str, str], *args: str, timeout: int = 300) -> subprocess.CompletedProcess:
+    env = {**env, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "tta_bench.cli", *args]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout)
+    assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-3000:]
+    return done
+
+
+def _scores(record: dict) -> list[dict]:
+    return [{k: c.get(k) for k in SCORES} for c in record["cells"]]
+
+
+def _merged(sweep_dir: Path) -> dict[str, dict]:
+    return {
+        results.load_results(p)["method"]: results.load_results(p)
+        for p in sorted(sweep_dir.glob("*.json"))
+    }
+
+
+def _array_tasks(sweep_dir: Path) -> list[str]:
+    """The array tasks submitit made (its folders ``<array job id>_<task index>``)."""
+    folder = sweep_dir / ".submitit"
+    return sorted(
+        p.name for p in folder.iterdir() if p.is_dir() and re.fullmatch(r"\d+_\d+", p.name)
+    )
+
+
+def _job_logs(sweep_dir: Path) -> str:
+    return "\n".join(p.read_text() for p in sorted((sweep_dir / ".submitit").rglob("*_log.*")))
+
+
+def test_an_array_sweep_ranks_as_the_same_sweep_run_locally(cluster, tmp_path):
+    grid = ["method=zeroshot,tda,tent", "seeds=[0,1]", *SMALL]
+    on = tmp_path / "slurm"
+    _cli(cluster, "sweep", "--dir", str(on), *grid, *ON_SLURM)
+    here = tmp_path / "local"
+    _cli(cluster, "sweep", "--dir", str(here), *grid)
+    # one array: tent's 2 jobs alone, zeroshot's and tda's 4 light jobs packed into 1 task
+    tasks = _array_tasks(on)
+    arrays = {t.split("_")[0] for t in tasks}
+    assert len(arrays) == 1 and len(tasks) == 3, tasks
+    logs = _job_logs(on)
+    assert logs.count("(packed, ") == 4  # each packed job's line, from its task's log
+    assert logs.count("Starting with JobEnvironment(job_id=") == 3  # run by SLURM tasks
+    cluster_runs, local_runs = _merged(on), _merged(here)
+    assert sorted(cluster_runs) == ["tda", "tent", "zeroshot"]
+    for method, record in cluster_runs.items():
+        assert record["seeds"] == [0, 1] and len(record["cells"]) == 4
+        assert _scores(record) == _scores(local_runs[method]), method
+    # the leaderboards of the two folders: the same entries in the same order, same numbers
+    pid = next(iter(cluster_runs.values()))["protocol"]["id"]
+    boards = [report.collect(d, "digits-c", protocol_id=pid) for d in (on, here)]
+    assert [e.label for e in boards[0].entries] == [e.label for e in boards[1].entries]
+    for a, b in zip(*(board.entries for board in boards)):
+        assert a.record["summary"]["mean_accuracy"] == b.record["summary"]["mean_accuracy"]
+        assert a.record["summary"]["accuracy_ci95"] == b.record["summary"]["accuracy_ci95"]
+        assert _scores(a.record) == _scores(b.record)
+
+
+def _squeue(env: dict[str, str]) -> list[tuple[str, str, str]]:
+    out = subprocess.run(["squeue", "-h", "-o", "%i|%T|%r"], env=env, capture_output=True,
+                         text=True, timeout=30).stdout  # fmt: skip
+    return [tuple(line.split("|")) for line in out.splitlines() if line.strip()]  # type: ignore[misc]
+
+
+def _wait(predicate, what: str, timeout: float = 120.0):
+    end = time.monotonic() + timeout
+    while time.monotonic() < end:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(0.25)
+    raise AssertionError(f"timed out waiting for {what}")
+
+
+def _cells_in(path: Path) -> int:
+    try:
+        return len(json.loads(path.read_text())["cells"])
+    except (OSError, ValueError, KeyError):
+        return 0
+
+
+def _release_when_requeued(env: dict[str, str], job: str) -> None:
+    """A requeued job waits two minutes before it may start again (SLURM's begin time);
+    the test lets it start at once."""
+    _wait(lambda: any(j == job and s == "PENDING" for j, s, _ in _squeue(env)), "the requeue")
+    subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env, check=True)
+
+
+#: MuRA's cells of 60 images take about 1.5 s each here: long enough that a requeued task
+#: is killed (SIGTERM, which submitit ignores, then SIGKILL after the test cluster's
+#: KillWait of 2 s) before it could finish its remaining cells.
+SHIFTS = ("contrast", "fog", "brightness", "snow", "frost", "pixelate")
+
+
+def test_a_preempted_and_a_requeued_task_lose_nothing(cluster, tmp_path):
+    grid = ["method=mura", "seeds=[0]", f"protocol.shifts=[{','.join(SHIFTS)}]",
+            "protocol.max_images=60", "protocol.batch_size=30"]  # fmt: skip
+    total = len(SHIFTS)
+    sweep_dir = tmp_path / "sweep"
+    env = {**cluster, "OMP_NUM_THREADS": "1"}
+    cmd = [sys.executable, "-m", "tta_bench.cli", "sweep", "--dir", str(sweep_dir), *grid,
+           *ON_SLURM]  # fmt: skip
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)  # fmt: skip
+    interrupted_at = []
+    try:
+        part = _wait(lambda: next(iter((sweep_dir / "runs").glob("*.json")), None), "results")
+        job = _wait(lambda: next((j for j, s, _ in _squeue(env) if s == "RUNNING"), None), "job")
+        # 1. the scheduler's preemption signal: submitit checkpoints and requeues the task
+        _wait(lambda: 1 <= _cells_in(part) <= total - 4, "a first finished cell")
+        subprocess.run(["scancel", "--signal=USR2", job], env=env, check=True)
+        interrupted_at.append(_cells_in(part))
+        _release_when_requeued(env, job)
+        # 2. an operator's requeue: the task is killed (SIGTERM, then SIGKILL) and rerun
+        _wait(lambda: _cells_in(part) > interrupted_at[0], "a cell of the rerun", timeout=60)
+        assert _cells_in(part) <= total - 3, "the rerun ran too fast to be interrupted"
+        subprocess.run(["scontrol", "requeue", job], env=env, check=True)
+        interrupted_at.append(_cells_in(part))
+        _release_when_requeued(env, job)
+        out, _ = proc.communicate(timeout=300)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    assert proc.returncode == 0, out[-3000:]
+    logs = _job_logs(sweep_dir)
+    assert "this job is preempted" in logs  # submitit read the signal as a preemption
+    assert logs.count("Starting with JobEnvironment(job_id=") >= 3  # ran three times
+    # the last run skipped every cell the interrupted runs had finished
+    skipped = [int(s) for s in re.findall(r"\((\d+) skipped as finished\)", logs)]
+    assert skipped and skipped[-1] >= interrupted_at[-1] >= 1, (skipped, interrupted_at)
+    merged = results.load_results(next(sweep_dir.glob("*.json")))
+    assert len(merged["cells"]) == total
+    # the same run, uninterrupted, on this machine
+    alone = tmp_path / "alone.json"
+    _cli(cluster, "run", *grid, "progress=false", "--output", str(alone))
+    assert _scores(merged) == _scores(results.load_results(alone))
+
+
+def test_one_episodic_cell_split_over_four_array_tasks_equals_the_whole(cluster, tmp_path):
+    grid = ["method=mura", "seeds=[0]", "protocol.reset=episodic_batch",
+            "protocol.shifts=[contrast]", "protocol.max_images=40",
+            "protocol.batch_size=5"]  # fmt: skip
+    sweep_dir = tmp_path / "sweep"
+    _cli(cluster, "sweep", "--dir", str(sweep_dir), "--shards", "4", *grid, *ON_SLURM)
+    assert len(_array_tasks(sweep_dir)) == 4
+    parts = sorted((sweep_dir / "runs").glob("*_shard*of4.json"))
+    assert len(parts) == 4 and all(results.load_results(p)["shard"]["count"] == 4 for p in parts)
+    merged = results.load_results(next(sweep_dir.glob("*.json")))
+    assert "shard" not in merged and merged["merged_from"]
+    whole = tmp_path / "whole.json"
+    _cli(cluster, "run", *grid, "progress=false", "--output", str(whole))
+    unsharded = results.load_results(whole)
+    assert merged["protocol"]["id"] == unsharded["protocol"]["id"]
+    assert _scores(merged) == _scores(unsharded)
+    assert merged["cells"][0]["n"] == 40 and merged["cells"][0]["batches"] == 8
