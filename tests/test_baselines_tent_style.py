@@ -324,14 +324,43 @@ def test_sar_without_perturbation_is_reliable_entropy_sgd(classifier, mixed_batc
 def test_sar_model_recovery(classifier, mixed_batch):
     recovering = _build(SAR, classifier, lr=0.5, reset_threshold=100.0)
     source = [p.detach().clone() for p in recovering.params]
+    first_loss = _build(SAR, classifier, lr=0.5, reset_threshold=0.0)
+    first_loss.step(mixed_batch)
     recovering.step(mixed_batch)
-    assert recovering.recoveries == 1 and recovering.loss_ema is None
+    # the official code sets the moving average again right after reset(): it survives
+    assert recovering.recoveries == 1 and recovering.loss_ema == first_loss.loss_ema
     assert all(torch.equal(p, s) for p, s in zip(recovering.params, source))
     assert not recovering.optimizer.state  # the optimiser is back to its fresh state
     kept = _build(SAR, classifier, lr=0.5, reset_threshold=0.0)
     kept.step(mixed_batch)
     assert kept.recoveries == 0 and kept.loss_ema is not None
     assert not all(torch.equal(p, s) for p, s in zip(kept.params, source))
+
+
+def test_sar_keeps_recovering_while_the_kept_average_stays_low(classifier, test_images):
+    """mr-eggplant/SAR sar.py: after a recovery (``reset()`` clears ``ema``) the forward
+    sets ``self.ema = ema`` again, so the average carries over and the next batch recovers
+    as long as it stays under the threshold. On a stream [clean, noisier] with a threshold
+    between the kept average ``0.9 L1 + 0.1 L2`` and the noisier batch's own loss ``L2``,
+    the official rule recovers twice; clearing the average after a recovery, once."""
+    x, _ = test_images
+    clean = x[:8]
+    noisier = (x[8:16] + 0.25 * torch.randn(8, *x.shape[1:],
+               generator=torch.Generator().manual_seed(3))).clamp(0, 1)  # fmt: skip
+    losses = []
+    for batch in (clean, noisier):  # each batch's loss from the source model (never reset)
+        probe = _build(SAR, classifier, lr=0.5, reset_threshold=0.0)
+        probe.step(batch)
+        losses.append(probe.loss_ema)
+    l1, l2 = losses
+    assert l1 is not None and l2 is not None and l2 > l1, losses  # the stream's premise
+    kept_average = 0.9 * l1 + 0.1 * l2
+    threshold = (kept_average + l2) / 2  # above the kept average, below L2 alone
+    sar = _build(SAR, classifier, lr=0.5, reset_threshold=threshold)
+    sar.step(clean)  # L1 < threshold: recovery 1 (the source state again)
+    sar.step(noisier)  # from the source state: its loss is L2, the average 0.9 L1 + 0.1 L2
+    assert sar.loss_ema == pytest.approx(kept_average, rel=1e-6)
+    assert sar.recoveries == 2
 
 
 def test_sar_excludes_the_top_blocks_and_the_final_norm(classifier):

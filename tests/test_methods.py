@@ -374,6 +374,38 @@ def test_tda_caches_fill_online_and_reset_empties_them(classifier, batch):
     assert not torch.isfinite(tda.pos.entropy).any() and not torch.isfinite(tda.neg.entropy).any()
 
 
+def _official_cache(offers, shots):
+    """TDA's update_cache, written separately: one list per class, the new entry appended
+    (or put in the last place when it beats the last), then Python's stable sort."""
+    cache: dict[int, list[tuple[int, float]]] = {}
+    for cls, ident, ent in offers:
+        items = cache.setdefault(cls, [])
+        if len(items) < shots:
+            items.append((ident, ent))
+        elif ent < items[-1][1]:
+            items[-1] = (ident, ent)
+        items.sort(key=lambda item: item[1])
+    return {c: sorted(i for i, _ in items) for c, items in cache.items()}
+
+
+def test_tda_cache_evicts_the_entry_the_official_sorted_list_evicts_on_ties():
+    from mura_plugin.methods.tda import _Cache
+
+    # ties on the highest entropy: the official list evicts the most recently inserted
+    # (entropies exact in float32, as the cache stores them)
+    offers = [(0, 1, 0.5), (0, 2, 0.5), (0, 3, 0.375), (0, 4, 0.5), (0, 5, 0.25),
+              (0, 6, 0.375), (1, 7, 0.875), (1, 8, 0.875), (1, 9, 0.875), (1, 10, 0.125),
+              (1, 11, 0.875)]  # fmt: skip
+    cache = _Cache(classes=2, shots=2, dim=1, value_dim=1, device="cpu")
+    for cls, ident, ent in offers:
+        cache.offer(cls, torch.tensor([float(ident)]), ent, torch.zeros(1))
+    ours = {
+        c: sorted(int(k) for k, e in zip(cache.keys[c, :, 0], cache.entropy[c]) if math.isfinite(e))
+        for c in (0, 1)
+    }
+    assert ours == _official_cache(offers, shots=2) == {0: [3, 5], 1: [7, 10]}
+
+
 @pytest.mark.parametrize(
     ("dataset", "views", "per_image"),
     [

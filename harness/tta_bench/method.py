@@ -86,6 +86,18 @@ class Method(abc.ABC):
     #: backward pass. ``tta-bench sweep`` packs light jobs several to a launcher task, so a
     #: cluster task (and its GPU) is not held for one small cell (docs/cluster.md).
     light: ClassVar[bool] = False
+    #: How the method's own code runs it: ``"episodic"`` (its state is reset for every image
+    #: or batch), ``"online"`` (it carries state, a cache or a memory, along the stream), or
+    #: None (the protocol decides: the TENT family and the CLIP batch methods). The TTA-VLM
+    #: option (``tta_vlm=true``) runs episodic methods per image and online ones on a
+    #: stream of batch size 1.
+    stream_kind: ClassVar[str | None] = None
+    #: Config values TTA-VLM's implementation uses where it departs from the official code
+    #: (``tta_vlm=true`` applies them; the defaults stay the official code's).
+    tta_vlm: ClassVar[dict[str, Any]] = {}
+    #: Set by the runner before ``setup()``: how many samples the method sees until its
+    #: next reset by the protocol (a schedule over the stream needs it, e.g. OnZeta's).
+    stream_length: int | None = None
 
     def __init__(self, model: ZeroShotClassifier, config: Any = None):
         self.model = model

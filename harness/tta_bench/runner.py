@@ -126,7 +126,9 @@ class Evaluation:
         record["summary"] = results.summarize(record["cells"])
         return record, streams
 
-    def _fresh_method(self, base: ZeroShotClassifier, seed: int) -> Method:
+    def _fresh_method(
+        self, base: ZeroShotClassifier, seed: int, stream_length: int | None = None
+    ) -> Method:
         """A new method instance on its own copy of ``base`` (shared when it never adapts),
         given its source images when it asks for them, set up."""
         seed_torch(stable_seed(self.spec.method, "setup", seed) % 2**63, self.device)
@@ -136,6 +138,7 @@ class Evaluation:
         else:
             model = base  # the contract: a method with adapts=False never changes the model
         method = self.method_cls(model, self.spec.method_config)
+        method.stream_length = stream_length
         needed = method.source_images_needed()
         if needed:
             method.set_source(self.source_images(needed))
@@ -214,7 +217,9 @@ class Evaluation:
         """Run one group's batches through a fresh method; return its cells."""
         spec, seed, meter = self.spec, stream.seed, self.meter
         base = self.inputs.base(stream.domains[_first_domain(group[0])])
-        method = self._fresh_method(base, seed)
+        # samples until the protocol's next reset: the group's first run of batches
+        first_reset = next((i for i, b in enumerate(group) if i and b.reset_before), len(group))
+        method = self._fresh_method(base, seed, sum(len(b) for b in group[:first_reset]))
         meter.watch(method)
         _record_parameters(record, method)
         book = CellBook(

@@ -80,7 +80,21 @@ def spec_from_config(cfg: Any, method: str, model: str) -> RunSpec:
     check_values(mcfg, "method")
     overrides = {k: v for k, v in to_container(cfg.protocol).items() if v is not None}
     part = shard.parse(overrides.pop("shard", None))  # not the protocol's: not in its id
+    applied: dict[str, Any] = {}
+    if cfg.get("tta_vlm"):  # TTA-VLM's protocol and settings (tta_bench.tta_vlm)
+        from tta_bench import tta_vlm
+        from tta_bench.registry import registry
+
+        method_cls = registry("methods").get(method)
+        given = dict(overrides)
+        overrides = tta_vlm.protocol_overrides(given, getattr(method_cls, "stream_kind", None))
+        applied.update({f"protocol.{k}": v for k, v in overrides.items() if k not in given})
     protocol = load_protocol(cfg.suite, **overrides)
+    if cfg.get("tta_vlm"):
+        fine_grained = bool(_dataset_entry(protocol.dataset).get("fine_grained", False))
+        mcfg, changed = tta_vlm.method_config(method_cls, mcfg, fine_grained)
+        check_values(mcfg, "method")
+        applied.update({f"method.{k}": v for k, v in changed.items()})
     log_samples = samples_mode(cfg.get("log_samples", False))
     if part is not None:
         shard.check_shardable(protocol.reset, protocol.name, part)
@@ -88,6 +102,11 @@ def spec_from_config(cfg: Any, method: str, model: str) -> RunSpec:
     cfg_dict = to_container(cfg)
     cfg_dict.pop("defaults", None)
     cfg_dict["method"] = {"name": method, **cfg_dict["method"]}
+    if applied:  # what the TTA-VLM option set, in the record beside what it set it on
+        for key, value in applied.items():
+            node, name = key.split(".", 1)
+            cfg_dict[node][name] = value
+        cfg_dict["tta_vlm_applied"] = applied
     cfg_dict["model"] = {"name": model, **cfg_dict["model"]}
     return RunSpec(
         method=method,
@@ -112,6 +131,15 @@ def spec_from_config(cfg: Any, method: str, model: str) -> RunSpec:
         loggers=loggers,
         shard=part,
     )
+
+
+def _dataset_entry(name: str) -> dict[str, Any]:
+    from tta_bench import catalog
+
+    try:
+        return dict(catalog.entry("datasets", name))
+    except (KeyError, ValueError):
+        return {}
 
 
 def resolve_device(name: str) -> torch.device:

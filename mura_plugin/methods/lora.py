@@ -33,7 +33,10 @@ What differs and why:
   the q and v linears of ``SplitAttention``, numerically ``nn.MultiheadAttention``.
 * Views: torchvision's RandomResizedCrop boxes drawn on the image at the model's size and
   resized by one bilinear ``grid_sample`` (augment.py); the official crops the raw image
-  and resizes with PIL, and turns AugMix on for its fine-grained sets (``augmix=true``).
+  and resizes with PIL. Its views are never AugMix: ttl.py passes ``augmix=True`` on the
+  fine-grained sets, but ``AugMixAugmenter`` (data/datautils.py) then sets an empty
+  operation list (``aug_list = []``), so every view is a crop and flip on every set, as
+  here.
 * Loss scaling per episode (``_views.LossScaler``) instead of one GradScaler over the
   sample stream: the same unless an fp16 step overflows (see _views.py).
 * Implementation: MuRA's adapter machinery with one component and fixed weight 1
@@ -75,3 +78,7 @@ class LoRAConfig(MuRAConfig):
 
 class LoRA(MuRA):
     Config = LoRAConfig
+    stream_kind = "episodic"  # the adapters and optimiser reset before every sample
+    # TomSheng21/tta-vlm's TTL: AdamW 5e-3, 1 step, 64 views as officially; its views get
+    # AugMix on the fine-grained sets, which the option's global rule gives (``augmix``)
+    tta_vlm: dict = {}

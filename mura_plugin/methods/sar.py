@@ -16,8 +16,11 @@ One step per batch, as officially:
    ``ema <- 0.9 ema + 0.1 loss`` (first value as is; an empty selection leaves it);
 4. back to the unperturbed parameters and one SGD step with the perturbed point's gradient;
    a step with no reliable sample has zero gradient (momentum still moves, as officially);
-5. model recovery: when ``ema < 0.2`` everything returns to the state after ``setup()``
-   (parameters, optimiser, ``ema``). The official ``reset_constant_em`` argument is
+5. model recovery: when ``ema < 0.2`` the parameters and the optimiser return to the state
+   after ``setup()``; the moving average is kept (the official ``reset()`` clears it, and
+   ``SAR.forward`` sets it again on the next line), so the model keeps recovering on the
+   following batches while the average stays under the threshold. A reset by the protocol
+   clears it (the official ``reset()``). The official ``reset_constant_em`` argument is
    ignored by its code, which compares with the literal 0.2; here it is
    ``reset_threshold`` (default 0.2).
 
@@ -181,6 +184,11 @@ class SAR(ReliableEntropyMethod):
         self.optimizer.zero_grad(set_to_none=True)
         self.last_loss = second.detach()
         if self.loss_ema is not None and self.loss_ema < cfg.reset_threshold:
+            kept = self.loss_ema
             self._restore()  # model recovery: back to the state after setup()
+            # as officially: its reset() clears the average, and the forward sets it again
+            # right after (``self.ema = ema``), so it carries over and recovery repeats while
+            # it stays under the threshold
+            self.loss_ema = kept
             self.recoveries += 1
         return logits

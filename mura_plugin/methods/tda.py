@@ -42,8 +42,11 @@ What differs and why:
   the official head.
 * Views: torchvision's RandomResizedCrop boxes on the image at the model's size, one
   batched ``grid_sample`` (augment.py), not PIL transforms of the raw image.
-* Caches are fixed-size tensors per class instead of sorted lists (same contents; the
-  order is irrelevant to the sum).
+* Caches are fixed-size tensors per class instead of sorted lists. The contents are the
+  official ones, ties included: a full class evicts, among its highest-entropy entries,
+  the most recently inserted one, as the official stable sort does (``_Cache``; tested).
+  The cache logits sum the entries in slot order, not in entropy order: equal up to float
+  rounding.
 
 Earlier figures on digits-c@v1 (the default 36.53%, identical to before):
 results/digits-c-v1/README.md.
@@ -140,20 +143,38 @@ class TDAConfig:
 
 
 class _Cache:
-    """Per-class slots of (feature, entropy, value); entropy inf marks an empty slot."""
+    """Per-class slots of (feature, entropy, value); entropy inf marks an empty slot.
+
+    The official cache is a list per class kept sorted by entropy with Python's stable sort,
+    a new entry appended (or put in the last place) before sorting: among equal entropies
+    the older entry comes first, and a full class evicts its last entry, the most recently
+    inserted of its highest-entropy ones. ``stamp`` (insertion order) reproduces that."""
 
     def __init__(self, classes: int, shots: int, dim: int, value_dim: int, device):
         self.keys = torch.zeros(classes, shots, dim, device=device)
         self.entropy = torch.full((classes, shots), math.inf, device=device)
         self.values = torch.zeros(classes, shots, value_dim, device=device)
+        self.stamp = torch.full((classes, shots), -1, dtype=torch.long)
+        self.inserted = 0
+
+    def evictable(self, cls: int) -> int:
+        """The slot a new entry of class ``cls`` would take: a free one, else the most
+        recently inserted of the highest-entropy entries (the official list's last)."""
+        ent = self.entropy[cls]
+        top = ent.max()
+        tied = torch.nonzero(ent == top).flatten()
+        return int(tied[self.stamp[cls, tied].argmax()])
 
     def offer(self, cls: int, key: torch.Tensor, ent: float, value: torch.Tensor) -> None:
-        """Insert into a free slot, else replace the highest-entropy one if ``ent`` is lower."""
-        slot = int(self.entropy[cls].argmax())
+        """Insert into a free slot, else replace the highest-entropy one if ``ent`` is lower
+        (ties: ``evictable``)."""
+        slot = self.evictable(cls)
         if ent < float(self.entropy[cls, slot]):
             self.keys[cls, slot] = key
             self.entropy[cls, slot] = ent
             self.values[cls, slot] = value
+            self.stamp[cls, slot] = self.inserted
+            self.inserted += 1
 
     def logits(self, feature: torch.Tensor, alpha: float, beta: float) -> torch.Tensor:
         valid = torch.isfinite(self.entropy).flatten()
@@ -170,6 +191,10 @@ class TDA(Method):
     #: one forward of the image per sample with the defaults on the digits and corruption
     #: suites (views=official is single-view there), no backward: sweeps pack its jobs
     light = True
+    stream_kind = "online"
+    # TomSheng21/tta-vlm's TDA (online_method/tda.py) encodes the image alone on every set:
+    # no multi-view input on ImageNet-A/R/V2/Sketch
+    tta_vlm = {"views": "single"}
 
     def setup(self) -> None:
         cfg = self.config

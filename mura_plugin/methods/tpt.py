@@ -186,6 +186,8 @@ class PromptTextEncoder(nn.Module):
 
 class TPT(MultiViewMethod):
     Config = TPTConfig
+    stream_kind = "episodic"  # the prompt and optimiser reset before every sample
+    tta_vlm: dict = {}  # TomSheng21/tta-vlm's TPT: the official settings (its AugMix rule)
 
     def configure(self, model: ZeroShotClassifier) -> None:
         cfg = self.config

@@ -1,0 +1,55 @@
+"""The TTA-VLM option (tta_vlm=true; tta_bench.tta_vlm): TTA-VLM's single prompt, episodic
+methods per image, online methods on a stream of batch size 1, and each method's own
+TTA-VLM settings, each only where the run does not set it."""
+
+from __future__ import annotations
+
+from tta_bench import runner
+from tta_bench.resolve import resolve_run
+from tta_bench.tta_vlm import PROMPT
+
+SMALL = ["protocol.shifts=[contrast]", "protocol.max_images=12", "seeds=[0]", "progress=false"]
+
+
+def test_episodic_methods_run_per_image_with_the_single_prompt():
+    _, plain = resolve_run(method="tpt")
+    _, spec = resolve_run(method="tpt", overrides=["tta_vlm=true"])
+    p = spec.protocol
+    assert (p.reset, p.batch_size, p.templates) == ("episodic_sample", 1, (PROMPT,))
+    assert p.id != plain.protocol.id  # rows under the option never mix with the default's
+    assert spec.config["tta_vlm_applied"] == {
+        "protocol.templates": [PROMPT],
+        "protocol.reset": "episodic_sample",
+    }
+    assert spec.method_config == plain.method_config  # TPT: TTA-VLM follows the official
+
+
+def test_online_methods_get_a_batch_1_stream_and_their_tta_vlm_settings():
+    _, plain = resolve_run(method="tda")
+    _, spec = resolve_run(method="tda", overrides=["tta_vlm=true"])
+    assert (spec.protocol.reset, spec.protocol.batch_size) == ("reset_each_shift", 1)
+    assert plain.method_config.views == "official" and spec.method_config.views == "single"
+    assert spec.config["method"]["views"] == "single"  # the record says what ran
+    # what the run sets itself wins over the option
+    _, own = resolve_run(
+        method="tda", overrides=["tta_vlm=true", "method.views=multi", "protocol.batch_size=4"]
+    )
+    assert own.method_config.views == "multi" and own.protocol.batch_size == 4
+
+
+def test_methods_tta_vlm_does_not_run_keep_the_suite_stream():
+    _, plain = resolve_run(method="tent")
+    _, spec = resolve_run(method="tent", overrides=["tta_vlm=true"])
+    assert spec.protocol.templates == (PROMPT,)
+    assert (spec.protocol.reset, spec.protocol.batch_size) == (
+        plain.protocol.reset,
+        plain.protocol.batch_size,
+    )
+
+
+def test_a_run_under_the_option_is_scored(tmp_path):
+    _, spec = resolve_run(method="tda", overrides=["tta_vlm=true", *SMALL])
+    record = runner.run(spec, tmp_path / "r.json")
+    cell = record["cells"][0]
+    assert cell["n"] == 12 and cell["batches"] == 12 and 0.0 <= cell["accuracy"] <= 1.0
+    assert record["config"]["tta_vlm"] is True
