@@ -7,7 +7,8 @@
 * ``MultiRankLinear`` wraps a frozen ``nn.Linear`` with K low-rank components of possibly
   different ranks, mixed by global (softmax) weights or per-token weights from its own
   router. With one component and weight 1 it is plain LoRA. It can adapt a subset of the
-  output rows only (the q and v slices of a fused timm ``qkv``).
+  output rows only (the q and v slices of a fused timm ``qkv``). Inits (``INITS``): LoRA's
+  ``zero``, MuRA's ``svd``, torch's ``default``; scales (``SCALES``): ``alpha / r`` or 1.
 * ``split_vision_forward(visual, k)`` cuts an open_clip ViT's forward before block ``k``,
   so multi-view methods run the frozen prefix once per batch and only the adapted suffix
   per step.
@@ -29,6 +30,7 @@ from torch import nn
 __all__ = [
     "INITS",
     "ROLE_ALIASES",
+    "SCALES",
     "MultiRankLinear",
     "SplitAttention",
     "vision_blocks",
@@ -37,7 +39,11 @@ __all__ = [
     "split_vision_forward",
 ]
 
-INITS = ("zero", "svd")
+#: zero: LoRA's (xavier-normal A, B = 0; starts at the source); svd: MuRA's orthogonal init
+#: (starts at the source); default: torch's nn.Linear init of both A and B (does not).
+INITS = ("zero", "svd", "default")
+#: Per-component scale ``s_k``: alpha_over_rank = ``alpha / r_k`` (LoRA's); none = 1.
+SCALES = ("alpha_over_rank", "none")
 
 #: Projection names of open_clip (after ``split_attention``) and timm blocks -> role.
 ROLE_ALIASES = {
@@ -193,7 +199,8 @@ class MultiRankLinear(nn.Module):
 
     ``A_k: [r_k, in]``, ``B_k: [out', r_k]``, ``s_k = alpha / r_k`` (``alpha`` is each
     component's LoRA alpha, as peft's ``lora_alpha``: component k alone is a standard LoRA of
-    rank ``r_k`` and scale ``alpha / r_k``); all components share one
+    rank ``r_k`` and scale ``alpha / r_k``; ``scale="none"``: ``s_k = 1``, alpha unused);
+    all components share one
     matmul into the concatenated rank space (``lora_A: [R, in]``, ``lora_B: [out', R]``,
     ``R = sum r_k``). ``P`` scatters the ``out'`` adapted rows into the output (identity
     unless ``out_index`` restricts the adapter to some rows, e.g. the q and v slices of a
@@ -223,10 +230,13 @@ class MultiRankLinear(nn.Module):
         *,
         out_index: torch.Tensor | None = None,
         router: bool = False,
+        scale: str = "alpha_over_rank",
     ):
         super().__init__()
         if not ranks or any(int(r) < 1 for r in ranks):
             raise ValueError(f"ranks must be positive integers, got {list(ranks)}")
+        if scale not in SCALES:
+            raise ValueError(f"unknown scale {scale!r}; available: {', '.join(SCALES)}")
         self.base = base
         for p in self.base.parameters():
             p.requires_grad_(False)
@@ -236,7 +246,9 @@ class MultiRankLinear(nn.Module):
         n_out = base.out_features if out_index is None else int(out_index.numel())
         self.lora_A = nn.Parameter(torch.zeros(total, base.in_features, device=dev, dtype=dt))
         self.lora_B = nn.Parameter(torch.zeros(n_out, total, device=dev, dtype=dt))
-        scales = torch.cat([torch.full((r,), alpha / r) for r in self.ranks])
+        scales = torch.cat(
+            [torch.full((r,), alpha / r if scale == "alpha_over_rank" else 1.0) for r in self.ranks]
+        )
         self.register_buffer("rank_scale", scales.to(dev, dt))
         self.register_buffer(
             "component_index",
@@ -284,6 +296,20 @@ class MultiRankLinear(nn.Module):
                 nn.init.xavier_normal_(self.lora_A[start : start + r])
                 start += r
             self.lora_B.zero_()
+        self.frozen_weight = None
+
+    def init_default(self) -> None:
+        """torch's default init of both matrices (the seed article's sketch): each component's
+        ``A_k [r_k, in]`` and ``B_k [out', r_k]`` drawn as ``nn.Linear`` draws a weight of that
+        shape (``kaiming_uniform_(a=sqrt(5))``: uniform in ``+-1 / sqrt(fan_in)``, fan_in
+        ``in`` for ``A_k`` and ``r_k`` for ``B_k``), component by component, ``A_k`` first.
+        ``B`` is not zero, so the layer does *not* start at the source."""
+        with torch.no_grad():
+            start = 0
+            for r in self.ranks:
+                nn.init.kaiming_uniform_(self.lora_A[start : start + r], a=math.sqrt(5))
+                nn.init.kaiming_uniform_(self.lora_B[:, start : start + r], a=math.sqrt(5))
+                start += r
         self.frozen_weight = None
 
     def init_svd(self, init_weights: torch.Tensor | None = None) -> None:
@@ -431,12 +457,14 @@ def attach_adapters(
     init: str = "zero",
     router: bool = False,
     init_weights: torch.Tensor | None = None,
+    scale: str = "alpha_over_rank",
 ) -> dict[str, MultiRankLinear]:
     """Wrap every ``nn.Linear`` in ``blocks`` whose name inside its block (``attn.q_proj``,
     ``mlp.c_fc``, timm ``attn.qkv``, ``mlp.fc1``) or role alias (``attn.q``, ``attn.v``,
     ``attn.out``, ``mlp.in``, ``mlp.out``, see ``ROLE_ALIASES``) matches a pattern of
     ``targets``. A fused ``attn.qkv`` matched only through its q/k/v roles gets an adapter
-    restricted to those output slices. ``init``: ``zero`` or ``svd`` (see ``MultiRankLinear``).
+    restricted to those output slices. ``init``: ``zero``, ``svd`` or ``default`` and
+    ``scale``: ``alpha_over_rank`` or ``none`` (see ``MultiRankLinear``).
     Returns ``{"block<i>.<name>": adapter}`` with ``i`` the position in ``blocks``."""
     if init not in INITS:
         raise ValueError(f"unknown init {init!r}; available: {', '.join(INITS)}")
@@ -457,9 +485,13 @@ def attach_adapters(
                     continue
             parent_name, _, child = name.rpartition(".")
             parent = block.get_submodule(parent_name) if parent_name else block
-            adapter = MultiRankLinear(module, ranks, alpha, out_index=out_index, router=router)
+            adapter = MultiRankLinear(
+                module, ranks, alpha, out_index=out_index, router=router, scale=scale
+            )
             if init == "svd":
                 adapter.init_svd(init_weights)
+            elif init == "default":
+                adapter.init_default()
             setattr(parent, child, adapter)
             wrapped[f"block{bi}.{name}"] = adapter
     if not wrapped:

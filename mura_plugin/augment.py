@@ -14,6 +14,13 @@ by the runner per batch), so they are reproducible and cheap:
   here), at a crop's inner edges the bilinear taps may read the neighbouring pixel outside
   the box (torchvision crops first, so it repeats the box's edge pixel), and values stay
   float (PIL rounds each view to 8 bits).
+* ``random_rotations`` (``make_views(rotate_degrees=d)``, off by default) rotates each view
+  about its centre by an angle uniform in ``[-d, d]`` degrees, as torchvision's
+  ``RandomAffine(degrees=d)`` (rotation only) after the crop: a second bilinear
+  ``grid_sample`` with torchvision's tensor ``rotate`` geometry and its ``fill=0`` rule
+  (zero outside the view, edge pixels weighted by the interpolated coverage), so it equals
+  ``transforms.functional.rotate(view, angle, BILINEAR, fill=0)``. ``RandomAffine``'s own
+  default interpolation is nearest; views here are bilinear, as the crops.
 * ``augmix`` is the AugMix of TPT's and TDA's ``AugMixAugmenter`` (data/augmix_ops.py of
   azshue/TPT and kdiAAA/TDA): 3 chains of 1-3 operations drawn from 9 PIL operations
   (autocontrast, equalize, posterize, rotate, solarize, shear_x, shear_y, translate_x,
@@ -42,6 +49,8 @@ __all__ = [
     "crop_boxes",
     "make_views",
     "random_resized_crops",
+    "random_rotations",
+    "rotate",
 ]
 
 _ATTEMPTS = 10  # torchvision's RandomResizedCrop.get_params
@@ -121,6 +130,47 @@ def random_resized_crops(
     grid = F.affine_grid(theta, [n, c, h, w], align_corners=False)
     out = F.grid_sample(src, grid, mode="bilinear", padding_mode="border", align_corners=False)
     return out.view(n_views, b, c, h, w)
+
+
+def rotate(images: torch.Tensor, degrees: torch.Tensor) -> torch.Tensor:
+    """``images [N, C, H, W]`` each rotated counter-clockwise by ``degrees [N]`` about its
+    centre, bilinearly, zero outside: torchvision's ``functional.rotate(img, angle,
+    InterpolationMode.BILINEAR, fill=0)`` on tensors (pixel-centre grid in pixel units, so
+    non-square images rotate without shearing; the sampled image is multiplied by the
+    sampled coverage of an all-ones channel, as torchvision applies ``fill``)."""
+    n, c, h, w = images.shape
+    rad = degrees.to(torch.float64).cpu() * (math.pi / 180)
+    cos, sin = rad.cos(), rad.sin()
+    # source = R(-angle) . output in centred pixel coordinates (y down), written in
+    # affine_grid's normalised coordinates (x / (w / 2), y / (h / 2))
+    theta = torch.zeros(n, 2, 3, dtype=torch.float64)
+    theta[:, 0, 0], theta[:, 0, 1] = cos, -sin * (h / w)
+    theta[:, 1, 0], theta[:, 1, 1] = sin * (w / h), cos
+    theta = theta.to(images.device, images.dtype)
+    grid = F.affine_grid(theta, [n, c + 1, h, w], align_corners=False)
+    ones = torch.ones(n, 1, h, w, dtype=images.dtype, device=images.device)
+    out = F.grid_sample(
+        torch.cat([images, ones], dim=1),
+        grid,
+        mode="bilinear",
+        padding_mode="zeros",
+        align_corners=False,
+    )
+    return out[:, :c] * out[:, c:]
+
+
+def random_rotations(
+    images: torch.Tensor, degrees: float, generator: torch.Generator
+) -> torch.Tensor:
+    """``images [N, C, H, W]`` each rotated by its own angle uniform in ``[-degrees, degrees]``
+    (float64 draws from ``generator``, one per image in order): ``RandomAffine(degrees)``
+    with rotation only (see ``rotate``)."""
+    if degrees < 0:
+        raise ValueError(f"degrees must be >= 0, got {degrees}")
+    angles = torch.empty(images.shape[0], dtype=torch.float64).uniform_(
+        -degrees, degrees, generator=generator
+    )
+    return rotate(images, angles)
 
 
 # -- AugMix ------------------------------------------------------------------------------
@@ -311,10 +361,13 @@ def make_views(
     scale: tuple[float, float] = (0.08, 1.0),
     flip: bool = True,
     augmix_views: bool = False,
+    rotate_degrees: float = 0.0,
 ) -> torch.Tensor:
     """``[V, B, C, H, W]``: the original images first (when ``include_original``), then
     ``n_views`` random resized crops (TPT's preprocessing: RandomResizedCrop + horizontal
-    flip), each AugMix-ed when ``augmix_views`` (TPT/TDA's ``AugMixAugmenter`` with
+    flip), each rotated by an angle uniform in ``[-rotate_degrees, rotate_degrees]`` when
+    ``rotate_degrees > 0`` (``random_rotations``: RandomAffine after the crop; 0 draws
+    nothing), then AugMix-ed when ``augmix_views`` (TPT/TDA's ``AugMixAugmenter`` with
     ``augmix=True``). At least one view is required."""
     if n_views < 0 or (n_views == 0 and not include_original):
         raise ValueError(
@@ -323,6 +376,8 @@ def make_views(
     parts = [images.unsqueeze(0)] if include_original else []
     if n_views > 0:
         crops = random_resized_crops(images, n_views, generator, scale=scale, flip=flip)
+        if rotate_degrees > 0:
+            crops = random_rotations(crops.flatten(0, 1), rotate_degrees, generator).view_as(crops)
         if augmix_views:
             crops = augmix(crops.flatten(0, 1), generator).view_as(crops)
         parts.append(crops)

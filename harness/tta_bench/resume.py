@@ -30,8 +30,22 @@ class ResumeMismatchError(ValueError):
 
 
 def method_config_hash(method_config: Any) -> str:
-    """A short hash of the resolved method config (part of the run key)."""
-    blob = json.dumps(config_dict(method_config), sort_keys=True, default=str)
+    """A short hash of the resolved method config (part of the run key).
+
+    A Config class may name fields added after results were recorded whose defaults
+    reproduce the earlier behaviour exactly (``hash_omit_at_default``, a tuple of names):
+    while such a field holds its default it is left out of the hash, so the run key of
+    every earlier run still holds; any other value is hashed as usual."""
+    import dataclasses
+
+    data = config_dict(method_config)
+    omit = getattr(type(method_config), "hash_omit_at_default", ())
+    if omit and dataclasses.is_dataclass(method_config):
+        defaults = type(method_config)()
+        for name in omit:
+            if name in data and getattr(method_config, name) == getattr(defaults, name):
+                data.pop(name)
+    blob = json.dumps(data, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
 

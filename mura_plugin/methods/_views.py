@@ -185,16 +185,19 @@ class LossScaler:
 
 def configured_views(images: torch.Tensor, cfg: Any, generator: torch.Generator) -> torch.Tensor:
     """``[V, B, C, H, W]`` views of ``images`` as a config with ``views``,
-    ``include_original``, ``crop_scale_min``, ``flip`` and (optionally) ``augmix`` asks
-    (shared with ZERO and TDA)."""
+    ``include_original``, ``crop_scale_min``, ``flip`` and (optionally) ``augmix``,
+    ``crop_scale_max`` (the crop's upper area bound, default 1.0) and ``rotate_degrees``
+    (a RandomAffine rotation of each crop within +-degrees, default 0: none, nothing drawn)
+    asks (shared with ZERO and TDA)."""
     return make_views(
         images,
         cfg.views,
         generator,
         include_original=cfg.include_original,
-        scale=(cfg.crop_scale_min, 1.0),
+        scale=(cfg.crop_scale_min, float(getattr(cfg, "crop_scale_max", 1.0))),
         flip=cfg.flip,
         augmix_views=bool(getattr(cfg, "augmix", False)),
+        rotate_degrees=float(getattr(cfg, "rotate_degrees", 0.0)),
     )
 
 

@@ -154,7 +154,7 @@ class _Cache:
         self.keys = torch.zeros(classes, shots, dim, device=device)
         self.entropy = torch.full((classes, shots), math.inf, device=device)
         self.values = torch.zeros(classes, shots, value_dim, device=device)
-        self.stamp = torch.full((classes, shots), -1, dtype=torch.long)
+        self.stamp = torch.full((classes, shots), -1, dtype=torch.long, device=device)
         self.inserted = 0
 
     def evictable(self, cls: int) -> int:

@@ -1,0 +1,351 @@
+"""BoostAdapter: TDA's historical caches plus boosting samples of the test image (online).
+
+Paper: Zhang et al., "BoostAdapter: Improving Vision-Language Test-Time Adaptation via
+Regional Bootstrapping", NeurIPS 2024 (https://arxiv.org/abs/2410.15430). Official code:
+https://github.com/taolinzhang/BoostAdapter, read at commit
+9983e1a1fdbd8587177d89a594d19458ad181a30 (runner.py, utils.py, scripts/run.sh,
+configs/*.yaml, datasets/utils.py, datasets/resize_crop.py, datasets/imagenet*.py,
+datasets/__init__.py; the code is TDA's, ``--mode boostadapter``).
+
+Setting (defaults = the official code, ``scripts/run.sh``: ``--mode boostadapter --views 64``):
+per test image, 64 views, the image itself and 63 RandomResizedCrop(scale 0.08-1) +
+horizontal flip views without AugMix (``AugMixAugmenter(..., augmix=False)``); their CLIP
+logits and normalised features.
+
+* Query (``input``): on the corruption and cross-domain sets (the official
+  ``infer_ori_image`` list: ``contrast/jpeg/pixelate/...``) the original image: its feature,
+  logits, entropy, probability and prediction (``original``). On the natural shifts
+  (ImageNet-A, -V2, -R, -Sketch) TDA's confident input: the ``int(64 * 0.1) = 6``
+  lowest-entropy views give the mean feature (not renormalised), the mean logits, the
+  entropy of the mean probability and its argmax (``confident``). Clean ImageNet is loaded
+  with CLIP's single-view preprocess there: one view, no boosting samples, so BoostAdapter
+  is TDA with its FIFO negative cache (``single``). ``input=official`` picks per dataset.
+* Historical positive cache: TDA's, 3 shots per pseudo-class, the lowest-entropy entries
+  kept (stable sort; ``tda._Cache``), one-hot values.
+* Boosting samples: the ``int(64 * 0.1) = 6`` lowest-entropy of all 64 views (the original
+  included) are offered, with their own prediction and entropy, to a copy of the positive
+  cache with ``3 + delta`` shots per class (the same lowest-entropy rule: boosting samples
+  compete with the historical entries of their class); the copy is used for this image only.
+* Negative cache: 2 shots, alpha 0.117, beta 1.0, entered when entropy / log2(C) lies in
+  (0.2, 0.5), values the masks ``0.03 < p < 1.0``; official BoostAdapter passes ``True`` as
+  ``include_prob_map`` and leaves ``fifo=True``: it keeps the latest 2 entries per class
+  (TDA keeps the lowest-entropy ones) (``neg_fifo``).
+* Logits: ``clip_logits + A(f; boosted positive copy) - A(f; negative)`` with TDA's
+  affinity ``A(f) = alpha * exp(-beta (1 - f K^T)) V``; order per image: positive update,
+  boosted copy, negative update, logits.
+* (alpha, beta, delta) per dataset (``pos_alpha``/``pos_beta``/``delta`` None), configs:
+  ImageNet (2.0, 5.0, -), -A (2.0, 5.0, 3), -V2 (1.0, 8.0, 1), -R (1.0, 8.0, 3), -Sketch
+  (2.363, 7.45, 1). Other sets (ImageNet-C, the digits and CIFAR suites) take ImageNet's
+  (2.0, 5.0); imagenet.yaml has no delta (one view: none is needed), so ``default_delta``
+  is 3, the ``--delta 3`` of scripts/run.sh (which ``runner.py`` never reads: it takes
+  ``cfg['delta']``) and ImageNet-A's, whose alpha/beta are ImageNet's.
+* Official head (``text_head=official``): TDA's loaders, the same here: 7 templates on
+  ImageNet, -A, -V2, CLIP's 80 on -R and -Sketch (``tda.official_templates``).
+
+TTA-VLM (TomSheng21/tta-vlm at commit bcc735fe49cbd2ab5b683781c41c66e1d3f78589,
+online_method/boostadapter.py, online_tta.py) departs from it (``tta_vlm``):
+
+* ``input="original"``: the original image is the query on every set, ImageNet and the
+  natural shifts included (always 64 views);
+* ``entropy_eps=1e-5``: the entropies stored in the caches and the negative gate are
+  ``-sum p log(p + 1e-5)`` (the view ranking keeps the exact entropy);
+* ``default_delta=1``: its ImageNet ('I') delta, which the uncovered sets take here.
+
+Not in ``tta_vlm``, set by the harness's option itself (``tta_bench.tta_vlm``): AugMix on
+its fine-grained sets (``AugMixAugmenter(..., augmix=len(dset) > 1)``: ``augmix`` follows
+the catalogue's ``fine_grained``), its single prompt "a photo of a {}." (``--ctx_init
+a_photo_of_a``, as the protocol's templates) and its stream of batch size 1. Its cache
+values are float32 under autocast (the official: fp16).
+
+What differs and why:
+
+* Alphas: as TDA here, ``scale_alpha`` (default on) multiplies both alphas by
+  ``logit_scale / 100`` (the official code assumes CLIP's 100).
+* Precision: the official model is fp16 throughout (``clip.load``); here fp16 autocast on
+  CUDA over fp32 weights, features, caches and affinities in float32; float32 on the CPU.
+* Views: torchvision's RandomResizedCrop boxes on the image at the model's size, one
+  batched ``grid_sample`` (augment.py), not PIL crops of the raw image (the official
+  ``resize_crop.RandomResizedCrop`` is torchvision's with bilinear, antialiased resizing).
+* Ranking ties: a stable sort (the official ``torch.argsort`` is not stable).
+* The official cross-domain configs (10 fine-grained sets) are not carried: this
+  harness has none of those sets.
+* Caches are TDA's fixed-size tensors per class (``tda._Cache``, which reproduces the
+  official stable-sort eviction); the boosted copy is a tensor copy with ``delta`` more
+  slots; the FIFO negative cache replaces its oldest entry.
+
+Measured on ``digits-c``: not measured (no benchmark runs in this session).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from types import SimpleNamespace
+from typing import Optional
+
+import torch
+
+from mura_plugin.losses import view_entropy
+from mura_plugin.methods._views import TEXT_HEADS, check_text_head, class_head, configured_views
+from mura_plugin.methods.tda import _Cache, official_templates
+from tta_bench.bounds import bounded, one_of
+from tta_bench.method import PRECISIONS, Method, autocast_context, check_precision
+
+__all__ = [
+    "BoostAdapter",
+    "BoostAdapterConfig",
+    "IMAGENET_FAMILY",
+    "INPUTS",
+    "boosted_cache",
+    "official_input",
+]
+
+#: official: per dataset (``official_input``); single: the image alone, no boosting;
+#: original: the image is the query, its views the boosting samples; confident: the mean of
+#: the confident views is the query (TDA's multi-view input), the views boosting samples.
+INPUTS = ("official", "single", "original", "confident")
+#: Where the official query is the confident views' mean (its natural-shift loaders).
+NATURAL_SHIFTS = ("imagenet_a", "imagenet_v2", "imagenet_r", "imagenet_sketch", "imagenet_ood")
+#: ImageNet and the sets with its classes (TTA-VLM's single-letter sets, and ImageNet-C):
+#: where the official heads are ImageNet's.
+IMAGENET_FAMILY = ("imagenet", "imagenet_c", *NATURAL_SHIFTS)
+#: (alpha, beta, delta) of the official configs/*.yaml (imagenet.yaml has no delta).
+OFFICIAL = {
+    "imagenet": (2.0, 5.0, None),
+    "imagenet_a": (2.0, 5.0, 3),
+    "imagenet_v2": (1.0, 8.0, 1),
+    "imagenet_r": (1.0, 8.0, 3),
+    "imagenet_sketch": (2.363, 7.45, 1),
+}
+
+
+def official_input(dataset: str | None) -> str:
+    """The official query rule for ``dataset`` (see the module docstring)."""
+    if dataset in NATURAL_SHIFTS:
+        return "confident"
+    if dataset == "imagenet":
+        return "single"
+    return "original"
+
+
+@dataclass
+class BoostAdapterConfig:
+    pos_shots: int = bounded(3, ge=1)
+    # None: the official value for the dataset (OFFICIAL, else ImageNet's)
+    pos_alpha: Optional[float] = bounded(None, ge=0)
+    pos_beta: Optional[float] = bounded(None, ge=0)
+    # extra positive slots per class for the boosting samples; None: the dataset's config
+    delta: Optional[int] = bounded(None, ge=0)
+    default_delta: int = bounded(3, ge=0)  # sets without an official delta
+    neg_shots: int = bounded(2, ge=1)
+    neg_alpha: float = bounded(0.117, ge=0)
+    neg_beta: float = bounded(1.0, ge=0)
+    neg_entropy_lower: float = bounded(0.2, ge=0, le=1)
+    neg_entropy_upper: float = bounded(0.5, ge=0, le=1)
+    neg_mask_lower: float = bounded(0.03, ge=0, le=1)
+    neg_mask_upper: float = bounded(1.0, ge=0, le=1)
+    neg_fifo: bool = True  # official BoostAdapter: the latest entries (TDA: lowest entropy)
+    scale_alpha: bool = True  # alphas are tuned for logit scale 100: rescale to the model's
+    input: str = one_of("official", INPUTS)
+    n_views: int = bounded(63, ge=1)  # besides the original (--views 64)
+    # fraction of the views kept: the confident query and the boosting samples (int(V * 0.1))
+    selection: float = bounded(0.1, gt=0, le=1)
+    augmix: bool = False  # AugMix each view (official: crops + flips only)
+    crop_scale_min: float = bounded(0.08, gt=0, le=1)
+    flip: bool = True
+    entropy_eps: float = bounded(0.0, ge=0)  # TTA-VLM's -sum p log(p + 1e-5); 0: exact
+    chunk_views: int = bounded(256, ge=1)  # views per forward
+    text_head: str = one_of("protocol", TEXT_HEADS)  # protocol | official (official_templates)
+    precision: str = one_of(
+        "fp16", PRECISIONS
+    )  # autocast on CUDA (the official code runs CLIP in fp16); CPU: fp32
+
+
+def _entropy(logits: torch.Tensor, eps: float) -> torch.Tensor:
+    """Entropy (nats) of ``softmax(logits)`` over the last axis: exact (``eps`` 0) or
+    TTA-VLM's ``-sum p log(p + eps)``."""
+    if eps == 0:
+        return view_entropy(logits)
+    return _prob_entropy(logits.float().softmax(dim=-1), eps)
+
+
+def _prob_entropy(probs: torch.Tensor, eps: float) -> torch.Tensor:
+    """TTA-VLM's ``-sum p log(p + eps)`` of probabilities ``[..., C]``."""
+    return -(probs * torch.log(probs + eps)).sum(dim=-1)
+
+
+def boosted_cache(
+    pos: _Cache, keys: torch.Tensor, preds: torch.Tensor, ents: torch.Tensor, delta: int
+) -> _Cache:
+    """A copy of the historical positive cache with ``delta`` more slots per class, offered
+    the boosting samples (``keys [k, D]``, predictions ``[k]``, entropies ``[k]``) in order:
+    the official ``deepcopy(pos_cache)`` + ``update_cache(..., shot_capacity + delta,
+    fifo=False)``. ``pos`` is not changed."""
+    c, shots, d = pos.keys.shape
+    out = _Cache(c, shots + delta, d, pos.values.shape[-1], pos.keys.device)
+    out.keys[:, :shots] = pos.keys
+    out.entropy[:, :shots] = pos.entropy
+    out.values[:, :shots] = pos.values
+    out.stamp[:, :shots] = pos.stamp
+    out.inserted = pos.inserted
+    eye = torch.eye(c, device=pos.keys.device)
+    for key, pred, ent in zip(keys, preds.tolist(), ents.tolist()):
+        out.offer(int(pred), key, float(ent), eye[int(pred)])
+    return out
+
+
+class _FifoCache(_Cache):
+    """A cache that keeps the latest ``shots`` entries per class (the official
+    ``update_cache(..., fifo=True)``): a free slot, else the oldest entry's."""
+
+    def offer(self, cls: int, key: torch.Tensor, ent: float, value: torch.Tensor) -> None:
+        free = ~torch.isfinite(self.entropy[cls])
+        slot = int(free.int().argmax()) if bool(free.any()) else int(self.stamp[cls].argmin())
+        self.keys[cls, slot] = key
+        self.entropy[cls, slot] = ent
+        self.values[cls, slot] = value
+        self.stamp[cls, slot] = self.inserted
+        self.inserted += 1
+
+
+class BoostAdapter(Method):
+    Config = BoostAdapterConfig
+    stream_kind = "online"
+    adapts = False  # caches live in the method; the shared model is never changed
+    tta_vlm = {"input": "original", "entropy_eps": 1e-5, "default_delta": 1}
+
+    def setup(self) -> None:
+        cfg = self.config
+        check_precision(cfg.precision)
+        check_text_head(cfg.text_head)
+        if cfg.input not in INPUTS:
+            raise ValueError(f"unknown input {cfg.input!r}; available: {', '.join(INPUTS)}")
+        if not 0.0 < cfg.selection <= 1.0:
+            raise ValueError(f"selection must be in (0, 1], got {cfg.selection}")
+        if cfg.pos_shots < 1 or cfg.neg_shots < 1 or cfg.n_views < 1:
+            raise ValueError("pos_shots, neg_shots and n_views must be >= 1")
+        dataset = self.model.dataset
+        self.input = official_input(dataset) if cfg.input == "official" else cfg.input
+        alpha, beta, delta = OFFICIAL.get(dataset or "", OFFICIAL["imagenet"])
+        self.pos_alpha = alpha if cfg.pos_alpha is None else cfg.pos_alpha
+        self.pos_beta = beta if cfg.pos_beta is None else cfg.pos_beta
+        if cfg.delta is not None:
+            delta = cfg.delta
+        self.delta = cfg.default_delta if delta is None else delta
+        # the method's own head: the shared model is never changed (adapts = False)
+        self.head = class_head(self.model, cfg.text_head, official_templates(dataset))
+        self.reset()
+
+    def resolved_settings(self) -> dict:
+        return {
+            "input": self.input,
+            "pos_alpha": self.pos_alpha,
+            "pos_beta": self.pos_beta,
+            "delta": self.delta,
+        }
+
+    def class_embeddings(self) -> torch.Tensor:
+        """The text head this method classifies with ``[C, D]`` (``text_head``)."""
+        return self.head
+
+    def reset(self) -> None:
+        c, d = self.head.shape
+        dev = self.device
+        self.pos = _Cache(c, self.config.pos_shots, d, c, dev)
+        neg = _FifoCache if self.config.neg_fifo else _Cache
+        self.neg = neg(c, self.config.neg_shots, d, c, dev)
+
+    def _encode(self, images: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        with autocast_context(cfg.precision, self.device):
+            feats = torch.cat(
+                [
+                    self.model.encode_image(images[i : i + cfg.chunk_views])
+                    for i in range(0, len(images), cfg.chunk_views)
+                ]
+            )
+        feats = feats.float()
+        return feats / feats.norm(dim=-1, keepdim=True)
+
+    def _inputs(self, images: torch.Tensor):
+        """Per image: query feature ``[B, D]``, logits ``[B, C]``, entropy ``[B]`` (nats),
+        probabilities ``[B, C]``; and the boosting samples: features ``[k, B, D]``,
+        predictions ``[k, B]``, entropies ``[k, B]`` (``k = int(V * selection)`` of the
+        ``V`` views; None for ``input=single``)."""
+        cfg, eps = self.config, self.config.entropy_eps
+        scale = self.model.logit_scale
+        head = self.head.float()
+        if self.input == "single":
+            feats = self._encode(images)
+            logits = (scale * feats @ head.t()).float()
+            return feats, logits, _entropy(logits, eps), logits.softmax(dim=-1), None
+        views = configured_views(images, _view_settings(cfg), self.generator)
+        v, b = views.shape[:2]
+        feats = self._encode(views.flatten(0, 1)).view(v, b, -1)
+        logits = (scale * feats @ head.t()).float()  # [V, B, C]
+        order = view_entropy(logits).argsort(dim=0, stable=True)  # [V, B], exact entropy
+        if self.input == "original":
+            q_feat, q_logits = feats[0], logits[0]
+            q_ent, q_probs = _entropy(q_logits, eps), q_logits.softmax(dim=-1)
+        else:
+            k = max(1, int(v * cfg.selection))
+            chosen = order[:k]
+            kept = logits.gather(0, chosen[..., None].expand(-1, -1, logits.shape[-1]))
+            q_feat = feats.gather(0, chosen[..., None].expand(-1, -1, feats.shape[-1])).mean(0)
+            q_logits = kept.mean(dim=0)
+            q_probs = kept.softmax(dim=-1).mean(dim=0)
+            if eps:
+                q_ent = _prob_entropy(q_probs, eps)
+            else:  # the official avg_entropy, in log space
+                log_mean = kept.log_softmax(dim=-1).logsumexp(dim=0) - math.log(k)
+                q_ent = -(log_mean.exp() * log_mean).sum(dim=-1)
+        kb = int(v * cfg.selection)  # the official int(): no boosting below 10 views
+        chosen = order[:kb]
+        b_feats = feats.gather(0, chosen[..., None].expand(-1, -1, feats.shape[-1]))
+        b_logits = logits.gather(0, chosen[..., None].expand(-1, -1, logits.shape[-1]))
+        boost = (b_feats, b_logits.argmax(dim=-1), _entropy(b_logits, eps))
+        return q_feat, q_logits, q_ent, q_probs, boost
+
+    def final_logits(
+        self, feature: torch.Tensor, logits: torch.Tensor, positive: _Cache
+    ) -> torch.Tensor:
+        """``logits + A(feature; positive) - A(feature; self.neg)`` for one image."""
+        cfg = self.config
+        ratio = float(self.model.logit_scale) / 100.0 if cfg.scale_alpha else 1.0
+        out = logits.clone()
+        out += positive.logits(feature, self.pos_alpha * ratio, self.pos_beta)
+        out -= self.neg.logits(feature, cfg.neg_alpha * ratio, cfg.neg_beta)
+        return out
+
+    @torch.no_grad()
+    def step(self, images: torch.Tensor) -> torch.Tensor:
+        cfg = self.config
+        feats, logits, ent, probs, boost = self._inputs(images)
+        c = logits.shape[-1]
+        prop = ent / math.log2(c)  # the official normalisation (nats over log2)
+        eye = torch.eye(c, device=logits.device)
+        out = []
+        for i in range(images.shape[0]):
+            pred = int(logits[i].argmax())
+            self.pos.offer(pred, feats[i], float(ent[i]), eye[pred])
+            positive = self.pos
+            if boost is not None and boost[0].shape[0] > 0:
+                positive = boosted_cache(
+                    self.pos, boost[0][:, i], boost[1][:, i], boost[2][:, i], self.delta
+                )
+            if cfg.neg_entropy_lower < float(prop[i]) < cfg.neg_entropy_upper:
+                mask = (probs[i] > cfg.neg_mask_lower) & (probs[i] < cfg.neg_mask_upper)
+                self.neg.offer(pred, feats[i], float(ent[i]), mask.float())
+            out.append(self.final_logits(feats[i], logits[i], positive))
+        return torch.stack(out)
+
+
+def _view_settings(cfg: BoostAdapterConfig) -> SimpleNamespace:
+    """``configured_views``' fields (the original always first)."""
+    return SimpleNamespace(
+        views=cfg.n_views,
+        include_original=True,
+        crop_scale_min=cfg.crop_scale_min,
+        flip=cfg.flip,
+        augmix=cfg.augmix,
+    )
