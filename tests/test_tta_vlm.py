@@ -4,6 +4,8 @@ TTA-VLM settings, each only where the run does not set it."""
 
 from __future__ import annotations
 
+import pytest
+
 from tta_bench import runner
 from tta_bench.resolve import resolve_run
 from tta_bench.tta_vlm import PROMPT
@@ -53,3 +55,23 @@ def test_a_run_under_the_option_is_scored(tmp_path):
     cell = record["cells"][0]
     assert cell["n"] == 12 and cell["batches"] == 12 and 0.0 <= cell["accuracy"] <= 1.0
     assert record["config"]["tta_vlm"] is True
+
+
+TTA_VLM_METHODS = ("ctpt", "mta", "tps", "rtpt", "rlcf", "dmn", "boostadapter", "dpe",
+                   "onzeta", "ecalp", "dynaprompt", "tpt", "zero", "lora", "tda")  # fmt: skip
+
+
+@pytest.mark.parametrize("name", TTA_VLM_METHODS)
+def test_each_tta_vlm_method_runs_under_the_option(name, tmp_path):
+    """Every method of TTA-VLM's benchmark declares its kind and runs on digits-c under the
+    option with its defaults (4 images: batch size 1, reset as its kind says)."""
+    from tta_bench.registry import registry
+
+    cls = registry("methods").get(name)
+    assert cls.stream_kind in ("episodic", "online"), name
+    overrides = ["tta_vlm=true", "protocol.shifts=[contrast]", "protocol.max_images=4",
+                 "seeds=[0]", "progress=false", "reference=false"]  # fmt: skip
+    _, spec = resolve_run(method=name, overrides=overrides)
+    assert spec.protocol.batch_size == 1 and spec.protocol.templates == (PROMPT,)
+    cell = runner.run(spec, tmp_path / "r.json")["cells"][0]
+    assert cell["n"] == 4 and cell["accuracy"] is not None

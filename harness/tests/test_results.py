@@ -198,3 +198,30 @@ def test_the_file_on_disk_is_always_a_whole_snapshot(finished, tmp_path):
     stop.set()
     reader.join()
     assert not bad and seen and seen <= {1, 2, 3, 4}
+
+
+def test_fields_added_at_a_behaviour_preserving_default_stay_out_of_the_run_key():
+    """``hash_omit_at_default``: a field added later leaves earlier run keys as they were
+    while it holds its default, and changes the key at any other value."""
+    import dataclasses
+
+    from tta_bench.resume import method_config_hash
+
+    @dataclasses.dataclass
+    class Before:
+        lr: float = 1e-3
+
+    @dataclasses.dataclass
+    class After:
+        hash_omit_at_default = ("rotate",)
+        lr: float = 1e-3
+        rotate: float = 0.0
+
+    @dataclasses.dataclass
+    class Undeclared:
+        lr: float = 1e-3
+        rotate: float = 0.0
+
+    assert method_config_hash(After()) == method_config_hash(Before())
+    assert method_config_hash(After(rotate=10.0)) != method_config_hash(Before())
+    assert method_config_hash(Undeclared()) != method_config_hash(Before())
