@@ -91,7 +91,10 @@ def spec_from_config(cfg: Any, method: str, model: str) -> RunSpec:
         applied.update({f"protocol.{k}": v for k, v in overrides.items() if k not in given})
     protocol = load_protocol(cfg.suite, **overrides)
     if cfg.get("tta_vlm"):
-        fine_grained = bool(_dataset_entry(protocol.dataset).get("fine_grained", False))
+        from tta_bench import catalog
+
+        entry = catalog.entry("datasets", protocol.dataset)  # {} when not catalogued
+        fine_grained = bool(entry.get("fine_grained", False))
         mcfg, changed = tta_vlm.method_config(method_cls, mcfg, fine_grained)
         check_values(mcfg, "method")
         applied.update({f"method.{k}": v for k, v in changed.items()})
@@ -131,15 +134,6 @@ def spec_from_config(cfg: Any, method: str, model: str) -> RunSpec:
         loggers=loggers,
         shard=part,
     )
-
-
-def _dataset_entry(name: str) -> dict[str, Any]:
-    from tta_bench import catalog
-
-    try:
-        return dict(catalog.entry("datasets", name))
-    except (KeyError, ValueError):
-        return {}
 
 
 def resolve_device(name: str) -> torch.device:
