@@ -135,7 +135,7 @@ def test_an_unknown_kind_or_name_exits_2_with_did_you_mean(capsys):
     assert rc == 2
     assert "unknown method 'norm_tnet'. Did you mean 'norm_tent'?" in err
     rc, _, err = cli(capsys, "validate", "metric", "acuracy")
-    assert rc == 2 and "Did you mean 'accuracy'?" in err
+    assert rc == 2 and "Did you mean 'accuracy'" in err
     rc, _, err = cli(capsys, "validate", "method", "zeroshot", "--model", "tiny-clp")
     assert rc == 2 and "Did you mean 'tiny-clip'?" in err
 

@@ -125,6 +125,7 @@ class _Cell:
 
     n: int = 0
     correct: int = 0
+    n_known: int = 0  # in-distribution rows (all but an open-set cell's OOD rows)
     ref_correct: int = 0
     batches: int = 0
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
@@ -143,11 +144,20 @@ class _Cell:
 class CellBook:
     """The cells of one group: predictions and costs folded in batch by batch."""
 
-    def __init__(self, stream: Stream, *, reference: bool, is_reference: bool, per_class: bool):
+    def __init__(
+        self,
+        stream: Stream,
+        *,
+        reference: bool,
+        is_reference: bool,
+        per_class: bool,
+        ood_score: str = "msp",
+    ):
         self.stream = stream
         self.reference = reference
         self.is_reference = is_reference  # the method is the frozen model: its own reference
         self.per_class = per_class
+        self.ood_score = ood_score  # open-set cells (tta_bench.openset)
         self.cells: dict[int, _Cell] = {}
 
     def seen(self, domain: int) -> bool:
@@ -164,12 +174,14 @@ class CellBook:
         """Score one batch against its labels (which the method never saw)."""
         logits_cpu, labels_cpu = logits.detach().float().cpu(), labels.cpu()
         hit = logits_cpu.argmax(dim=1) == labels_cpu
+        known = labels_cpu >= 0  # an open-set cell's OOD rows are labelled -1
         ref_hit = None if ref_pred is None else ref_pred.cpu() == labels_cpu
         for d, sel in _rows_by_domain(batch):
             cell = self.cells.setdefault(d, _Cell())
             m = int(hit[sel].numel())
             share = m / len(batch)
             cell.n += m
+            cell.n_known += int(known[sel].sum())
             cell.correct += int(hit[sel].sum())
             if ref_hit is not None:
                 cell.ref_correct += int(ref_hit[sel].sum())
@@ -242,10 +254,13 @@ class CellBook:
             entry.update(accuracy=None, error=None, reference_accuracy=None, diverged=c.diverged)
         else:
             logits, labels = torch.cat(c.logits), torch.cat(c.labels)
-            entry.update(metrics.compute_all(logits, labels))
-            entry["error"] = 1.0 - c.correct / c.n
+            entry.update(metrics.compute_all(logits, labels, self.ood_score))
+            known = max(c.n_known, 1)
+            entry["error"] = 1.0 - c.correct / known
             ref = c.correct if self.is_reference else c.ref_correct
-            entry["reference_accuracy"] = ref / c.n if self.reference else None
+            entry["reference_accuracy"] = ref / known if self.reference else None
+            if c.n_known != c.n:  # open-set: the closed-set metrics score the known rows
+                entry.update(n_known=c.n_known, n_ood=c.n - c.n_known)
             if self.per_class:
                 entry["per_class_accuracy"] = metrics.per_class_accuracy(
                     logits, labels, logits.shape[1]

@@ -38,6 +38,15 @@ class ProtocolOverrides:
     #: is INDEX mod COUNT), for reset policies episodic_batch/episodic_sample only; the parts
     #: are combined exactly by ``tta-bench merge`` (``tta_bench.shard``). Not part of the id.
     shard: Optional[str] = None
+    #: Open-set evaluation (``tta_bench.openset``): an out-of-distribution dataset mixed into
+    #: every test split (its labels never reach the method), its arguments, its share of the
+    #: stream in (0, 1), the seed choosing its images, and the OOD score (msp | energy).
+    #: Part of the id.
+    ood_dataset: Optional[str] = None
+    ood_dataset_args: Optional[Any] = None
+    ood_ratio: Optional[float] = bounded(None, gt=0, lt=1)
+    ood_seed: Optional[int] = None
+    ood_score: Optional[str] = None
 
 
 @dataclass

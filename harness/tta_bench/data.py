@@ -90,6 +90,9 @@ class DomainStream:
     #: Images already at the model's input size must not be resized or cropped again.
     native_size: int | None = None
     metadata: dict[str, Any] = field(default_factory=dict)
+    #: An open-set split (``tta_bench.openset.mix``): label -1 marks an out-of-distribution
+    #: image, of none of the classes.
+    open_set: bool = False
 
     def __post_init__(self) -> None:
         missing = {"image", "label"} - set(self.dataset.column_names)
@@ -99,7 +102,8 @@ class DomainStream:
                 f"it has {self.dataset.column_names}"
             )
         labels = self.labels
-        bad = np.flatnonzero((labels < 0) | (labels >= len(self.classnames)))
+        lowest = -1 if self.open_set else 0
+        bad = np.flatnonzero((labels < lowest) | (labels >= len(self.classnames)))
         if len(bad):  # -1 of unlabeled splits, or more classes than names: never wrap around
             raise ValueError(
                 f"domain {self.name!r}: {len(bad)} label(s) outside 0..{len(self.classnames) - 1} "

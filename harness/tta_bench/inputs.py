@@ -135,6 +135,8 @@ class RunInputs:
             streams = dict.fromkeys(domains, clean)
         else:
             streams = {d: dataset_stream(protocol, data_dir, *d) for d in domains}
+        if protocol.ood is not None:  # open-set: the OOD images join every split
+            streams = open_set_streams(protocol, data_dir, streams)
         sources: list[Any] = []
         by_id: dict[int, int] = {}
         pending = 0  # bytes the run's lazily cached splits will write
@@ -286,6 +288,29 @@ class RunInputs:
             finally:
                 gen.release()
         return out
+
+
+def open_set_streams(
+    protocol: Protocol, data_dir: str | None, streams: dict[Domain, DomainStream]
+) -> dict[Domain, DomainStream]:
+    """Every distinct split of ``streams`` with the protocol's OOD set mixed in
+    (``tta_bench.openset.mix``; one mixed split per distinct split)."""
+    from tta_bench.openset import mix
+
+    assert protocol.ood is not None
+    ood = dataset_stream(
+        protocol,
+        data_dir,
+        dataset=protocol.ood["dataset"],
+        dataset_args=dict(protocol.ood["dataset_args"]),
+    )
+    mixed: dict[int, DomainStream] = {}
+    out = {}
+    for d, stream in streams.items():
+        if id(stream) not in mixed:
+            mixed[id(stream)] = mix(stream, ood, protocol.ood)
+        out[d] = mixed[id(stream)]
+    return out
 
 
 def source_images(

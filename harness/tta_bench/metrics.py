@@ -2,9 +2,11 @@
 reach the method). A metric is ``fn(logits [N, C] float, labels [N] int64) -> float``.
 
 Built in: ``accuracy`` (fraction), ``nll`` (nats), ``ece`` (15 equal-width confidence
-bins, a fraction), registered through the ``tta_bench.metrics`` entry-point group like any
-plugin's metric (each one is computed for every cell and stored under its name); in-process
-metrics go through ``register_metric``.
+bins, a fraction), ``ece20`` (C-TPT's 20 bins), and the open-set metrics ``auroc``, ``aupr``,
+``fpr95`` (``tta_bench.openset``; computed only in cells that hold out-of-distribution
+rows, where the others score the in-distribution rows alone), registered through the
+``tta_bench.metrics`` entry-point group like any plugin's metric (each one is computed for
+every cell and stored under its name); in-process metrics go through ``register_metric``.
 """
 
 from __future__ import annotations
@@ -51,6 +53,18 @@ def expected_calibration_error(
     return float((conf_sum - acc_sum).abs().sum() / len(labels))
 
 
+#: C-TPT's ECE: 20 equal-width bins (tpt_classification.py ``ECE_Loss(20, ...)``).
+CTPT_ECE_BINS = 20
+
+
+def ece_ctpt(logits: torch.Tensor, labels: torch.Tensor) -> float:
+    """ECE as C-TPT (Yoon et al., ICLR 2024) computes it, the figure TTA-VLM's calibration
+    tables report: 20 equal-width bins ``(k/20, (k+1)/20]`` on the maximum softmax
+    probability (its ``ECE_Loss``; a confidence of exactly 0, which a softmax never gives,
+    would fall in no bin there). A fraction; C-TPT prints it times 100."""
+    return expected_calibration_error(logits, labels, n_bins=CTPT_ECE_BINS)
+
+
 def per_class_accuracy(
     logits: torch.Tensor, labels: torch.Tensor, num_classes: int
 ) -> list[float | None]:
@@ -95,6 +109,27 @@ def all_metrics() -> dict[str, Metric]:
     return out
 
 
-def compute_all(logits: torch.Tensor, labels: torch.Tensor) -> dict[str, float]:
-    """Every metric of ``all_metrics()`` on one cell: ``{name: float}``."""
-    return {name: float(fn(logits, labels)) for name, fn in all_metrics().items()}
+def is_open_set(fn: Metric) -> bool:
+    """Whether metric ``fn`` scores out-of-distribution detection (``fn.open_set``): it takes
+    the whole cell, label -1 marking the OOD rows, and ``score=`` (``tta_bench.openset``)."""
+    return bool(getattr(fn, "open_set", False))
+
+
+def compute_all(
+    logits: torch.Tensor, labels: torch.Tensor, ood_score: str = "msp"
+) -> dict[str, float]:
+    """Every metric of ``all_metrics()`` on one cell: ``{name: float}``. In an open-set cell
+    (some labels -1: out-of-distribution rows) the closed-set metrics are computed on the
+    in-distribution rows only and the open-set metrics (``is_open_set``) on the whole cell
+    with the OOD score ``ood_score``; elsewhere the open-set metrics are left out."""
+    known = labels >= 0
+    open_set = not bool(known.all())
+    closed = (logits[known], labels[known]) if open_set else (logits, labels)
+    out = {}
+    for name, fn in all_metrics().items():
+        if is_open_set(fn):
+            if open_set and bool(known.any()):
+                out[name] = float(fn(logits, labels, score=ood_score))  # type: ignore[call-arg]
+        else:
+            out[name] = float(fn(*closed))
+    return out

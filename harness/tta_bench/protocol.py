@@ -72,6 +72,10 @@ class Protocol:
     #: when set.
     data_fingerprint: str | None = None
     default_model: str | None = None
+    #: Open-set evaluation (``tta_bench.openset``): ``{dataset, dataset_args, ratio, seed,
+    #: score}`` of an out-of-distribution set mixed into every test split; part of the id
+    #: when set.
+    ood: dict[str, Any] | None = None
     description: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -93,6 +97,10 @@ class Protocol:
             raise ValueError(f"severities must be in 1..5, got {bad}")
         if not self.shifts:
             raise ValueError(f"suite {self.name!r} names no shifts")
+        if self.ood is not None:
+            from tta_bench.openset import check_ood
+
+            object.__setattr__(self, "ood", check_ood(self.ood))
         if self.max_images is not None and self.max_images < 1:
             raise ValueError(f"max_images must be >= 1 or null, got {self.max_images}")
         if self.reset == "non_iid":
@@ -124,6 +132,8 @@ class Protocol:
             data.pop("source")
         if data["data_fingerprint"] is None:
             data.pop("data_fingerprint")
+        if data["ood"] is None:
+            data.pop("ood")
         if data["templates"] is None:
             data.pop("templates")
         else:
@@ -132,13 +142,15 @@ class Protocol:
 
     @property
     def id(self) -> str:
-        """``<suite>@v<version>-<policy>[-d<delta>]-bs<batch>-<digest of identity()>``."""
+        """``<suite>@v<version>-<policy>[-d<delta>]-bs<batch>[-ood<ratio>]-<digest of
+        identity()>``."""
         blob = json.dumps(self.identity(), sort_keys=True, default=list)
         digest = hashlib.sha256(blob.encode()).hexdigest()[:10]
         policy = self.reset
         if self.reset == "non_iid":
             policy += f"-d{self.dirichlet_delta:g}"
-        return f"{self.name}@v{self.version}-{policy}-bs{self.batch_size}-{digest}"
+        ood = f"-ood{self.ood['ratio']:g}" if self.ood is not None else ""
+        return f"{self.name}@v{self.version}-{policy}-bs{self.batch_size}{ood}-{digest}"
 
 
 PROTOCOL_FIELDS = {f.name for f in fields(Protocol)}
@@ -152,7 +164,14 @@ OVERRIDABLE = (
     "max_images",
     "severity_table",
     "dirichlet_delta",
+    "ood_dataset",
+    "ood_dataset_args",
+    "ood_ratio",
+    "ood_seed",
+    "ood_score",
 )
+#: ``protocol.ood_<key>=`` overrides -> the key of ``Protocol.ood`` they set.
+OOD_OVERRIDES = {f"ood_{k}": k for k in ("dataset", "dataset_args", "ratio", "seed", "score")}
 
 
 #: The shift of a clean domain: the images as they are (an ad-hoc suite's default, when no
@@ -240,11 +259,26 @@ def load_protocol(suite: str, **overrides: Any) -> Protocol:
             f"suite {suite!r} in the catalogue has unknown fields {sorted(unknown)}; "
             f"known: {sorted(PROTOCOL_FIELDS)}"
         )
+    ood = dict(spec.get("ood") or {})
     for key, value in overrides.items():
         if key not in OVERRIDABLE:
             raise ValueError(f"cannot override {key!r}; overridable: {', '.join(OVERRIDABLE)}")
-        if value is not None:
+        if value is not None and key in OOD_OVERRIDES:
+            ood[OOD_OVERRIDES[key]] = value
+        elif value is not None:
             spec[key] = value
+    if ood:
+        if "dataset" not in ood:
+            given = ", ".join(
+                f"protocol.{k}" for k in OOD_OVERRIDES if overrides.get(k) is not None
+            )
+            raise ValueError(
+                f"{given} set without an OOD set: name it with protocol.ood_dataset=<dataset>"
+            )
+        from tta_bench.openset import check_ood
+        from tta_bench.registry import registry
+
+        spec["ood"] = check_ood(ood, known_datasets=registry("datasets").names())
     if suite in _ADHOC and overrides.get("shifts") and overrides.get("severities") is None:
         spec["severities"] = None  # the run's own shifts: the suites' default severity (5)
     spec["name"] = suite

@@ -26,7 +26,7 @@ from pathlib import Path
 from typing import Any
 
 from tta_bench import catalog, plots, results, stats, tables
-from tta_bench.metric_columns import table_columns
+from tta_bench.metric_columns import column, table_columns
 from tta_bench.paths import atomic_write_text
 
 LEADERBOARD_MD = "leaderboard.md"
@@ -851,6 +851,17 @@ def leaderboard_markdown(
             tables.method_shift_table(records, "github", labels=labels),
             "",
         ]
+        for name in tables.per_shift_metrics(records):
+            col = column(name)
+            bins = catalog.entry("metrics", name).get("bins")
+            how = f"; {bins['count']} equal-width bins {bins['interval']}" if bins else ""
+            head, rows = tables.method_shift_rows(records, labels, metric=name)
+            parts += [
+                f"## {col.label.replace(' %', '')} (%) per shift, mean ± std over seeds{how}",
+                "",
+                tables.render(rows, head, "github"),
+                "",
+            ]
     if figures:
         parts += ["## Plots", ""]
         for fig in figures:

@@ -14,6 +14,7 @@ from pathlib import Path
 from typing import Any
 
 from tta_bench import metrics, results, samples
+from tta_bench.shard import record_ood_score
 
 
 @dataclass
@@ -52,7 +53,9 @@ def recompute(path: str | Path) -> tuple[dict[str, Any], dict[tuple[str, int, in
             )
         import torch
 
-        out[key] = metrics.compute_all(torch.from_numpy(logits), torch.from_numpy(labels))
+        out[key] = metrics.compute_all(
+            torch.from_numpy(logits), torch.from_numpy(labels), record_ood_score(record)
+        )
     return record, out
 
 

@@ -183,8 +183,16 @@ def check_parts(parts: Sequence[tuple[Path, dict[str, Any]]]) -> int:
     return count
 
 
+def record_ood_score(record: dict[str, Any]) -> str:
+    """The OOD score of a results record's open-set protocol (``msp`` when closed-set)."""
+    return str((record.get("protocol", {}).get("ood") or {}).get("score", "msp"))
+
+
 def _combine_cell(
-    key: tuple[str, int, int], pieces: list[tuple[Path, dict[str, Any]]], per_class: bool
+    key: tuple[str, int, int],
+    pieces: list[tuple[Path, dict[str, Any]]],
+    per_class: bool,
+    ood_score: str = "msp",
 ) -> tuple[dict[str, Any], Any]:
     """One cell from its pieces (one per part that ran some of its batches): the entry and
     the merged per-sample rows (``CellSamples``; None for a diverged cell)."""
@@ -230,17 +238,22 @@ def _combine_cell(
         order = np.argsort(batches, kind="stable")  # stream order; rows keep their batch order
         logits, labels, indices, batches = (a[order] for a in (logits, labels, indices, batches))
         lt, yt = torch.from_numpy(np.ascontiguousarray(logits)), torch.from_numpy(labels)
-        entry.update(metrics.compute_all(lt, yt))
+        entry.update(metrics.compute_all(lt, yt, ood_score))
         correct = int((lt.argmax(dim=1) == yt).sum())
-        entry["error"] = 1.0 - correct / n
+        n_known = int((yt >= 0).sum())  # an open-set cell's OOD rows are labelled -1
+        entry["error"] = 1.0 - correct / max(n_known, 1)
         refs = [c.get("reference_accuracy") for c in cells]
         if all(r is not None for r in refs):
-            ref_correct = sum(round(float(r) * int(c["n"])) for r, c in zip(refs, cells))
-            entry["reference_accuracy"] = ref_correct / n
+            ref_correct = sum(
+                round(float(r) * int(c.get("n_known", c["n"]))) for r, c in zip(refs, cells)
+            )
+            entry["reference_accuracy"] = ref_correct / max(n_known, 1)
         else:
             entry["reference_accuracy"] = None
         if per_class:
             entry["per_class_accuracy"] = metrics.per_class_accuracy(lt, yt, lt.shape[1])
+        if n_known != n:
+            entry.update(n_known=n_known, n_ood=n - n_known)
         merged_rows = samples.CellSamples(
             shift=shift,
             severity=severity,
@@ -305,7 +318,7 @@ def merge_parts(paths: Sequence[str | Path], output: str | Path | None = None) -
     keys = sorted(pieces, key=lambda k: (k[2], order.get((k[0], k[1]), 0)))
     cells, rows = [], []
     for key in keys:
-        entry, merged_rows = _combine_cell(key, pieces[key], per_class)
+        entry, merged_rows = _combine_cell(key, pieces[key], per_class, record_ood_score(first))
         cells.append(entry)
         if merged_rows is not None:
             rows.append(merged_rows)

@@ -161,9 +161,12 @@ def method_shift_table(
 
 
 def method_shift_rows(
-    records: Sequence[dict[str, Any]], labels: Sequence[str] | None = None
+    records: Sequence[dict[str, Any]],
+    labels: Sequence[str] | None = None,
+    metric: str = "accuracy",
 ) -> tuple[list[str], list[list[Any]]]:
-    """Headers and rows of the method x shift table (see ``method_shift_table``)."""
+    """Headers and rows of the method x shift table (see ``method_shift_table``) of
+    ``metric`` (a fraction, shown in percent)."""
     _check_one_protocol(records)
     names = _labels(records, labels)
     shifts = shift_order(records)
@@ -171,10 +174,24 @@ def method_shift_rows(
     for name, rec in zip(names, records):
         row: list[Any] = [name]
         for shift in shifts:
-            row.append(_acc_text([c for c in rec["cells"] if c["shift"] == shift]))
-        row.append(_acc_text(rec["cells"]))
+            row.append(_acc_text([c for c in rec["cells"] if c["shift"] == shift], metric))
+        row.append(_acc_text(rec["cells"], metric))
         rows.append(row)
     return ["method", *shifts, "mean"], rows
+
+
+#: Metrics that get a method x shift table of their own in a leaderboard, when its cells
+#: hold them: calibration (both binnings) and open-set detection.
+PER_SHIFT_METRICS = ("ece", "ece20", "auroc", "aupr", "fpr95")
+
+
+def per_shift_metrics(records: Sequence[dict[str, Any]]) -> list[str]:
+    """The ``PER_SHIFT_METRICS`` every record's scored cells hold."""
+    out = []
+    for name in PER_SHIFT_METRICS:
+        if records and all(any(c.get(name) is not None for c in r["cells"]) for r in records):
+            out.append(name)
+    return out
 
 
 # -- suite summary ---------------------------------------------------------------------

@@ -26,7 +26,8 @@ The checks per kind (``CHECKS`` names them in order):
   is SKIP, "needs data (...)", not FAIL.
 * **model**: it loads; its ``check_args``; it builds a ``ModelBundle`` with a valid
   ``Preprocess``; zero-shot logits ``[B, C]``, finite; a second build has the same state.
-* **metric**: a finite float on random logits and labels (no bounds assumed); the same
+* **metric**: a finite float on random logits and labels (no bounds assumed; an open-set
+  metric's cell has a quarter of its rows labelled -1, out of distribution); the same
   value twice; its inputs left unchanged.
 
 Methods (and shifts) run on a few images of the suite's dataset (``--suite``, default the
@@ -519,6 +520,8 @@ def metric_checks(fn: Callable[..., Any], *, n: int = 40, classes: int = 5) -> l
     g = torch.Generator().manual_seed(0)
     logits = 2 * torch.randn(n, classes, generator=g)
     labels = torch.randint(0, classes, (n,), generator=g)
+    if getattr(fn, "open_set", False):  # an open-set metric: a quarter of the rows are OOD
+        labels[: n // 4] = -1
 
     def value() -> float:
         out = fn(logits, labels)

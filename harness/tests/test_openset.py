@@ -1,0 +1,173 @@
+"""Open-set evaluation (``tta_bench.openset``): the detection metrics against values worked
+out by hand, the closed-set metrics on the in-distribution rows only, the OOD option of the
+protocol (id, overrides, bad values) and a run that mixes an OOD set into the stream."""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+import pytest
+import torch
+
+from tta_bench import metrics, openset
+
+from .helpers import cli, run
+
+# Two classes; the max softmax probability of row i is P[i] (logits log p, log(1 - p)).
+P_ID = [0.9, 0.8, 0.6]
+P_OOD = [0.7, 0.55, 0.95]
+
+
+def _msp_cell() -> tuple[torch.Tensor, torch.Tensor]:
+    p = torch.tensor(P_ID + P_OOD, dtype=torch.float64)
+    logits = torch.stack([p.log(), (1 - p).log()], dim=1).float()
+    labels = torch.tensor([0, 0, 1, -1, -1, -1])
+    return logits, labels
+
+
+def test_detection_metrics_by_hand():
+    logits, labels = _msp_cell()
+    # AUROC: of the 9 (in, out) pairs, the in-distribution row scores higher in 5
+    assert openset.auroc(logits, labels) == pytest.approx(5 / 9)
+    # AUPR-In: ranked 0.95 out, 0.9 in, 0.8 in, 0.7 out, 0.6 in, 0.55 out -> the precision at
+    # each in-distribution row: 1/2, 2/3, 3/5
+    assert openset.aupr(logits, labels) == pytest.approx((1 / 2 + 2 / 3 + 3 / 5) / 3)
+    # FPR95: keeping 95% of 3 rows keeps all three (threshold 0.6): 0.95 and 0.7 pass
+    assert openset.fpr95(logits, labels) == pytest.approx(2 / 3)
+    # the score really is the max softmax probability
+    np.testing.assert_allclose(openset.ood_score(logits), P_ID + P_OOD, rtol=1e-6)
+
+
+def test_energy_score_by_hand():
+    # logits [x, x]: logsumexp = x + log 2, so the order is that of x
+    x = torch.tensor([3.0, 1.0, 2.0, 0.0])
+    logits = torch.stack([x, x], dim=1)
+    labels = torch.tensor([0, 1, -1, -1])
+    np.testing.assert_allclose(openset.ood_score(logits, "energy"), x + math.log(2), rtol=1e-6)
+    # pairs: 3 > 2, 3 > 0, 1 > 0, 1 < 2
+    assert openset.auroc(logits, labels, score="energy") == pytest.approx(3 / 4)
+    # msp is 0.5 for every row: no ranking at all
+    assert openset.auroc(logits, labels, score="msp") == pytest.approx(0.5)
+    with pytest.raises(ValueError, match="unknown OOD score 'odin'; available: msp, energy"):
+        openset.ood_score(logits, "odin")
+
+
+def test_detection_needs_both_kinds():
+    logits, _ = _msp_cell()
+    with pytest.raises(ValueError, match="both in-distribution and OOD rows"):
+        openset.auroc(logits, torch.zeros(6, dtype=torch.long))
+
+
+def test_compute_all_scores_known_rows_and_skips_detection_when_closed():
+    logits, labels = _msp_cell()  # predictions: 0 on every row (p >= 0.5 for class 0)
+    out = metrics.compute_all(logits, labels)
+    assert out["accuracy"] == pytest.approx(2 / 3)  # of the known rows 0, 0, 1
+    assert out["auroc"] == pytest.approx(5 / 9) and out["fpr95"] == pytest.approx(2 / 3)
+    known = labels >= 0
+    assert out["nll"] == pytest.approx(metrics.nll(logits[known], labels[known]))
+    assert out["ece20"] == pytest.approx(
+        metrics.expected_calibration_error(logits[known], labels[known], n_bins=20)
+    )
+    closed = metrics.compute_all(logits[:3], labels[:3])
+    assert "auroc" not in closed and "aupr" not in closed and "fpr95" not in closed
+    energy = metrics.compute_all(logits, labels, ood_score="energy")
+    assert energy["accuracy"] == out["accuracy"]
+
+
+def test_ece20_is_ctpt_binning():
+    # confidences 0.52 and 0.54 share C-TPT's bin (0.5, 0.55] but not a 15-bin one
+    p = torch.tensor([0.52, 0.54], dtype=torch.float64)
+    logits = torch.stack([p.log(), (1 - p).log()], dim=1).float()
+    labels = torch.tensor([0, 1])
+    # 20 bins: one bin, accuracy 1/2, confidence 0.53
+    assert metrics.ece_ctpt(logits, labels) == pytest.approx(0.03, abs=1e-6)
+    # 15 bins: (0.4667, 0.5333] holds 0.52 (right), (0.5333, 0.6] holds 0.54 (wrong)
+    assert metrics.expected_calibration_error(logits, labels) == pytest.approx(
+        (abs(1 - 0.52) + abs(0 - 0.54)) / 2, abs=1e-6
+    )
+
+
+def test_protocol_ood_id_and_overrides():
+    from tta_bench.protocol import load_protocol
+
+    plain = load_protocol("tiny-shifts")
+    half = load_protocol("tiny-shifts", ood_dataset="synthetic", ood_ratio=0.5)
+    assert "-ood" not in plain.id and "-bs8-ood0.5-" in half.id
+    assert half.ood == {
+        "dataset": "synthetic",
+        "dataset_args": {},
+        "ratio": 0.5,
+        "seed": 0,
+        "score": "msp",
+    }
+    others = [
+        load_protocol("tiny-shifts", ood_dataset="synthetic", ood_ratio=0.25),
+        load_protocol("tiny-shifts", ood_dataset="synthetic", ood_seed=1),
+        load_protocol("tiny-shifts", ood_dataset="synthetic", ood_score="energy"),
+        load_protocol("tiny-shifts", ood_dataset="synthetic", ood_dataset_args={"split": "train"}),
+    ]
+    assert len({half.id, *(p.id for p in others)}) == 5  # each setting is in the id
+    with pytest.raises(ValueError, match="protocol.ood_ratio set without an OOD set"):
+        load_protocol("tiny-shifts", ood_ratio=0.3)
+    with pytest.raises(ValueError, match="unknown dataset 'nope'; available: .*synthetic"):
+        load_protocol("tiny-shifts", ood_dataset="nope")
+    with pytest.raises(ValueError, match=r"ratio must be in \(0, 1\)"):
+        load_protocol("tiny-shifts", ood_dataset="synthetic", ood_ratio=1.0)
+    with pytest.raises(ValueError, match="unknown score 'odin'"):
+        load_protocol("tiny-shifts", ood_dataset="synthetic", ood_score="odin")
+
+
+def test_cli_refuses_bad_ood_options_before_work(capsys, tmp_path):
+    out = tmp_path / "r.json"
+    base = ["run", "--method", "zeroshot", "--suite", "tiny-shifts", "--output", str(out)]
+    rc, _, err = cli(capsys, *base, "protocol.ood_dataset=nope")
+    assert rc == 2 and "unknown dataset 'nope'" in err and "synthetic" in err
+    rc, _, err = cli(capsys, *base, "protocol.ood_dataset=synthetic", "protocol.ood_ratio=1.5")
+    assert rc == 2 and "ood_ratio" in err
+    rc, _, err = cli(capsys, *base, "protocol.ood_ratio=0.2")
+    assert rc == 2 and "protocol.ood_dataset=<dataset>" in err
+    assert not out.exists()
+
+
+def test_mix_counts_rows_and_refuses_too_few():
+    from tta_bench.registry import registry
+
+    synthetic = registry("datasets").get("synthetic")
+    ind, ood = synthetic(per_class=4), synthetic(split="train", per_class=2)
+    spec = openset.check_ood({"dataset": "synthetic", "ratio": 0.2})
+    mixed = openset.mix(ind, ood, spec)
+    assert openset.ood_count(16, 0.2) == 4
+    assert len(mixed) == 20 and mixed.labels.tolist() == ind.labels.tolist() + [-1] * 4
+    assert mixed.classnames == ind.classnames and mixed.open_set
+    again = openset.mix(ind, ood, spec)
+    assert again.fingerprint == mixed.fingerprint  # the same OOD rows for the same seed
+    other = openset.mix(ind, ood, {**spec, "seed": 1})
+    assert other.fingerprint != mixed.fingerprint
+    with pytest.raises(ValueError, match="needs 16 out-of-distribution images .* has 8"):
+        openset.mix(ind, ood, {**spec, "ratio": 0.5})
+
+
+def test_open_set_run_scores_known_rows_and_detection(tmp_path):
+    """The colour oracle classifies every known row right: an accuracy of 1.0 shows the OOD
+    rows are left out of it; the detection metrics equal those of the stored logits."""
+    from tta_bench import samples
+
+    protocol = {
+        "ood_dataset": "synthetic",
+        "ood_dataset_args": {"split": "train", "per_class": 8},
+        "ood_ratio": 0.5,
+    }
+    out = tmp_path / "r.json"
+    record = run(out, "colour_oracle", protocol=protocol, log_samples="logits")
+    assert record["protocol"]["ood"]["ratio"] == 0.5
+    for cell in record["cells"]:
+        assert cell["n"] == 64 and cell["n_known"] == 32 and cell["n_ood"] == 32
+        assert cell["accuracy"] == 1.0 and cell["error"] == 0.0
+        table = samples.read_cell(samples.samples_dir(out), cell["shift"], cell["severity"], 0)
+        logits, labels = samples.logits_and_labels(table, "cell")
+        assert (labels == -1).sum() == 32
+        want = openset.auroc(torch.from_numpy(logits), torch.from_numpy(labels))
+        assert cell["auroc"] == pytest.approx(want)
+    summary = record["summary"]
+    assert {"mean_auroc", "mean_aupr", "mean_fpr95"} <= set(summary)
