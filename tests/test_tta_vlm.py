@@ -75,3 +75,40 @@ def test_each_tta_vlm_method_runs_under_the_option(name, tmp_path):
     assert spec.protocol.batch_size == 1 and spec.protocol.templates == (PROMPT,)
     cell = runner.run(spec, tmp_path / "r.json")["cells"][0]
     assert cell["n"] == 4 and cell["accuracy"] is not None
+
+
+def test_multi_dataset_suite_sets_augmix_per_dataset(tmp_path, tmp_cache, monkeypatch):
+    """vlm-15 mixes ImageNet sets and fine-grained ones: under the option each domain's
+    method gets its own dataset's AugMix rule (on for DTD, off for ImageNet-R), the record
+    says so, and the run key differs from a run without the option."""
+    import fixtures_data as fx
+
+    from tta_bench.catalog import entry
+
+    data = tmp_path / "data"
+    fx.coop_layout(data, "dtd", (0, 1))
+    fx.tree(data / "imagenet-r", entry("datasets", "imagenet_r")["wnids"][:2], per_folder=1)
+    args = ["protocol.shifts=[imagenet_r,dtd]", "model.arch=ViT-S-32", "model.image_size=32",
+            "model.allow_random=true", "method.views=3", "seeds=[0]", "progress=false",
+            "device=cpu"]  # fmt: skip
+    _, spec = resolve_run("tpt", "vlm-15", "openclip", ["tta_vlm=true", *args], data_dir=str(data))
+    assert spec.method_config.augmix is False
+    assert {d: c.augmix for d, c in spec.method_configs.items()} == {"dtd": True}
+    assert spec.config["tta_vlm_applied"]["method.augmix@dtd"] is True
+    seen = {}
+    fresh = runner.Evaluation._fresh_method
+
+    def spy(self, base, seed, stream_length=None):
+        method = fresh(self, base, seed, stream_length)
+        seen[base.dataset] = method.config.augmix
+        return method
+
+    monkeypatch.setattr(runner.Evaluation, "_fresh_method", spy)
+    record = runner.run(spec, tmp_path / "r.json")
+    assert seen == {"imagenet_r": False, "dtd": True}
+    assert record["method_config_by_dataset"]["dtd"]["augmix"] is True
+    _, plain = resolve_run("tpt", "vlm-15", "openclip", args, data_dir=str(data))
+    assert plain.method_configs is None
+    from tta_bench.resume import spec_key
+
+    assert spec_key(spec)["method_config_hash"] != spec_key(plain)["method_config_hash"]

@@ -22,6 +22,18 @@ from tta_bench.registry import provenance, registry
 from tta_bench.resume import method_config_hash
 
 
+def metric_bins() -> dict[str, Any]:
+    """``{metric: its catalogue ``bins``}`` of every installed metric that declares them."""
+    from tta_bench import catalog
+
+    out = {}
+    for name in registry("metrics").names():
+        bins = catalog.entry("metrics", name).get("bins")
+        if bins:
+            out[name] = dict(bins)
+    return out
+
+
 def precision_record(method_config: Any, device: torch.device) -> dict[str, Any]:
     """Parameter dtype, the configured precision and what it means on ``device`` (autocast
     on CUDA only; float32 on the CPU)."""
@@ -54,7 +66,16 @@ def new_record(spec: Any, bundle: Any, device: torch.device, *, from_registry: b
         "method": spec.method,
         "method_preset": getattr(spec, "method_preset", None),
         "method_config": config_dict(spec.method_config),
-        "method_config_hash": method_config_hash(spec.method_config),
+        **(
+            {
+                "method_config_by_dataset": {
+                    d: config_dict(c) for d, c in spec.method_configs.items()
+                }
+            }
+            if spec.method_configs
+            else {}
+        ),
+        "method_config_hash": method_config_hash(spec.method_config, spec.method_configs),
         "model": {
             "name": spec.model,
             "weights": bundle.weights,
@@ -79,6 +100,8 @@ def new_record(spec: Any, bundle: Any, device: torch.device, *, from_registry: b
             # --include: every included local file, with its full SHA-256
             **({"includes": includes} if includes else {}),
         },
+        # how the binned metrics bin (ece: 15 bins, ece20: C-TPT's 20), from the catalogue
+        "metric_bins": metric_bins(),
         "cells": [],
         "summary": results.summarize([]),
         # a part of every cell (protocol.shard=i/N), never a cell: tta-bench merge

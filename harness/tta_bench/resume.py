@@ -29,13 +29,14 @@ class ResumeMismatchError(ValueError):
     """The output file exists but holds a different run."""
 
 
-def method_config_hash(method_config: Any) -> str:
+def method_config_hash(method_config: Any, by_dataset: dict[str, Any] | None = None) -> str:
     """A short hash of the resolved method config (part of the run key).
 
     A Config class may name fields added after results were recorded whose defaults
     reproduce the earlier behaviour exactly (``hash_omit_at_default``, a tuple of names):
     while such a field holds its default it is left out of the hash, so the run key of
-    every earlier run still holds; any other value is hashed as usual."""
+    every earlier run still holds; any other value is hashed as usual. ``by_dataset``: the
+    per-dataset configs of a multi-dataset suite (``RunSpec.method_configs``)."""
     import dataclasses
 
     data = config_dict(method_config)
@@ -45,6 +46,8 @@ def method_config_hash(method_config: Any) -> str:
         for name in omit:
             if name in data and getattr(method_config, name) == getattr(defaults, name):
                 data.pop(name)
+    if by_dataset:  # per-dataset configs (RunSpec.method_configs): hashed with the base
+        data = {"base": data, "by_dataset": {d: config_dict(c) for d, c in by_dataset.items()}}
     blob = json.dumps(data, sort_keys=True, default=str)
     return hashlib.sha256(blob.encode()).hexdigest()[:12]
 
@@ -55,7 +58,9 @@ def spec_key(spec: Any, state_sha256: str | None = None) -> dict[str, Any]:
         "model": spec.model,
         "model_args": spec.model_args,
         "method": spec.method,
-        "method_config_hash": method_config_hash(spec.method_config),
+        "method_config_hash": method_config_hash(
+            spec.method_config, getattr(spec, "method_configs", None)
+        ),
         "protocol_id": spec.protocol.id,
     }
     if state_sha256 is not None:

@@ -137,7 +137,7 @@ class Evaluation:
             model = copy.deepcopy(base, memo={id(base.tokenizer): base.tokenizer})
         else:
             model = base  # the contract: a method with adapts=False never changes the model
-        method = self.method_cls(model, self.spec.method_config)
+        method = self.method_cls(model, self.spec.config_for(base.dataset))
         method.stream_length = stream_length
         needed = method.source_images_needed()
         if needed:
@@ -227,6 +227,7 @@ class Evaluation:
             reference=spec.reference,
             is_reference=self.method_cls.is_reference,
             per_class=spec.per_class_accuracy,
+            ood_score=self.protocol.ood["score"] if self.protocol.ood else "msp",
         )
         diverged: str | None = None
         diverged_at = -1

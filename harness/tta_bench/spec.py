@@ -56,6 +56,17 @@ class RunSpec:
     loggers: list[str] = field(default_factory=list)
     #: Part of every cell this run computes (``protocol.shard=i/N``; ``tta_bench.shard``).
     shard: Any = None
+    #: ``{dataset: method config}`` where a suite's domains are several datasets whose
+    #: configs differ (``tta_vlm=true`` on a suite of ImageNet and fine-grained sets: AugMix
+    #: on the fine-grained ones only);
+    #: a dataset not in it runs ``method_config``. Part of the run key when set.
+    method_configs: dict[str, Any] | None = None
+
+    def config_for(self, dataset: str | None) -> Any:
+        """The method config of a domain of ``dataset``."""
+        if self.method_configs and dataset in self.method_configs:
+            return self.method_configs[dataset]
+        return self.method_config
 
 
 def spec_from_config(cfg: Any, method: str, model: str) -> RunSpec:
@@ -90,13 +101,24 @@ def spec_from_config(cfg: Any, method: str, model: str) -> RunSpec:
         overrides = tta_vlm.protocol_overrides(given, getattr(method_cls, "stream_kind", None))
         applied.update({f"protocol.{k}": v for k, v in overrides.items() if k not in given})
     protocol = load_protocol(cfg.suite, **overrides)
+    by_dataset: dict[str, Any] | None = None
     if cfg.get("tta_vlm"):
-        from tta_bench import catalog
-
-        entry = catalog.entry("datasets", protocol.dataset)  # {} when not catalogued
-        fine_grained = bool(entry.get("fine_grained", False))
-        mcfg, changed = tta_vlm.method_config(method_cls, mcfg, fine_grained)
-        check_values(mcfg, "method")
+        configs = {}
+        for dataset in tta_vlm.domain_datasets(protocol):
+            configs[dataset] = tta_vlm.method_config(
+                method_cls, mcfg, tta_vlm.fine_grained(dataset)
+            )
+        first, changed = next(iter(configs.values()))
+        if all(c == first for c, _ in configs.values()):
+            mcfg = first
+        else:  # several datasets, and the option sets them differently
+            by_dataset = {d: c for d, (c, _) in configs.items() if c != mcfg}
+            changed = {}
+            for d, (_, ch) in configs.items():
+                for k, v in ch.items():
+                    changed.setdefault(f"{k}@{d}", v)
+        for c in [mcfg, *(by_dataset or {}).values()]:
+            check_values(c, "method")
         applied.update({f"method.{k}": v for k, v in changed.items()})
     log_samples = samples_mode(cfg.get("log_samples", False))
     if part is not None:
@@ -108,7 +130,8 @@ def spec_from_config(cfg: Any, method: str, model: str) -> RunSpec:
     if applied:  # what the TTA-VLM option set, in the record beside what it set it on
         for key, value in applied.items():
             node, name = key.split(".", 1)
-            cfg_dict[node][name] = value
+            if "@" not in name:  # per-dataset values: method_configs, recorded by dataset
+                cfg_dict[node][name] = value
         cfg_dict["tta_vlm_applied"] = applied
     cfg_dict["model"] = {"name": model, **cfg_dict["model"]}
     return RunSpec(
@@ -133,6 +156,7 @@ def spec_from_config(cfg: Any, method: str, model: str) -> RunSpec:
         cache=str(cfg.get("cache", "auto")),
         loggers=loggers,
         shard=part,
+        method_configs=by_dataset,
     )
 
 

@@ -15,7 +15,9 @@ What the option sets (each only where the run does not set it itself):
   as every stream here is;
 * AugMix views on the fine-grained sets only (TTA-VLM's ``augmix=len(set_id) > 1``): a
   method config with an ``augmix`` field gets ``augmix = fine_grained``, where a dataset's
-  catalogue entry says ``fine_grained: true``;
+  catalogue entry says ``fine_grained: true``; on a suite whose domains are several
+  datasets per dataset (``RunSpec.method_configs``, recorded as
+  ``method.augmix@<dataset>`` in ``tta_vlm_applied``);
 * then the method's own ``Method.tta_vlm`` values: where TTA-VLM's implementation departs
   from the method's official code (a view count, a fusion weight, a single view), the
   official code stays the default and the option gives TTA-VLM's setting.
@@ -45,6 +47,25 @@ def protocol_overrides(given: dict[str, Any], stream_kind: str | None) -> dict[s
         out.setdefault("reset", "reset_each_shift")
         out.setdefault("batch_size", 1)
     return out
+
+
+def fine_grained(dataset: str) -> bool:
+    """Whether the catalogue marks ``dataset`` fine-grained (TTA-VLM's ``len(set_id) > 1``)."""
+    from tta_bench import catalog
+
+    return bool(catalog.entry("datasets", dataset).get("fine_grained", False))
+
+
+def domain_datasets(protocol: Any) -> list[str]:
+    """The datasets a protocol's domains are: each shift of a suite whose dataset serves
+    registered datasets as its domains (its catalogue entry lists them as ``domains:``),
+    else the protocol's dataset alone."""
+    from tta_bench import catalog
+
+    domains = catalog.entry("datasets", protocol.dataset).get("domains")
+    if protocol.shift_source == "dataset" and domains:
+        return [s for s in protocol.shifts if s in domains]
+    return [protocol.dataset]
 
 
 def method_config(method_cls: Any, mcfg: Any, fine_grained: bool) -> tuple[Any, dict[str, Any]]:
