@@ -83,3 +83,40 @@ def hf_parquet(
     ds = datasets.Dataset.from_dict(columns, features=datasets.Features(features))
     ds.to_parquet(str(path))
     return path
+
+
+def coop_layout(root: Path, name: str, labels: Sequence[int] = (0, 2, 1, 2)) -> dict:
+    """``name``'s published CoOp layout under ``root`` (``<folder>/<image dir>/...`` and its
+    split file, or FGVC-Aircraft's ``variants.txt`` + ``images_variant_<split>.txt``): one
+    small JPEG per listed test label, in the listed (unsorted) order, plus one train and one
+    val image. Returns ``{"test": [(relative path, label, class name)], "folder": Path}``."""
+    import json
+
+    from tta_bench.catalog import entry
+
+    meta = entry("datasets", name)
+    names = list(meta["classnames"])
+    folder = root / meta["local_dirs"][0]
+    image_dir = folder / meta["image_dir"]
+    splits: dict[str, list] = {"train": [], "val": [], "test": []}
+    wanted = {"train": [labels[0]], "val": [labels[-1]], "test": list(labels)}
+    k = 0
+    for split, labs in wanted.items():
+        for i, y in enumerate(labs):
+            cname = names[y]
+            if meta["layout"] == "aircraft_variants":
+                rel = f"{1000000 + k}.jpg"
+            else:
+                sub = f"cars_{split}" if name == "stanford_cars" else cname.replace(" ", "_")
+                rel = f"{sub}/{split}_{i:03d}.jpg"
+            jpeg(image_dir / rel, value=(37 * k + 11) % 256)
+            splits[split].append([rel, y, cname])
+            k += 1
+    if meta["layout"] == "aircraft_variants":
+        (folder / "variants.txt").write_text("\n".join(names) + "\n")
+        for split, items in splits.items():
+            lines = [f"{rel[:-4]} {cname}" for rel, _, cname in items]
+            (folder / f"images_variant_{split}.txt").write_text("\n".join(lines) + "\n")
+    else:
+        (folder / meta["split_file"]).write_text(json.dumps(splits))
+    return {"test": [tuple(t) for t in splits["test"]], "folder": folder, "image_dir": image_dir}

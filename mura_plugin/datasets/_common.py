@@ -339,8 +339,11 @@ def normalize(
     return ds.add_column("label", labels.tolist())
 
 
-def unavailable_message(title: str, meta: dict[str, Any], data_dir: Any, layout: str) -> str:
-    """What to download and where to put it."""
+def unavailable_message(
+    title: str, meta: dict[str, Any], data_dir: Any, layout: str, hf_copy: bool = True
+) -> str:
+    """What to download and where to put it (``hf_copy``: a save_to_disk / parquet copy is
+    read too)."""
     where = ", ".join(f"<data-dir>/{d}" for d in meta.get("local_dirs", [])) or "<data-dir>"
     parts = [f"{title}: no local copy found"]
     if data_dir is not None:
@@ -362,8 +365,6 @@ def unavailable_message(title: str, meta: dict[str, Any], data_dir: Any, layout:
             f" Download the hub dataset {meta['hub_id']} (datasets.load_dataset) on a machine "
             "with network;"
         )
-    msg += (
-        f" put it at one of {where} in the layout {layout} (or a save_to_disk/parquet copy) "
-        "and pass --data-dir <data-dir>."
-    )
+    copy = " (or a save_to_disk/parquet copy)" if hf_copy else ""
+    msg += f" put it at one of {where} in the layout {layout}{copy} and pass --data-dir <data-dir>."
     return msg

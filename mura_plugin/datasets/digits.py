@@ -4,6 +4,7 @@ train/test split. Ships with scikit-learn, so it works offline."""
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from functools import lru_cache
 
 import numpy as np
@@ -45,13 +46,37 @@ def digits_arrays(split: str) -> tuple[np.ndarray, np.ndarray]:
     return rgb, bunch.target[chosen].astype(np.int64)
 
 
-def digits(*, split: str = "test") -> DomainStream:
-    """The digits split as a ``DomainStream`` (HF ``datasets.Dataset`` with image/label)."""
+def _check_classes(classes: Sequence[int] | None) -> list[int] | None:
+    if classes is None:
+        return None
+    chosen = list(classes)
+    bad = [c for c in chosen if isinstance(c, bool) or not isinstance(c, int) or not 0 <= c <= 9]
+    if not chosen or bad or len(set(chosen)) != len(chosen):
+        raise ValueError(
+            f"digits: classes must be distinct digits 0-9, at least one, got {list(classes)!r}"
+        )
+    return chosen
+
+
+def digits(*, split: str = "test", classes: Sequence[int] | None = None) -> DomainStream:
+    """The digits split as a ``DomainStream`` (HF ``datasets.Dataset`` with image/label).
+    ``classes``: keep only the images of these digits, relabelled 0..k-1 in the given order
+    (the class names follow: ``classes=[0, 1, 2, 3, 4]`` is the five-class ``zero..four``);
+    an open-set suite's known classes, or its unknown ones as the OOD set."""
     import datasets
 
+    chosen = _check_classes(classes)
     meta = entry("datasets", "digits")
     classnames = list(meta["classnames"])
     images, labels = digits_arrays(split)
+    fingerprint = f"sklearn-digits/v1/{split}/{IMAGE_SIZE}px/split-seed{SPLIT_SEED}"
+    if chosen is not None:
+        keep = np.flatnonzero(np.isin(labels, chosen))
+        relabel = {c: i for i, c in enumerate(chosen)}
+        images = images[keep]
+        labels = np.asarray([relabel[int(y)] for y in labels[keep]], dtype=np.int64)
+        classnames = [classnames[c] for c in chosen]
+        fingerprint += f"/classes={','.join(map(str, chosen))}"
     features = datasets.Features(
         {"image": datasets.Image(), "label": datasets.ClassLabel(names=classnames)}
     )
@@ -63,6 +88,10 @@ def digits(*, split: str = "test") -> DomainStream:
         classnames=classnames,
         templates=list(meta["templates"]),
         dataset=ds,
-        fingerprint=f"sklearn-digits/v1/{split}/{IMAGE_SIZE}px/split-seed{SPLIT_SEED}",
-        metadata={"source": "sklearn.datasets.load_digits", "split": split},
+        fingerprint=fingerprint,
+        metadata={
+            "source": "sklearn.datasets.load_digits",
+            "split": split,
+            **({"classes": chosen} if chosen is not None else {}),
+        },
     )

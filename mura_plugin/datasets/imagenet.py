@@ -352,4 +352,7 @@ def imagenet_ood(
         raise ValueError(
             f"imagenet_ood: natural-shift domains have one level (severity 1), got {severity}"
         )
-    return _OOD[shift](data_dir=data_dir, templates=templates)
+    stream = _OOD[shift](data_dir=data_dir, templates=templates)
+    # the methods' per-dataset settings read it (ImageNet-V2's stream is named for its variant)
+    stream.metadata["dataset"] = shift
+    return stream

@@ -38,9 +38,15 @@ logits and normalised features.
   (2.363, 7.45, 1). Other sets (ImageNet-C, the digits and CIFAR suites) take ImageNet's
   (2.0, 5.0); imagenet.yaml has no delta (one view: none is needed), so ``default_delta``
   is 3, the ``--delta 3`` of scripts/run.sh (which ``runner.py`` never reads: it takes
-  ``cfg['delta']``) and ImageNet-A's, whose alpha/beta are ImageNet's.
+  ``cfg['delta']``) and ImageNet-A's, whose alpha/beta are ImageNet's. The ten
+  cross-domain sets have their own configs (``OFFICIAL``: e.g. Caltech101 (5, 5, 2),
+  Food101 (1, 1, 3), DTD (2, 3, 0)); there the query is the original image
+  (``get_cross_dataset_preprocess``: the image + 63 crop-and-flip views, no AugMix, and its
+  ``infer_ori_image`` rule), as ``official_input`` gives every set but ImageNet and its
+  natural shifts.
 * Official head (``text_head=official``): TDA's loaders, the same here: 7 templates on
-  ImageNet, -A, -V2, CLIP's 80 on -R and -Sketch (``tda.official_templates``).
+  ImageNet, -A, -V2, CLIP's 80 on -R and -Sketch, the catalogue's ``official_templates``
+  on the cross-domain sets (``tda.official_templates``).
 
 TTA-VLM (TomSheng21/tta-vlm at commit bcc735fe49cbd2ab5b683781c41c66e1d3f78589,
 online_method/boostadapter.py, online_tta.py) departs from it (``tta_vlm``):
@@ -67,8 +73,6 @@ What differs and why:
   batched ``grid_sample`` (augment.py), not PIL crops of the raw image (the official
   ``resize_crop.RandomResizedCrop`` is torchvision's with bilinear, antialiased resizing).
 * Ranking ties: a stable sort (the official ``torch.argsort`` is not stable).
-* The official cross-domain configs (10 fine-grained sets) are not carried: this
-  harness has none of those sets.
 * Caches are TDA's fixed-size tensors per class (``tda._Cache``, which reproduces the
   official stable-sort eviction); the boosted copy is a tensor copy with ``delta`` more
   slots; the FIFO negative cache replaces its oldest entry.
@@ -116,6 +120,17 @@ OFFICIAL = {
     "imagenet_v2": (1.0, 8.0, 1),
     "imagenet_r": (1.0, 8.0, 3),
     "imagenet_sketch": (2.363, 7.45, 1),
+    # the ten cross-domain sets (configs/<set>.yaml; fgvc.yaml for fgvc_aircraft)
+    "caltech101": (5.0, 5.0, 2),
+    "dtd": (2.0, 3.0, 0),
+    "eurosat": (4.0, 8.0, 0),
+    "fgvc_aircraft": (2.0, 2.0, 2),
+    "food101": (1.0, 1.0, 3),
+    "oxford_flowers": (1.0, 5.0, 0),
+    "oxford_pets": (2.0, 7.0, 0),
+    "stanford_cars": (1.0, 7.0, 3),
+    "sun397": (2.0, 3.0, 1),
+    "ucf101": (3.0, 8.0, 0),
 }
 
 

@@ -89,6 +89,7 @@ DATASET_SETTINGS = ("official", "tta_vlm")
 FINE_GRAINED = (
     "flower102",
     "flowers102",
+    "oxford_flowers",
     "dtd",
     "pets",
     "oxford_pets",

@@ -46,7 +46,8 @@ mixed ``imagenet_ood`` stream) the image + 63 AugMix views (``RandomResizedCrop(
 scale 0.08-1, + flip, then AugMix: ``augmix=True`` always there); on every other set the
 image alone (its loaders pass CLIP's own preprocess). Official head
 (``text_head=official``): the templates of its loaders (7 on ImageNet, -A, -V2; CLIP's 80
-on -R and -Sketch: ``tda.official_templates``, the same lists) plus CuPL's GPT-3
+on -R and -Sketch; on the cross-domain sets TDA's but on StanfordCars its own two
+(``dpe_templates``)) plus CuPL's GPT-3
 descriptions; the CuPL files are not shipped: ``prompts`` names such a JSON file
 ``{classname: [description, ...]}`` (any head + descriptions, ``_dmn_dpe_prompts``); None
 (default) uses the templates alone. Prototypes, queues and the update count persist
@@ -85,7 +86,8 @@ the catalogue's ``fine_grained``, so it is not in ``tta_vlm``); its first CLIP l
 computed without gradient, so ``R_t`` learns from the alignment term alone
 (``entropy_through_text=False``); the queue's entropy is that of the softmax of the mean
 logits (``+1e-5``; ``cache_entropy=mean_logit``). Not modelled: its SUN397 align
-0.0002 (official 0.2; no SUN397 here) and, on ImageNet-A, its prediction from the
+0.0002 (official 0.2: a per-dataset value the option cannot set; ``method.align=0.0002``
+gives it on ``sun397``) and, on ImageNet-A, its prediction from the
 pre-update confident features with views re-selected under the updated head.
 
 Measured on ``digits-c``: not measured (every setting above is the official code's or its
@@ -125,7 +127,7 @@ SETTINGS = {
     "caltech101": (15.0, 5.0, 6e-4, 6e-4, 0.2),
     "dtd": (6.0, 3.0, 6e-4, 6e-4, 0.2),
     "eurosat": (3.0, 8.0, 5e-5, 5e-5, 0.2),
-    "fgvc": (6.0, 2.0, 6e-4, 6e-4, 0.2),
+    "fgvc_aircraft": (6.0, 2.0, 6e-4, 6e-4, 0.2),  # configs/fgvc.yaml
     "food101": (3.0, 1.0, 2e-4, 2e-4, 0.2),
     "oxford_flowers": (2.5, 5.0, 1e-4, 1e-4, 0.2),
     "oxford_pets": (4.0, 7.0, 5e-5, 5e-5, 0.2),
@@ -133,9 +135,25 @@ SETTINGS = {
     "sun397": (6.0, 3.0, 2e-4, 2e-4, 0.2),
     "ucf101": (9.0, 8.0, 4e-4, 4e-4, 0.2),
 }
+#: Where DPE's own loaders' templates differ from TDA's (``tda.official_templates``):
+#: datasets/stanford_cars.py.
+OFFICIAL_TEMPLATES = {
+    "stanford_cars": (
+        "a photo of a {}.",
+        "A {} featuring a wide range of color options for easy selection.",
+    ),
+}
 #: official: on the views on ImageNet-A only (``dataset_name == 'A'``); original | views.
 PREDICT_VIEWS = ("official", "original", "views")
 CACHE_ENTROPIES = ("mean_prob", "mean_logit")
+
+
+def dpe_templates(dataset: str | None) -> list[str]:
+    """The official head of DPE's loaders for ``dataset``: TDA's (``tda.official_templates``)
+    but where ``OFFICIAL_TEMPLATES`` names its own."""
+    if dataset in OFFICIAL_TEMPLATES:
+        return list(OFFICIAL_TEMPLATES[dataset])
+    return official_templates(dataset)
 
 
 @dataclass
@@ -237,7 +255,7 @@ class DPE(Method):
         )
         # the method's own head: the shared model is never changed (adapts = False)
         self.head = method_head(
-            self.model, cfg.text_head, official_templates(dataset or None), cfg.prompts
+            self.model, cfg.text_head, dpe_templates(dataset or None), cfg.prompts
         ).float()
         self._one = torch.ones(1, device=self.device)
         self.reset()

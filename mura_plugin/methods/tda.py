@@ -20,11 +20,17 @@ Per dataset, as the official code selects them (``self.model.dataset``):
   their mean probability, their mean probability, and the cache key: their mean feature,
   not renormalised (``get_clip_logits``). ``views=single|multi`` forces one input;
 * positive cache (alpha, beta) (``pos_alpha`` / ``pos_beta`` None): ImageNet and -A
-  (2.0, 5.0), -V2 and -R (1.0, 8.0), -Sketch (2.363, 7.45); ImageNet's elsewhere;
+  (2.0, 5.0), -V2 and -R (1.0, 8.0), -Sketch (2.363, 7.45); the ten cross-domain sets
+  their own configs (``POSITIVE``: Caltech101 (5, 5), DTD (2, 3), EuroSAT (4, 8), Aircraft
+  (2, 2), Food101 (1, 1), Flowers (1, 5), Pets (2, 7), Cars (1, 7), SUN397 (2, 3), UCF101
+  (3, 8)), each read as the image alone (CLIP's preprocess); ImageNet's elsewhere. The
+  negative cache's settings are the same in every official config;
 * official head (``text_head=official``): the 7-template ensemble of its ImageNet, -A and
-  -V2 loaders, CLIP's 80 templates for -R and -Sketch (``official_templates``); the
-  default ``protocol`` is the protocol's templates. The head is the method's own tensor:
-  the shared model is never changed.
+  -V2 loaders, CLIP's 80 templates for -R and -Sketch, on the cross-domain sets its
+  loaders' templates, held by the catalogue (``official_templates``: the 7 ImageNet
+  templates on Caltech101, StanfordCars and SUN397, CoOp's one template on the others);
+  the default ``protocol`` is the protocol's templates (CoOp's template there). The head
+  is the method's own tensor: the shared model is never changed.
 Caches persist across batches (online) and are emptied by ``reset()``.
 
 What differs and why:
@@ -95,17 +101,35 @@ POSITIVE = {
     "imagenet_v2": (1.0, 8.0),
     "imagenet_r": (1.0, 8.0),
     "imagenet_sketch": (2.363, 7.45),
+    # the ten cross-domain sets (configs/caltech101.yaml ... ucf101.yaml; fgvc.yaml)
+    "caltech101": (5.0, 5.0),
+    "dtd": (2.0, 3.0),
+    "eurosat": (4.0, 8.0),
+    "fgvc_aircraft": (2.0, 2.0),
+    "food101": (1.0, 1.0),
+    "oxford_flowers": (1.0, 5.0),
+    "oxford_pets": (2.0, 7.0),
+    "stanford_cars": (1.0, 7.0),
+    "sun397": (2.0, 3.0),
+    "ucf101": (3.0, 8.0),
 }
 
 
 def official_templates(dataset: str | None) -> list[str]:
     """The official head for ``dataset``: 7 templates on ImageNet, -A, -V2 (and -C and the
     mixed ``imagenet_ood`` suite, which the official code does not cover), CLIP's 80 on
-    ImageNet-R and -Sketch, else (no official loader) the single prompt."""
+    ImageNet-R and -Sketch, the dataset catalogue's ``official_templates`` (TDA's loaders:
+    the ten cross-domain sets), else (no official loader) the single prompt."""
     if dataset in ("imagenet_r", "imagenet_sketch"):
         return resolve_templates("clip-imagenet-80")
     if dataset in ("imagenet", "imagenet_c", "imagenet_a", "imagenet_v2", "imagenet_ood"):
         return list(IMAGENET_7)
+    if dataset:
+        from tta_bench import catalog
+
+        listed = catalog.entry("datasets", dataset).get("official_templates")
+        if listed:
+            return resolve_templates(listed)
     return list(SINGLE_PROMPT)
 
 
