@@ -39,7 +39,8 @@ def test_cpu_smoke_runs_every_check_and_every_method(gpu_check, tmp_path, capsys
     assert code == 0, json.dumps(report["checks"], indent=1)[:4000]
     assert report["status"] == "pass" and "overall: pass" in printed
     assert report["env"]["device"] == "cpu" and report["env"]["torch"] == torch.__version__
-    assert set(report["checks"]) == {"shifts", "text_head", "methods"}
+    assert set(report["checks"]) == {"shifts", "text_head", "methods", "golden"}
+    assert report["checks"]["golden"]["status"] == "skip"  # no --data-dir: skipped, not failed
 
     per_shift = report["checks"]["shifts"]["per_shift"]
     assert list(per_shift) == shifts.split(",")
@@ -170,3 +171,39 @@ def test_quick_check_passes_on_cuda(gpu_check, tmp_path):
     assert report["env"]["device"].startswith("cuda")
     for r in report["checks"]["methods"]["per_method"].values():
         assert r["peak_memory_kind"] == "cuda_max_allocated" and r["peak_memory_bytes"] > 0
+
+
+def test_golden_step_finds_a_set_and_skips_without_data(gpu_check, tmp_path):
+    """The golden step picks the smallest cross-domain set present and is skipped, never
+    failed, without data; a skip leaves the overall status to the other checks."""
+    import fixtures_data as fx
+
+    name, why = gpu_check.golden_set(None, None)
+    assert name is None and "--data-dir" in why
+    skipped = gpu_check.check_golden(torch.device("cpu"), None, None, ["zeroshot"], tmp_path)
+    assert skipped["status"] == "skip"
+    fx.coop_layout(tmp_path, "caltech101")
+    fx.coop_layout(tmp_path, "dtd")
+    assert gpu_check.golden_set(str(tmp_path), None) == ("dtd", "")
+    assert gpu_check.golden_set(str(tmp_path), "caltech101") == ("caltech101", "")
+    name, why = gpu_check.golden_set(str(tmp_path), "eurosat")
+    assert name is None and "split_zhou_EuroSAT.json" in why
+    assert gpu_check.overall_status({"a": {"status": "pass"}, "g": {"status": "skip"}}) == "pass"
+    assert gpu_check.overall_status({"g": {"status": "skip"}}) == "fail"
+
+
+def test_published_targets_match_the_readme_averages():
+    """The golden rows (TDA README, RN50) against the averages the README prints."""
+    import statistics
+
+    from tta_bench import catalog
+
+    pub = catalog.catalog()["published"]["tda-readme-rn50"]
+    family = ["imagenet", "imagenet_a", "imagenet_v2", "imagenet_r", "imagenet_sketch"]
+    for method, row in pub["accuracy"].items():
+        assert len(row) == 15
+        want = pub["averages"][method]
+        cross = [v for k, v in row.items() if k not in family]
+        assert round(statistics.fmean(row[k] for k in family), 2) == want["imagenet_family"]
+        assert round(statistics.fmean(row[k] for k in family[1:]), 2) == want["natural_shifts"]
+        assert round(statistics.fmean(cross), 2) == want["cross_domain"]

@@ -20,7 +20,10 @@ from tta_bench.registry import DISABLE_ENV, KINDS, RESET_HOOKS, RegistryError, d
 CATALOG_GROUP = "tta_bench.catalogs"
 #: The harness's own catalogue (its metrics), registered through the same entry point group.
 HARNESS_CATALOG = str(Path(__file__).with_name("registry.yaml"))
-SECTIONS = (*KINDS, "suites", "templates", "defaults")
+#: ``published``: figures a paper or an official repository reports (a source, the model,
+#: ``accuracy: {method: {dataset: percent}}``), the targets ``benchmarks/gpu_check.py``
+#: prints our runs beside.
+SECTIONS = (*KINDS, "suites", "templates", "defaults", "published")
 
 _CATALOG: dict[str, dict[str, Any]] | None = None
 #: ``tta_bench.include.state()`` the merged catalogue was read under.

@@ -20,9 +20,9 @@ from tta_bench.resolve import NO_PLUGINS, UsageError, check_output, resolve_run
 
 LOGGER = log.LOGGER
 
-LIST_KINDS = (*[k for k in KINDS if k != "configs"], "suites", "configs", "defaults")
+LIST_KINDS = (*[k for k in KINDS if k != "configs"], "suites", "configs", "defaults", "published")
 #: Listed only when asked for by name (``tta-bench ls configs``, ``ls defaults``).
-_ON_REQUEST = ("configs", "defaults")
+_ON_REQUEST = ("configs", "defaults", "published")
 
 
 def _resolve_run(args: argparse.Namespace) -> tuple[Any, Any]:
@@ -182,6 +182,20 @@ def cmd_ls(args: argparse.Namespace) -> int:
                 as_json[kind] = {k: found.get(k) for k in catalog.DEFAULT_KEYS}
                 continue
             print(tabulate(rows, headers=["choice", "default"], tablefmt="simple"))
+            continue
+        if kind == "published":  # figures papers publish, per method and dataset (percent)
+            found = catalog.catalog()["published"]
+            if args.json:
+                as_json[kind] = found
+                continue
+            for name, entry in sorted(found.items()):
+                acc = entry.get("accuracy") or {}
+                sets = list(dict.fromkeys(d for row in acc.values() for d in row))
+                print(f"{name}: {entry.get('description', '')}\nsource: {entry.get('source')}")
+                rows = [[m, *(row.get(d, "-") for d in sets)] for m, row in acc.items()]
+                print(tabulate(rows, headers=["method", *sets], tablefmt="simple"), end="\n\n")
+            if not found:
+                print("no published figures in the installed catalogues")
             continue
         if kind == "configs":
             from tta_bench.config import presets
