@@ -171,3 +171,15 @@ def test_open_set_run_scores_known_rows_and_detection(tmp_path):
         assert cell["auroc"] == pytest.approx(want)
     summary = record["summary"]
     assert {"mean_auroc", "mean_aupr", "mean_fpr95"} <= set(summary)
+
+
+def test_a_record_says_how_its_binned_metrics_bin(tmp_path):
+    record = run(tmp_path / "r.json", "zeroshot")
+    bins = record["metric_bins"]
+    assert bins["ece"] == {
+        "count": 15,
+        "width": "equal",
+        "interval": "(lo, hi]",
+        "confidence": "max softmax probability",
+    }
+    assert bins["ece20"]["count"] == metrics.CTPT_ECE_BINS == 20
