@@ -175,7 +175,7 @@ def test_methods_take_the_official_per_dataset_settings():
         assert name in tda.POSITIVE and name in boostadapter.OFFICIAL and name in dpe.SETTINGS
 
 
-def test_cli_cross_domain_10_end_to_end(tmp_path, tmp_cache):
+def test_cli_cross_domain_10_end_to_end(tmp_path, tmp_cache, capsys):
     """``tta-bench run --suite cross-domain-10 --data-dir D`` on the ten fixtures, a cell per
     set in the table's order; missing data exits 2 before anything is written."""
     from tta_bench.cli import main
@@ -195,5 +195,19 @@ def test_cli_cross_domain_10_end_to_end(tmp_path, tmp_cache):
     missing.mkdir()
     args[args.index(str(tmp_path / "data"))] = str(missing)
     args[args.index(str(out))] = str(tmp_path / "never.json")
+    capsys.readouterr()
     assert main(args) == 2
+    err = capsys.readouterr().err
+    assert "the data of 10 of the suite's 10 domains is missing" in err  # all, in one message
+    assert all(f"  - {name}: no local copy found" in err for name in COOP_SETS)
     assert not (tmp_path / "never.json").exists()
+
+
+def test_validate_checks_a_dispatcher_on_its_first_domain(tmp_path):
+    """``tta-bench validate dataset cross_domain`` builds its first domain (it must be given a
+    shift), instead of failing on the missing argument."""
+    from tta_bench.validate import validate
+
+    fx.coop_layout(tmp_path, "fgvc_aircraft", LABELS)
+    report = validate("dataset", "cross_domain", data_dir=str(tmp_path))
+    assert report.ok and report.counts() == {"PASS": 9, "FAIL": 0, "SKIP": 0}, report.text()

@@ -474,12 +474,25 @@ def _check_dataset_args(spec: Any) -> None:
     domains = [(None, None)]
     if protocol.shift_source == "dataset":
         domains = [(s, v) for s in protocol.shifts for v in protocol.severities]
-    try:
-        for shift, severity in domains:
-            extra = {} if shift is None else {"shift": shift, "severity": severity}
+    from tta_bench.data import DataUnavailableError
+
+    missing: list[str] = []  # every domain whose data is missing, in one message
+    for shift, severity in domains:
+        extra = {} if shift is None else {"shift": shift, "severity": severity}
+        try:
             check(**kwargs, **extra)
-    except ValueError as exc:
-        raise UsageError(f"dataset {protocol.dataset}: {exc}") from exc
+        except DataUnavailableError as exc:
+            missing.append(str(exc))
+        except ValueError as exc:
+            raise UsageError(f"dataset {protocol.dataset}: {exc}") from exc
+    if len(missing) == 1:
+        raise UsageError(f"dataset {protocol.dataset}: {missing[0]}")
+    if missing:
+        listed = "\n".join(f"  - {m}" for m in dict.fromkeys(missing))
+        raise UsageError(
+            f"dataset {protocol.dataset}: the data of {len(missing)} of the suite's "
+            f"{len(domains)} domains is missing:\n{listed}"
+        )
 
 
 def check_output(path: Any, spec: Any) -> None:

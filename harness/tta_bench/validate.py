@@ -559,8 +559,10 @@ def metric_checks(fn: Callable[..., Any], *, n: int = 40, classes: int = 5) -> l
 
 # -- datasets ----------------------------------------------------------------------------
 def dataset_checks(factory: Callable[..., Any], *, name: str, data_dir: str | None) -> list[Check]:
-    """The dataset contract on ``factory`` (``data_dir`` passed when it takes one). A
-    factory that needs local data it was not given is SKIP, not FAIL."""
+    """The dataset contract on ``factory`` (``data_dir`` passed when it takes one; a
+    factory that must be given a ``shift`` and whose catalogue entry lists ``domains`` gets
+    the first of them). A factory that needs local data it was not given is SKIP, not
+    FAIL."""
     from tta_bench import catalog
     from tta_bench.data import DataUnavailableError, DomainStream, to_rgb_array
     from tta_bench.templates import resolve_templates
@@ -571,6 +573,10 @@ def dataset_checks(factory: Callable[..., Any], *, name: str, data_dir: str | No
         kwargs["data_dir"] = data_dir
     needs_dir = "data_dir" in params and data_dir is None
     meta = catalog.entry("datasets", name)
+    shift = params.get("shift")
+    if shift is not None and shift.default is inspect.Parameter.empty and meta.get("domains"):
+        # a dataset that serves other datasets as its domains: checked on its first one
+        kwargs["shift"] = meta["domains"][0]
     built: dict[str, Any] = {}
 
     def needs_data(exc: Exception) -> CheckSkipped:
