@@ -9,11 +9,11 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from method_runs import run_method
 
 from mura_plugin.methods._views import configured_views
 from mura_plugin.methods.boostadapter import (
@@ -24,7 +24,6 @@ from mura_plugin.methods.boostadapter import (
     official_input,
 )
 from mura_plugin.methods.tda import _Cache
-from tta_bench.registry import registry
 
 
 # -- the official cache code, written separately (python lists, numpy float64) -------------
@@ -246,38 +245,11 @@ def test_reset_returns_to_setup_and_seeding_is_deterministic(classifier, test_im
     torch.testing.assert_close(used.step(images[:4]), expected, rtol=0, atol=0)
 
 
-def _run(tmp_path: Path, config, overrides):
-    from tta_bench import runner
-    from tta_bench.protocol import load_protocol
-    from tta_bench.spec import RunSpec
-
-    registry("methods").add("boostadapter-test", BoostAdapter)
-    try:
-        protocol = load_protocol("digits-c", **overrides)
-        spec = RunSpec(
-            method="boostadapter-test",
-            method_config=config,
-            model="tiny-clip-digits",
-            model_args={},
-            protocol=protocol,
-            seeds=[0],
-            progress=False,
-        )
-        return runner.run(spec, tmp_path / "r.json")
-    finally:
-        registry("methods")._scan().pop("boostadapter-test")
-
-
 @pytest.mark.parametrize("tta_vlm", [False, True])
 def test_runs_through_the_runner(tmp_path, tta_vlm):
-    from tta_bench import tta_vlm as option
-
-    config, overrides = BoostAdapter.Config(), {"shifts": ["contrast"], "max_images": 32}
+    record = run_method(tmp_path, "boostadapter", tta_vlm=tta_vlm)
     if tta_vlm:  # the harness's TTA-VLM option: single prompt, batch 1, tta_vlm values
-        overrides = option.protocol_overrides(overrides, BoostAdapter.stream_kind)
-        assert overrides["batch_size"] == 1
-        config, _ = option.method_config(BoostAdapter, config, fine_grained=False)
-    record = _run(tmp_path, config, overrides)
+        assert record["config"]["tta_vlm_applied"]["protocol.batch_size"] == 1
     [cell] = record["cells"]
     assert cell["n"] == 32 and 0.0 <= cell["accuracy"] <= 1.0
     assert math.isfinite(cell["nll"])

@@ -9,11 +9,11 @@ import copy
 import dataclasses
 import json
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from method_runs import run_method
 
 from mura_plugin.methods.dmn import (
     DMN,
@@ -22,7 +22,6 @@ from mura_plugin.methods.dmn import (
     fuse,
     memory_readout,
 )
-from tta_bench.registry import registry
 
 
 def _np_readout(mem, counts, text, q, beta, scale):
@@ -204,43 +203,19 @@ def test_descriptions_head_is_the_mean_over_templates_and_descriptions(classifie
         _build(classifier, prompts=str(missing))
 
 
-def _run(tmp_path: Path, config, batch_size=None, max_images=32):
-    from tta_bench import runner
-    from tta_bench.protocol import load_protocol
-    from tta_bench.spec import RunSpec
-
-    registry("methods").add("dmn-test", DMN)
-    try:
-        protocol = load_protocol(
-            "digits-c", shifts=["contrast"], max_images=max_images, batch_size=batch_size
-        )
-        spec = RunSpec(
-            method="dmn-test",
-            method_config=config,
-            model="tiny-clip-digits",
-            model_args={},
-            protocol=protocol,
-            seeds=[0],
-            progress=False,
-        )
-        return runner.run(spec, tmp_path / "r.json")
-    finally:
-        registry("methods")._scan().pop("dmn-test")
-
-
 def test_runs_through_the_runner_with_its_defaults(tmp_path):
-    record = _run(tmp_path, DMN.Config())
+    record = run_method(tmp_path, "dmn")
     [cell] = record["cells"]
     assert cell["n"] == 32 and 0.0 <= cell["accuracy"] <= 1.0
     assert math.isfinite(cell["nll"])
 
 
 def test_runs_through_the_runner_with_tta_vlm_settings(tmp_path):
-    # TTA-VLM's settings on a stream of batch size 1; fewer views than its 63 for time
+    # TTA-VLM's settings on its stream of batch size 1; fewer views than its 63 for time
     config = dataclasses.replace(DMN.Config(), **DMN.tta_vlm)
     assert (config.n_views, config.replace, config.confident_mean) == (63, "always", "logit")
-    config = dataclasses.replace(config, n_views=3)
-    record = _run(tmp_path, config, batch_size=1, max_images=16)
+    record = run_method(tmp_path, "dmn", "method.n_views=3", tta_vlm=True, max_images=16)
+    assert record["config"]["tta_vlm_applied"]["protocol.batch_size"] == 1
     [cell] = record["cells"]
     assert cell["n"] == 16 and 0.0 <= cell["accuracy"] <= 1.0
     assert math.isfinite(cell["nll"])

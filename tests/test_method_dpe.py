@@ -7,13 +7,12 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-from pathlib import Path
 
 import pytest
 import torch
+from method_runs import run_method
 
 from mura_plugin.methods.dpe import DPE, SETTINGS
-from tta_bench.registry import registry
 
 
 def _build(classifier, **kw) -> DPE:
@@ -159,32 +158,8 @@ def test_reset_returns_to_setup_and_seeds_repeat(classifier, test_images, views)
     assert torch.isfinite(expected).all()
 
 
-def _run(tmp_path: Path, config, batch_size=None, max_images=32):
-    from tta_bench import runner
-    from tta_bench.protocol import load_protocol
-    from tta_bench.spec import RunSpec
-
-    registry("methods").add("dpe-test", DPE)
-    try:
-        protocol = load_protocol(
-            "digits-c", shifts=["contrast"], max_images=max_images, batch_size=batch_size
-        )
-        spec = RunSpec(
-            method="dpe-test",
-            method_config=config,
-            model="tiny-clip-digits",
-            model_args={},
-            protocol=protocol,
-            seeds=[0],
-            progress=False,
-        )
-        return runner.run(spec, tmp_path / "r.json")
-    finally:
-        registry("methods")._scan().pop("dpe-test")
-
-
 def test_runs_through_the_runner_with_its_defaults(tmp_path):
-    record = _run(tmp_path, DPE.Config())
+    record = run_method(tmp_path, "dpe")
     [cell] = record["cells"]
     assert cell["n"] == 32 and 0.0 <= cell["accuracy"] <= 1.0
     assert math.isfinite(cell["nll"])
@@ -192,10 +167,10 @@ def test_runs_through_the_runner_with_its_defaults(tmp_path):
 
 
 def test_runs_through_the_runner_with_tta_vlm_settings(tmp_path):
-    # TTA-VLM's settings on a stream of batch size 1; fewer views than its 63 for time
-    config = dataclasses.replace(DPE.Config(), **DPE.tta_vlm, augmix=False)
-    config = dataclasses.replace(config, n_views=3)
-    record = _run(tmp_path, config, batch_size=1, max_images=16)
+    # TTA-VLM's settings on its stream of batch size 1 (digits: no AugMix, not a
+    # fine-grained set); fewer views than its 63 for time
+    record = run_method(tmp_path, "dpe", "method.n_views=3", tta_vlm=True, max_images=16)
+    assert record["config"]["tta_vlm_applied"]["method.augmix"] is False
     [cell] = record["cells"]
     assert cell["n"] == 16 and 0.0 <= cell["accuracy"] <= 1.0
     assert math.isfinite(cell["nll"])

@@ -11,6 +11,7 @@ import dataclasses
 import numpy as np
 import pytest
 import torch
+from method_runs import run_method
 
 from mura_plugin.methods.dynaprompt import (
     DynaPrompt,
@@ -162,37 +163,12 @@ def test_tta_vlm_keeps_the_optimizer_state(classifier, test_images):
     assert moved > 0
 
 
-def _run(cfg, batch_size, tmp_path):
-    from tta_bench import runner
-    from tta_bench.protocol import load_protocol
-    from tta_bench.registry import registry
-    from tta_bench.spec import RunSpec
-
-    registry("methods").add("dynaprompt-test", DynaPrompt)
-    try:
-        spec = RunSpec(
-            method="dynaprompt-test",
-            method_config=cfg,
-            model="tiny-clip-digits",
-            model_args={},
-            protocol=load_protocol(
-                "digits-c", shifts=["contrast"], max_images=16, batch_size=batch_size
-            ),
-            seeds=[0],
-            progress=False,
-            reference=False,
-        )
-        return runner.run(spec, tmp_path / "r.json")
-    finally:
-        registry("methods")._scan().pop("dynaprompt-test")
-
-
 @pytest.mark.parametrize("tta_vlm", [False, True])
 def test_runs_through_the_runner(tta_vlm, tmp_path):
     # the defaults (few views), and TTA-VLM's settings on its stream of batch size 1
-    overrides = {**DynaPrompt.tta_vlm, "text_head": "official"} if tta_vlm else {}
-    cfg = dataclasses.replace(DynaPromptConfig(), views=7, **overrides)
-    record = _run(cfg, 1 if tta_vlm else None, tmp_path)
+    head = ["method.text_head=official"] if tta_vlm else []
+    record = run_method(tmp_path, "dynaprompt", "method.views=7", *head, tta_vlm=tta_vlm,
+                        max_images=16)  # fmt: skip
     cell = record["cells"][0]
     assert 0.0 <= cell["accuracy"] <= 1.0
     # the image tower: 1 + 7 views per sample, forward only (the prompts train the text side)

@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from method_runs import run_method
 
 from mura_plugin.methods.ecalp import ECALP, ECALPConfig, LabelGraph, propagate
 
@@ -120,35 +121,9 @@ def test_a_neighbour_dropped_without_margin_never_returns():
     assert float(graph.store_sim[0].max()) == pytest.approx(1.0)
 
 
-def _run(cfg, batch_size=None, tmp_path=None):
-    from tta_bench import runner
-    from tta_bench.protocol import load_protocol
-    from tta_bench.registry import registry
-    from tta_bench.spec import RunSpec
-
-    registry("methods").add("ecalp-test", ECALP)
-    try:
-        spec = RunSpec(
-            method="ecalp-test",
-            method_config=cfg,
-            model="tiny-clip-digits",
-            model_args={},
-            protocol=load_protocol(
-                "digits-c", shifts=["contrast"], max_images=32, batch_size=batch_size
-            ),
-            seeds=[0],
-            progress=False,
-            reference=False,
-        )
-        return runner.run(spec, tmp_path / "r.json")
-    finally:
-        registry("methods")._scan().pop("ecalp-test")
-
-
 @pytest.mark.parametrize("tta_vlm", [False, True])
 def test_runs_through_the_runner(tta_vlm, tmp_path):
-    cfg = ECALPConfig(**ECALP.tta_vlm) if tta_vlm else ECALPConfig()
-    record = _run(cfg, batch_size=1 if tta_vlm else None, tmp_path=tmp_path)
+    record = run_method(tmp_path, "ecalp", tta_vlm=tta_vlm)
     cell = record["cells"][0]
     assert 0.0 <= cell["accuracy"] <= 1.0
     assert cell["forward_passes_per_sample"] <= 1.0

@@ -9,10 +9,10 @@ import math
 import numpy as np
 import pytest
 import torch
+from method_runs import run_method
 
 from mura_plugin.methods._views import configured_views
 from mura_plugin.methods.mta import MTA, mta_bandwidth, mta_solve
-from tta_bench.registry import registry
 
 FAST = {"views": 7}  # fewer views keep the tests fast; the defaults are checked separately
 
@@ -183,25 +183,9 @@ def test_class_attributes_and_defaults(classifier):
 
 @pytest.mark.parametrize("augmix", [False, True])  # True: what TTA-VLM runs on fine-grained sets
 def test_end_to_end_through_the_runner(tmp_path, augmix):
-    from tta_bench import runner
-    from tta_bench.protocol import load_protocol
-    from tta_bench.spec import RunSpec
-
-    config = dataclasses.replace(MTA.Config(), **MTA.tta_vlm, augmix=augmix)
-    registry("methods").add("mta-test", MTA)
-    try:
-        spec = RunSpec(
-            method="mta-test",
-            method_config=config,
-            model="tiny-clip-digits",
-            model_args={},
-            protocol=load_protocol("digits-c", shifts=["contrast"], max_images=8 if augmix else 16),
-            seeds=[0],
-            progress=False,
-        )
-        record = runner.run(spec, tmp_path / "r.json")
-    finally:
-        registry("methods")._scan().pop("mta-test")
+    assert MTA.tta_vlm == {}  # TTA-VLM runs the official setting
+    views = ["method.augmix=true"] if augmix else []
+    record = run_method(tmp_path, "mta", *views, max_images=8 if augmix else 16)
     assert record["cells"], "no cell produced"
     cell = record["cells"][0]
     assert 0.0 <= cell["accuracy"] <= 1.0

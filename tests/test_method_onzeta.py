@@ -7,14 +7,13 @@ from __future__ import annotations
 import copy
 import dataclasses
 import math
-from pathlib import Path
 
 import numpy as np
 import pytest
 import torch
+from method_runs import run_method
 
 from mura_plugin.methods.onzeta import ONZETA_7, OnZeta, official_templates
-from tta_bench.registry import registry
 
 
 def _official(xs, text, n, *, tau_t, tau_i, cw, cr, alpha, beta):
@@ -138,39 +137,13 @@ def test_reset_returns_to_setup_and_seeding_is_deterministic(classifier, test_im
     torch.testing.assert_close(again.step(images[:8]), expected, rtol=0, atol=0)
 
 
-def _run(tmp_path: Path, config, overrides):
-    from tta_bench import runner
-    from tta_bench.protocol import load_protocol
-    from tta_bench.spec import RunSpec
-
-    registry("methods").add("onzeta-test", OnZeta)
-    try:
-        protocol = load_protocol("digits-c", **overrides)
-        spec = RunSpec(
-            method="onzeta-test",
-            method_config=config,
-            model="tiny-clip-digits",
-            model_args={},
-            protocol=protocol,
-            seeds=[0],
-            progress=False,
-        )
-        return runner.run(spec, tmp_path / "r.json")
-    finally:
-        registry("methods")._scan().pop("onzeta-test")
-
-
 @pytest.mark.parametrize("tta_vlm", [False, True])
 def test_runs_through_the_runner(tmp_path, tta_vlm):
-    from tta_bench import tta_vlm as option
-
-    config, overrides = OnZeta.Config(), {"shifts": ["contrast"], "max_images": 32}
+    record = run_method(tmp_path, "onzeta", tta_vlm=tta_vlm)
     if tta_vlm:  # the harness's TTA-VLM option: single prompt, batch 1, tta_vlm values
-        overrides = option.protocol_overrides(overrides, OnZeta.stream_kind)
-        assert overrides["batch_size"] == 1
-        config, applied = option.method_config(OnZeta, config, fine_grained=False)
-        assert applied == {"beta_fine_grained": 0.4}
-    record = _run(tmp_path, config, overrides)
+        applied = record["config"]["tta_vlm_applied"]
+        assert applied["protocol.batch_size"] == 1
+        assert applied["method.beta_fine_grained"] == 0.4
     [cell] = record["cells"]
     assert cell["n"] == 32 and 0.0 <= cell["accuracy"] <= 1.0
     assert math.isfinite(cell["nll"])

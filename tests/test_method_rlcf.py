@@ -11,6 +11,7 @@ import itertools
 import numpy as np
 import pytest
 import torch
+from method_runs import run_method
 
 from mura_plugin.methods.rlcf import RLCF, RLCFConfig, clip_reward, rlcf_loss
 from tta_bench.registry import registry
@@ -209,30 +210,8 @@ def test_sample_k_beyond_the_classes_is_refused(classifier):
 # -- 2. the real runner ------------------------------------------------------------------
 
 
-def _run(tmp_path, config, **protocol):
-    from tta_bench import runner
-    from tta_bench.protocol import load_protocol
-    from tta_bench.spec import RunSpec
-
-    registry("methods").add("rlcf-test", RLCF)
-    try:
-        spec = RunSpec(
-            method="rlcf-test",
-            method_config=config,
-            model="tiny-clip-digits",
-            model_args={},
-            protocol=load_protocol("digits-c", shifts=["contrast"], **protocol),
-            seeds=[0],
-            progress=False,
-        )
-        return runner.run(spec, tmp_path / "r.json")
-    finally:
-        registry("methods")._scan().pop("rlcf-test")
-        registry("methods")._loaded.pop("rlcf-test", None)
-
-
 def test_runs_through_the_runner_with_its_defaults(tmp_path):
-    record = _run(tmp_path, RLCFConfig(), max_images=32)
+    record = run_method(tmp_path, "rlcf")
     cells = record["cells"]
     assert cells and all(0.0 <= c["accuracy"] <= 1.0 for c in cells)
     assert all(c["n"] > 0 for c in cells)
@@ -240,8 +219,7 @@ def test_runs_through_the_runner_with_its_defaults(tmp_path):
 
 
 def test_runs_under_the_tta_vlm_settings(tmp_path):
-    config = dataclasses.replace(RLCFConfig(), **RLCF.tta_vlm)
-    record = _run(tmp_path, config, max_images=8, batch_size=1)  # TTA-VLM: one image a step
+    record = run_method(tmp_path, "rlcf", tta_vlm=True, max_images=8)  # one image a step
     cells = record["cells"]
     assert cells and all(0.0 <= c["accuracy"] <= 1.0 for c in cells)
 

@@ -9,9 +9,9 @@ import math
 import numpy as np
 import pytest
 import torch
+from method_runs import run_method
 
 from mura_plugin.methods.rtpt import RTPT, reliability_ensemble, reliability_weights
-from tta_bench.registry import registry
 
 FAST = {"views": 7}  # fewer views keep the tests fast; the defaults are checked separately
 
@@ -154,27 +154,7 @@ def test_class_attributes():
 
 @pytest.mark.parametrize("tta_vlm", [False, True])
 def test_end_to_end_through_the_runner(tmp_path, tta_vlm):
-    from tta_bench import runner
-    from tta_bench.protocol import load_protocol
-    from tta_bench.spec import RunSpec
-
-    config = RTPT.Config()
-    if tta_vlm:
-        config = dataclasses.replace(config, **RTPT.tta_vlm)
-    registry("methods").add("rtpt-test", RTPT)
-    try:
-        spec = RunSpec(
-            method="rtpt-test",
-            method_config=config,
-            model="tiny-clip-digits",
-            model_args={},
-            protocol=load_protocol("digits-c", shifts=["contrast"], max_images=32),
-            seeds=[0],
-            progress=False,
-        )
-        record = runner.run(spec, tmp_path / "r.json")
-    finally:
-        registry("methods")._scan().pop("rtpt-test")
+    record = run_method(tmp_path, "rtpt", tta_vlm=tta_vlm, max_images=32)
     assert record["cells"], "no cell produced"
     cell = record["cells"][0]
     assert 0.0 <= cell["accuracy"] <= 1.0

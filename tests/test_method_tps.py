@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
+from method_runs import run_method
 
 from mura_plugin.methods._views import configured_views
 from mura_plugin.methods.tps import (
@@ -20,7 +21,6 @@ from mura_plugin.methods.tps import (
     shifted_logits,
     tta_vlm_lr,
 )
-from tta_bench.registry import registry
 from tta_bench.templates import resolve_templates
 
 FAST = {"views": 7}  # fewer views keep the tests fast; the defaults are checked separately
@@ -193,27 +193,7 @@ def test_class_attributes_and_defaults(classifier):
 
 @pytest.mark.parametrize("tta_vlm", [False, True])
 def test_end_to_end_through_the_runner(tmp_path, tta_vlm):
-    from tta_bench import runner
-    from tta_bench.protocol import load_protocol
-    from tta_bench.spec import RunSpec
-
-    config = TPS.Config()
-    if tta_vlm:
-        config = dataclasses.replace(config, **TPS.tta_vlm)
-    registry("methods").add("tps-test", TPS)
-    try:
-        spec = RunSpec(
-            method="tps-test",
-            method_config=config,
-            model="tiny-clip-digits",
-            model_args={},
-            protocol=load_protocol("digits-c", shifts=["contrast"], max_images=16),
-            seeds=[0],
-            progress=False,
-        )
-        record = runner.run(spec, tmp_path / "r.json")
-    finally:
-        registry("methods")._scan().pop("tps-test")
+    record = run_method(tmp_path, "tps", tta_vlm=tta_vlm, max_images=16)
     assert record["cells"], "no cell produced"
     cell = record["cells"][0]
     assert 0.0 <= cell["accuracy"] <= 1.0
