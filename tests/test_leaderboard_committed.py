@@ -41,3 +41,24 @@ def test_a_committed_leaderboard_is_the_current_rendering(page):
     md = folder / report.LEADERBOARD_MD
     assert md.read_text(encoding="utf-8") == markdown, f"{md.name} is stale; {again}"
     assert {p.name for p in folder.glob("*.png")} == {f.file for f in figures}, again
+
+
+def test_the_open_set_suite_has_three_seeds_of_four_methods_ranked():
+    """digits-open: zeroshot, tent, tda and mura, 3 seeds each, every cell open-set
+    (180 known + 180 unknown digits) with AUROC / AUPR / FPR95, all on the leaderboard."""
+    folder = ROOT / "results" / "digits-open"
+    board = report.collect(folder, "digits-open")
+    assert {e.record["method"] for e in board.entries} == {"zeroshot", "tent", "tda", "mura"}
+    for entry in board.entries:
+        cells = entry.record["cells"]
+        assert sorted({c["seed"] for c in cells}) == [0, 1, 2] and len(cells) == 45
+        assert all(c["n_known"] == 180 and c["n_ood"] == 180 for c in cells)
+        assert all(0 <= c[m] <= 1 for c in cells for m in ("auroc", "aupr", "fpr95"))
+        assert entry.record["metric_bins"]["ece20"] == {
+            "count": 20,
+            "width": "equal",
+            "interval": "(lo, hi]",
+            "confidence": "max softmax probability",
+        }
+    markdown = (folder / report.LEADERBOARD_MD).read_text(encoding="utf-8")
+    assert "AUROC %" in markdown and "## AUROC (%) per shift" in markdown
