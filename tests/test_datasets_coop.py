@@ -211,3 +211,30 @@ def test_validate_checks_a_dispatcher_on_its_first_domain(tmp_path):
     fx.coop_layout(tmp_path, "fgvc_aircraft", LABELS)
     report = validate("dataset", "cross_domain", data_dir=str(tmp_path))
     assert report.ok and report.counts() == {"PASS": 9, "FAIL": 0, "SKIP": 0}, report.text()
+
+
+@pytest.mark.parametrize("method", ["tpt", "tps", "rtpt", "rlcf", "dynaprompt"])
+def test_tpt_family_takes_its_official_augmix_rule_per_dataset(tmp_path, method):
+    """TPT's ``augmix=len(set_id) > 1`` and the codes built on it: AugMix on a fine-grained
+    domain, not on digits, where the run key of the committed results stays as it was."""
+    from tta_bench.resolve import resolve_run
+    from tta_bench.results import load_results
+    from tta_bench.resume import spec_key
+
+    fx.coop_layout(tmp_path, "dtd", LABELS)
+    fx.tree(tmp_path / "imagenet-r", entry("datasets", "imagenet_r")["wnids"][:2], per_folder=1)
+    model = ["model.arch=ViT-S-32", "model.image_size=32", "model.allow_random=true"]
+    data = str(tmp_path)
+    _, one = resolve_run(method, "cross-domain-10", "openclip", ["protocol.shifts=[dtd]", *model],
+                         data_dir=data)  # fmt: skip
+    assert one.method_config.augmix is True and one.method_configs is None
+    assert one.config["method"]["augmix"] is True  # the record says what ran
+    assert one.config["per_dataset_applied"] == {"method.augmix": True}
+    shifts = "protocol.shifts=[imagenet_r,dtd]"
+    _, two = resolve_run(method, "vlm-15", "openclip", [shifts, *model], data_dir=data)
+    assert two.method_config.augmix is False
+    assert {d: c.augmix for d, c in two.method_configs.items()} == {"dtd": True}
+    _, digits = resolve_run(method, "digits-c")
+    assert digits.method_config.augmix is False and digits.method_configs is None
+    committed = load_results(f"results/digits-c/{method}.json")
+    assert spec_key(digits)["method_config_hash"] == committed["method_config_hash"]

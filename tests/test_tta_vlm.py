@@ -108,7 +108,9 @@ def test_multi_dataset_suite_sets_augmix_per_dataset(tmp_path, tmp_cache, monkey
     assert seen == {"imagenet_r": False, "dtd": True}
     assert record["method_config_by_dataset"]["dtd"]["augmix"] is True
     _, plain = resolve_run("tpt", "vlm-15", "openclip", args, data_dir=str(data))
-    assert plain.method_configs is None
+    # without the option TPT's own official rule gives the same per-dataset AugMix ...
+    assert {d: c.augmix for d, c in plain.method_configs.items()} == {"dtd": True}
     from tta_bench.resume import spec_key
 
-    assert spec_key(spec)["method_config_hash"] != spec_key(plain)["method_config_hash"]
+    # ... but the option's stream (per image, its prompt) is another protocol: another run
+    assert spec_key(spec)["protocol_id"] != spec_key(plain)["protocol_id"]

@@ -102,12 +102,12 @@ def spec_from_config(cfg: Any, method: str, model: str) -> RunSpec:
         applied.update({f"protocol.{k}": v for k, v in overrides.items() if k not in given})
     protocol = load_protocol(cfg.suite, **overrides)
     by_dataset: dict[str, Any] | None = None
-    if cfg.get("tta_vlm"):
-        configs = {}
-        for dataset in tta_vlm.domain_datasets(protocol):
-            configs[dataset] = tta_vlm.method_config(
-                method_cls, mcfg, tta_vlm.fine_grained(dataset)
-            )
+    official: dict[str, Any] = {}
+    rule = _per_dataset_rule(method, mcfg, bool(cfg.get("tta_vlm")))
+    if rule is not None:
+        from tta_bench import tta_vlm
+
+        configs = {d: rule(tta_vlm.fine_grained(d)) for d in tta_vlm.domain_datasets(protocol)}
         first, changed = next(iter(configs.values()))
         if all(c == first for c, _ in configs.values()):
             mcfg = first
@@ -119,7 +119,10 @@ def spec_from_config(cfg: Any, method: str, model: str) -> RunSpec:
                     changed.setdefault(f"{k}@{d}", v)
         for c in [mcfg, *(by_dataset or {}).values()]:
             check_values(c, "method")
-        applied.update({f"method.{k}": v for k, v in changed.items()})
+        if cfg.get("tta_vlm"):
+            applied.update({f"method.{k}": v for k, v in changed.items()})
+        else:  # the official per-dataset AugMix rule: what ran, not the option's doing
+            official = {f"method.{k}": v for k, v in changed.items()}
     log_samples = samples_mode(cfg.get("log_samples", False))
     if part is not None:
         shard.check_shardable(protocol.reset, protocol.name, part)
@@ -127,12 +130,14 @@ def spec_from_config(cfg: Any, method: str, model: str) -> RunSpec:
     cfg_dict = to_container(cfg)
     cfg_dict.pop("defaults", None)
     cfg_dict["method"] = {"name": method, **cfg_dict["method"]}
-    if applied:  # what the TTA-VLM option set, in the record beside what it set it on
-        for key, value in applied.items():
-            node, name = key.split(".", 1)
-            if "@" not in name:  # per-dataset values: method_configs, recorded by dataset
-                cfg_dict[node][name] = value
+    for key, value in {**applied, **official}.items():  # the record says what ran
+        node, name = key.split(".", 1)
+        if "@" not in name:  # per-dataset values: method_configs, recorded by dataset
+            cfg_dict[node][name] = value
+    if applied:  # what the TTA-VLM option set, beside what it set it on
         cfg_dict["tta_vlm_applied"] = applied
+    if official:  # what the method's official per-dataset rule set (fine-grained AugMix)
+        cfg_dict["per_dataset_applied"] = official
     cfg_dict["model"] = {"name": model, **cfg_dict["model"]}
     return RunSpec(
         method=method,
@@ -158,6 +163,37 @@ def spec_from_config(cfg: Any, method: str, model: str) -> RunSpec:
         shard=part,
         method_configs=by_dataset,
     )
+
+
+def _per_dataset_rule(method: str, mcfg: Any, tta_vlm_on: bool) -> Any:
+    """``fine_grained -> (config, {field: value set})`` for the datasets of a run, or None:
+    the TTA-VLM option's settings under ``tta_vlm=true``; else, for a method whose official
+    code turns AugMix on for the fine-grained sets (``Method.augmix_on_fine_grained``) and
+    a run that leaves ``augmix`` at its default, that rule (``augmix = fine_grained``, the
+    catalogue's flag of each domain's dataset)."""
+    import dataclasses
+
+    from tta_bench import tta_vlm
+    from tta_bench.registry import registry
+
+    method_cls = registry("methods").get(method)
+    if tta_vlm_on:
+        return lambda fine: tta_vlm.method_config(method_cls, mcfg, fine)
+    if not getattr(method_cls, "augmix_on_fine_grained", False):
+        return None
+    if not dataclasses.is_dataclass(mcfg) or "augmix" not in {
+        f.name for f in dataclasses.fields(mcfg)
+    }:
+        return None
+    if mcfg.augmix != method_cls.Config().augmix:  # the run set it: it wins
+        return None
+
+    def rule(fine: bool) -> tuple[Any, dict[str, Any]]:
+        if bool(fine) == mcfg.augmix:
+            return mcfg, {}
+        return dataclasses.replace(mcfg, augmix=bool(fine)), {"augmix": bool(fine)}
+
+    return rule
 
 
 def resolve_device(name: str) -> torch.device:

@@ -67,7 +67,8 @@ What differs and why:
 * Loss scaling with ``_views.LossScaler`` (GradScaler's rule, one scale along the stream),
   on CUDA fp16 only. ``int(V * 0.1)`` is at least one view (the official none below 10).
 * Views: torchvision's RandomResizedCrop boxes on the image at the model's size, one batched
-  ``grid_sample`` (augment.py); ``augmix=true`` gives its fine-grained-set views.
+  ``grid_sample`` (augment.py); AugMix on the fine-grained sets only, per dataset as for
+  tpt.py (``augmix_on_fine_grained``).
 
 TTA-VLM (``tta_vlm``): a buffer of 10 prompts; lr 5e-3 on ImageNet and its variants, 3e-3
 elsewhere (``lr=None``); the AdamW state is never reset (its ``optim_state`` is saved, not
@@ -214,6 +215,7 @@ def _imagenet(dataset: str | None) -> bool:
 
 
 class DynaPrompt(Method):
+    augmix_on_fine_grained = True  # the official: AugMix on its fine-grained sets only
     Config = DynaPromptConfig
     #: the prompt buffer is this method's own (as TPT's context): ``trainable_parameters``
     adapts = True

@@ -31,8 +31,9 @@ is the student's on the original image after the last step.
 Setting (defaults = the official ImageNet script ``rlcf-prompt.sh``): ViT-B/16 student with
 ``--ctx_init a_photo_of_a`` (4 context tokens before "{class}."); ``sample_k`` 3;
 CLIPScore weight 2.5 (``CLIPRewards`` default); AdamW lr 7e-3, weight decay 5e-4, 3 steps
-(``tta_steps``); 64 views (``batch_size``), selection 0.1; views without AugMix (its
-ImageNet sets; ``augmix=true`` gives its fine-grained-set views; ``rlcf-prompt-fine.sh``
+(``tta_steps``); 64 views (``batch_size``), selection 0.1; views without AugMix on its
+ImageNet sets and with it on its fine-grained ones (applied per dataset as for tpt.py;
+``rlcf-prompt-fine.sh``
 also runs 5 steps there: ``steps=5``); fp16 autocast over fp32 weights
 (``convert_weights`` is commented out in its ``clip.py``) with
 ``GradScaler(init_scale=1000)``; the reward model (teacher) is ViT-L/14
@@ -162,6 +163,7 @@ def rlcf_loss(
 
 
 class RLCF(TPT):
+    augmix_on_fine_grained = True  # the official: AugMix on its fine-grained sets only
     Config = RLCFConfig
     stream_kind: ClassVar[str] = "episodic"
     tta_vlm: ClassVar[dict[str, Any]] = {"teacher": None}

@@ -10,20 +10,20 @@ bcc735fe49cbd2ab5b683781c41c66e1d3f78589 (instance_method/rtpt.py, instance_tta.
 clip/custom_clip.py).
 
 Setting (defaults = the official rtpt.py with its README command, ``-b 64 --ctx_init
-a_photo_of_a --eps 0.0``, i.e. clean images, no attack): TPT's prompt learner and views
-(64 = original + 63 RandomResizedCrop + horizontal flip; AugMix only on its fine-grained
-sets, ``augmix=len(set_id)>1``), AdamW lr 5e-3 (weight decay 0.01), 1 step
-(``--tta_steps``), prompt and optimiser state reset before every sample; as in tpt.py the
-``int(64 * 0.1) = 6`` lowest-entropy views (on the initial prompt, kept for later steps)
-enter the loss, which is their *mean per-view entropy* (``entropy_avg``, the loss
+a_photo_of_a --eps 0.0``, i.e. clean images, no attack): TPT's prompt learner and views (64
+= original + 63 RandomResizedCrop + horizontal flip; AugMix only on its fine-grained sets,
+``augmix=len(set_id)>1``, applied per dataset as for tpt.py), AdamW lr 5e-3 (weight decay
+0.01), 1 step (``--tta_steps``), prompt and optimiser state reset before every sample; as in
+tpt.py the ``int(64 * 0.1) = 6`` lowest-entropy views (on the initial prompt, kept for later
+steps) enter the loss, which is their *mean per-view entropy* (``entropy_avg``, the loss
 ``entropy``), not the entropy of their mean. Prediction (``reliability_ensemble``): the
-logits of **all** 64 views under the **updated** prompt, averaged with weights
-``softmax(r / 0.01)`` over views, where a view's reliability ``r`` is the mean of its 20
-highest cosine similarities to the other views' image features (``get_top_sim``, k = 20).
-Full float32: no autocast and no loss scaling (the official ``clip.load`` keeps fp32
-weights and rtpt.py runs without ``torch.cuda.amp``).
-The text head (``text_head``) is TPT's: ``protocol`` (default) learns one context per
-protocol template; ``official`` is the official prompt "a photo of a" + class + ".".
+logits of **all** 64 views under the **updated** prompt, averaged with weights ``softmax(r /
+0.01)`` over views, where a view's reliability ``r`` is the mean of its 20 highest cosine
+similarities to the other views' image features (``get_top_sim``, k = 20). Full float32: no
+autocast and no loss scaling (the official ``clip.load`` keeps fp32 weights and rtpt.py runs
+without ``torch.cuda.amp``). The text head (``text_head``) is TPT's: ``protocol`` (default)
+learns one context per protocol template; ``official`` is the official prompt "a photo of a"
++ class + ".".
 
 TTA-VLM (``tta_vlm``): fp16 autocast with ``GradScaler(init_scale=1000)`` for the tuning
 step and the ensemble (its similarities then in fp16); otherwise the same rule.
@@ -95,6 +95,7 @@ class RTPTConfig(TPTConfig):
 
 
 class RTPT(TPT):
+    augmix_on_fine_grained = True  # the official: AugMix on its fine-grained sets only
     Config = RTPTConfig
     stream_kind = "episodic"
     tta_vlm = {"precision": "fp16", "grad_scale": 1000.0}

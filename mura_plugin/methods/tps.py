@@ -28,8 +28,8 @@ shifts (``--per_label``) initialised at zero (``Shifter``: ``torch.zeros``, fp32
 model's weights: ``convert_weights`` is commented out in its ``model.py``), lr 5e-3 (the
 README's and ``args.py``'s value; the scripts take it as an argument), 1 step
 (``--tta_steps 1``), 64 views (``-b 64 --img_aug``: original + 63 ``RandomResizedCrop(224)`` +
-flip, AugMix on the fine-grained sets only: ``augmix=len(set_id) > 1``; the default
-``augmix=false`` is its ImageNet-set setting, as tpt.py), selection 0.1, fp16 autocast over
+flip, AugMix on the fine-grained sets only: ``augmix=len(set_id) > 1``, which the harness
+applies per dataset as for tpt.py), selection 0.1, fp16 autocast over
 fp32 weights on CUDA with ``GradScaler(init_scale=1e3)``.
 
 Prototypes (``text_head``, ``prompts``):
@@ -226,6 +226,7 @@ def tta_vlm_lr(dataset: str | None) -> float:
 
 
 class TPS(Method):
+    augmix_on_fine_grained = True  # the official: AugMix on its fine-grained sets only
     Config = TPSConfig
     stream_kind = "episodic"  # shifts and optimiser reset before every image
     adapts = False  # the shifts live in the method; the shared model is never changed
