@@ -62,3 +62,6 @@ def test_the_open_set_suite_has_three_seeds_of_four_methods_ranked():
         }
     markdown = (folder / report.LEADERBOARD_MD).read_text(encoding="utf-8")
     assert "AUROC %" in markdown and "## AUROC (%) per shift" in markdown
+    page = (folder / report.LEADERBOARD_HTML).read_text(encoding="utf-8")
+    for name in ("ece", "ece20", "auroc", "aupr", "fpr95"):  # the page has them too
+        assert f'<table id="per-shift-{name}-table"' in page

@@ -749,6 +749,20 @@ def _page(
             title = "" if d is None else f"{d:+.1f} vs {analysis.baseline}"
             cells.append(_cell(text, style=_shade(d, limit), title=title))
         shift_table.append({"cells": cells})
+    metric_tables = []  # calibration and open-set metrics per shift, as the markdown has them
+    for name in tables.per_shift_metrics(records):
+        m_head, m_rows = tables.method_shift_rows(records, labels, metric=name)
+        bins = catalog.entry("metrics", name).get("bins")
+        how = f"; {bins['count']} equal-width bins {bins['interval']}" if bins else ""
+        metric_tables.append(
+            {
+                "id": f"per-shift-{name}",
+                "title": f"{column(name).label.replace(' %', '')} (%) per shift, mean ± std "
+                f"over seeds{how}",
+                "head": [head(n) for n in m_head[1:]],
+                "rows": [{"cells": [_cell(text) for text in row[1:]]} for row in m_rows],
+            }
+        )
     known_presets = presets()
     methods = []
     for i, rec in enumerate(records):
@@ -789,6 +803,7 @@ def _page(
         },
         "cost": {"head": [head(n, n != "model") for n, _, _ in cost_cols], "rows": cost_rows},
         "shift": {"head": [head(n) for n in shift_head[1:]], "rows": shift_table},
+        "metric_tables": metric_tables,
         "baseline": analysis.baseline,
         "figures": figures or [],
         "methods": methods,
