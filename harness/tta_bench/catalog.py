@@ -91,6 +91,13 @@ def entry(section: str, name: str) -> dict[str, Any]:
     return dict(catalog()[section].get(name) or {})
 
 
+def fine_grained(dataset: str | None) -> bool:
+    """Whether the catalogue marks ``dataset`` ``fine_grained: true`` (the sets on which
+    the TPT family's official code turns AugMix on, TTA-VLM's ``len(set_id) > 1``); an
+    unknown name or None: no."""
+    return bool(dataset) and bool(entry("datasets", str(dataset)).get("fine_grained", False))
+
+
 #: The choices a catalogue's ``defaults:`` section makes: what ``tta-bench run`` uses when
 #: no ``--suite`` / ``--method`` / ``--model`` is given (a suite's own ``default_model``
 #: comes first), and ``reference``, the method a run is paired with in tables (its cells'

@@ -115,6 +115,15 @@ class Protocol:
                 f"'non_iid', not {self.reset!r}"
             )
 
+    def domain_datasets(self) -> list[str]:
+        """The datasets the domains are: each shift of a suite whose dataset serves
+        registered datasets as its domains (its catalogue entry lists them as
+        ``domains:``), else the protocol's dataset alone."""
+        domains = catalog.entry("datasets", self.dataset).get("domains")
+        if self.shift_source == "dataset" and domains:
+            return [s for s in self.shifts if s in domains]
+        return [self.dataset]
+
     @property
     def stateful(self) -> bool:
         """True when a seed's cells depend on each other (no reset between them)."""

@@ -105,9 +105,9 @@ def spec_from_config(cfg: Any, method: str, model: str) -> RunSpec:
     official: dict[str, Any] = {}
     rule = _per_dataset_rule(method, mcfg, bool(cfg.get("tta_vlm")))
     if rule is not None:
-        from tta_bench import tta_vlm
+        from tta_bench.catalog import fine_grained
 
-        configs = {d: rule(tta_vlm.fine_grained(d)) for d in tta_vlm.domain_datasets(protocol)}
+        configs = {d: rule(fine_grained(d)) for d in protocol.domain_datasets()}
         first, changed = next(iter(configs.values()))
         if all(c == first for c, _ in configs.values()):
             mcfg = first

@@ -49,25 +49,6 @@ def protocol_overrides(given: dict[str, Any], stream_kind: str | None) -> dict[s
     return out
 
 
-def fine_grained(dataset: str) -> bool:
-    """Whether the catalogue marks ``dataset`` fine-grained (TTA-VLM's ``len(set_id) > 1``)."""
-    from tta_bench import catalog
-
-    return bool(catalog.entry("datasets", dataset).get("fine_grained", False))
-
-
-def domain_datasets(protocol: Any) -> list[str]:
-    """The datasets a protocol's domains are: each shift of a suite whose dataset serves
-    registered datasets as its domains (its catalogue entry lists them as ``domains:``),
-    else the protocol's dataset alone."""
-    from tta_bench import catalog
-
-    domains = catalog.entry("datasets", protocol.dataset).get("domains")
-    if protocol.shift_source == "dataset" and domains:
-        return [s for s in protocol.shifts if s in domains]
-    return [protocol.dataset]
-
-
 def method_config(method_cls: Any, mcfg: Any, fine_grained: bool) -> tuple[Any, dict[str, Any]]:
     """``(the method config under the option, {field: value} it set)``: AugMix on
     fine-grained sets, then ``method_cls.tta_vlm``, each only where ``mcfg`` still holds the

@@ -100,6 +100,7 @@ import torch
 from mura_plugin.methods._dmn_dpe_prompts import method_head
 from mura_plugin.methods._views import SINGLE_PROMPT, TEXT_HEADS, check_text_head, configured_views
 from tta_bench.bounds import bounded, one_of
+from tta_bench.catalog import fine_grained
 from tta_bench.method import PRECISIONS, Method, autocast_context, check_precision
 
 __all__ = [
@@ -170,14 +171,7 @@ def official_templates(dataset: str | None) -> list[str]:
 def official_augmix(dataset: str | None) -> bool:
     """``AugMixAugmenter(augmix=len(set_id) > 1)``, true on DMN's fine-grained sets: here
     the sets whose catalogue entry says ``fine_grained: true``."""
-    if not dataset or dataset in IMAGENET_FAMILY:
-        return False
-    try:
-        from tta_bench import catalog
-
-        return bool(catalog.entry("datasets", dataset).get("fine_grained", False))
-    except (KeyError, ValueError):
-        return False
+    return dataset not in IMAGENET_FAMILY and fine_grained(dataset)
 
 
 @dataclass

@@ -76,6 +76,7 @@ from mura_plugin.methods._views import (
 )
 from mura_plugin.methods.boostadapter import IMAGENET_FAMILY
 from tta_bench.bounds import bounded, one_of
+from tta_bench.catalog import fine_grained
 from tta_bench.method import PRECISIONS, Method, autocast_context, check_precision
 
 __all__ = [
@@ -97,17 +98,6 @@ ONZETA_7 = (
     "art of the {}.",
     "a photo of the small {}.",
 )
-
-
-def fine_grained(dataset: str | None) -> bool:
-    """Whether the catalogue marks ``dataset`` ``fine_grained`` (TTA-VLM's ``len(set) > 1``
-    sets; unknown names and None: no)."""
-    from tta_bench import catalog
-
-    try:
-        return bool(catalog.entry("datasets", dataset).get("fine_grained", False))
-    except (KeyError, ValueError, TypeError):
-        return False
 
 
 def official_templates(dataset: str | None) -> list[str]:

@@ -95,6 +95,7 @@ from mura_plugin.losses import view_entropy
 from mura_plugin.methods._clip_text import encode_text
 from mura_plugin.methods._views import check_text_head, configured_views
 from tta_bench.bounds import bounded, one_of
+from tta_bench.catalog import fine_grained
 from tta_bench.method import PRECISIONS, Method, autocast_context, check_precision
 from tta_bench.model import ZeroShotClassifier
 from tta_bench.templates import resolve_templates
@@ -208,21 +209,10 @@ def marginal_entropy(logits: torch.Tensor) -> torch.Tensor:
     return -(log_mean.exp() * log_mean).sum(dim=-1)
 
 
-def _fine_grained(dataset: str | None) -> bool:
-    if not dataset:
-        return False
-    try:
-        from tta_bench import catalog
-
-        return bool(catalog.entry("datasets", dataset).get("fine_grained", False))
-    except (KeyError, ValueError):
-        return False
-
-
 def tta_vlm_lr(dataset: str | None) -> float:
     """TTA-VLM's TPS learning rate: 5e-3 on the ImageNet sets, 1e-3 on the others (its
     fine-grained sets: a catalogue entry with ``fine_grained: true``)."""
-    return 1e-3 if _fine_grained(dataset) else 5e-3
+    return 1e-3 if fine_grained(dataset) else 5e-3
 
 
 class TPS(Method):
