@@ -274,14 +274,9 @@ def _domain_factories() -> dict[str, Callable[..., DomainStream]]:
     return {**family, **coop}
 
 
-def _dispatch(
-    suite_dataset: str,
-    shift: str | None,
-    severity: int | None,
-    data_dir: Any,
-    templates: Any,
-    check: bool = False,
-) -> DomainStream | None:
+def _domain_factory(suite_dataset: str, shift: str | None, severity: int | None) -> Any:
+    """The factory of ``shift``, one of ``suite_dataset``'s catalogue ``domains``; a bad
+    domain or a severity other than 1 is a ``ValueError`` listing the options."""
     domains = list(c.dataset_meta(suite_dataset)["domains"])
     if shift not in domains:
         raise ValueError(
@@ -291,13 +286,13 @@ def _dispatch(
         raise ValueError(
             f"{suite_dataset}: each dataset is one domain (severity 1), got severity {severity}"
         )
-    factory = _domain_factories()[shift]
-    if check:
-        checker = getattr(factory, "check_args", None)
-        if callable(checker):
-            checker(data_dir=data_dir, templates=templates)
-        return None
-    stream = factory(data_dir=data_dir, templates=templates)
+    return _domain_factories()[shift]
+
+
+def _dispatch(
+    suite_dataset: str, shift: str, severity: int, data_dir: Any, templates: Any
+) -> DomainStream:
+    stream = _domain_factory(suite_dataset, shift, severity)(data_dir=data_dir, templates=templates)
     stream.metadata["dataset"] = shift  # the methods' per-dataset settings read it
     return stream
 
@@ -311,9 +306,7 @@ def cross_domain(
 ) -> DomainStream:
     """One of the ten cross-domain sets (``shift`` = its dataset name, ``COOP_SETS``), its
     test split, for suites with ``shift_source: dataset`` (one level, severity 1)."""
-    stream = _dispatch("cross_domain", shift, severity, data_dir, templates)
-    assert stream is not None
-    return stream
+    return _dispatch("cross_domain", shift, severity, data_dir, templates)
 
 
 def vlm_domains(
@@ -325,9 +318,7 @@ def vlm_domains(
 ) -> DomainStream:
     """One of TTA-VLM's fifteen sets: the ImageNet family (ImageNet validation, -A, -V2, -R,
     -Sketch) and the ten cross-domain test splits; ``shift`` = the dataset name."""
-    stream = _dispatch("vlm_domains", shift, severity, data_dir, templates)
-    assert stream is not None
-    return stream
+    return _dispatch("vlm_domains", shift, severity, data_dir, templates)
 
 
 def _check_dispatch(suite_dataset: str) -> Callable[..., None]:
@@ -342,7 +333,9 @@ def _check_dispatch(suite_dataset: str) -> Callable[..., None]:
         cheap check passes (its folder and split file exist)."""
         if shift is None:
             return
-        _dispatch(suite_dataset, shift, severity, data_dir, templates, check=True)
+        checker = getattr(_domain_factory(suite_dataset, shift, severity), "check_args", None)
+        if callable(checker):
+            checker(data_dir=data_dir, templates=templates)
 
     return check_args
 
