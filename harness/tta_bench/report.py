@@ -752,13 +752,10 @@ def _page(
     metric_tables = []  # calibration and open-set metrics per shift, as the markdown has them
     for name in tables.per_shift_metrics(records):
         m_head, m_rows = tables.method_shift_rows(records, labels, metric=name)
-        bins = catalog.entry("metrics", name).get("bins")
-        how = f"; {bins['count']} equal-width bins {bins['interval']}" if bins else ""
         metric_tables.append(
             {
                 "id": f"per-shift-{name}",
-                "title": f"{column(name).label.replace(' %', '')} (%) per shift, mean ± std "
-                f"over seeds{how}",
+                "title": per_shift_title(name),
                 "head": [head(n) for n in m_head[1:]],
                 "rows": [{"cells": [_cell(text) for text in row[1:]]} for row in m_rows],
             }
@@ -843,6 +840,15 @@ def _code_marks(text: str) -> Any:
     return Markup("".join(f"<code>{p}</code>" if i % 2 else p for i, p in enumerate(parts)))
 
 
+def per_shift_title(metric: str) -> str:
+    """The heading of ``metric``'s method x shift table (markdown and page alike), with
+    its binning when the catalogue declares one (``bins``)."""
+    bins = catalog.entry("metrics", metric).get("bins")
+    how = f"; {bins['count']} equal-width bins {bins['interval']}" if bins else ""
+    label = column(metric).label.replace(" %", "")
+    return f"{label} (%) per shift, mean ± std over seeds{how}"
+
+
 def leaderboard_markdown(
     board: Leaderboard,
     baseline: str | None = tables.REFERENCE,
@@ -867,12 +873,9 @@ def leaderboard_markdown(
             "",
         ]
         for name in tables.per_shift_metrics(records):
-            col = column(name)
-            bins = catalog.entry("metrics", name).get("bins")
-            how = f"; {bins['count']} equal-width bins {bins['interval']}" if bins else ""
             head, rows = tables.method_shift_rows(records, labels, metric=name)
             parts += [
-                f"## {col.label.replace(' %', '')} (%) per shift, mean ± std over seeds{how}",
+                f"## {per_shift_title(name)}",
                 "",
                 tables.render(rows, head, "github"),
                 "",
