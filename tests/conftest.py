@@ -40,6 +40,18 @@ def test_images(digits_stream):
     return torch.from_numpy(x).permute(0, 3, 1, 2).float() / 255.0, torch.from_numpy(y)
 
 
+@pytest.fixture(scope="session")
+def noisy_images(test_images):
+    """The first 6 test digits with Gaussian noise (sigma 0.3, generator seed 0), clamped
+    to [0, 1]: the batch the method tests adapt on. Noise is drawn row after row, so its
+    first k rows are the batch of k such images."""
+    images, _ = test_images
+    noisy = images[:6] + 0.3 * torch.randn(
+        6, *images.shape[1:], generator=torch.Generator().manual_seed(0)
+    )
+    return noisy.clamp(0, 1)
+
+
 @pytest.fixture()
 def tmp_cache(tmp_path, monkeypatch):
     """An empty tta-bench cache directory for tests of caching itself."""

@@ -1,12 +1,28 @@
-"""One short run of a registered method as ``tta-bench run`` makes it: the method by its
-entry-point name, the overrides resolved and checked by the CLI's own ``resolve_run`` (the
-TTA-VLM option included, exactly as ``tta_vlm=true`` applies it), then the real runner.
-The end-to-end test every method test file shares."""
+"""What the method test files share: ``build_method``, a method on its own copy of the
+classifier, set up; and ``run_method``, one short run of a registered method as
+``tta-bench run`` makes it (the method by its entry-point name, the overrides resolved and
+checked by the CLI's own ``resolve_run``, the TTA-VLM option exactly as ``tta_vlm=true``
+applies it, then the real runner)."""
 
 from __future__ import annotations
 
 from pathlib import Path
 from typing import Any
+
+
+def build_method(cls: Any, classifier: Any, seed: int = 0, **overrides: Any) -> Any:
+    """``cls`` with its default config changed by ``overrides``, on a copy of
+    ``classifier`` (the shared one is never touched), set up with torch seeded by ``seed``."""
+    import copy
+    import dataclasses
+
+    import torch
+
+    torch.manual_seed(seed)
+    method = cls(copy.deepcopy(classifier), dataclasses.replace(cls.Config(), **overrides))
+    method.setup()
+    return method
+
 
 #: The cell every such run scores: one digits-c domain, seed 0.
 CELL = ["protocol.shifts=[contrast]", "seeds=[0]", "progress=false"]

@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import copy
-import dataclasses
+import functools
 import math
 
 import numpy as np
 import pytest
 import torch
-from method_runs import run_method
+from method_runs import build_method, run_method
 
 from mura_plugin.methods._views import configured_views
 from mura_plugin.methods.mta import MTA, mta_bandwidth, mta_solve
@@ -17,20 +16,12 @@ from mura_plugin.methods.mta import MTA, mta_bandwidth, mta_solve
 FAST = {"views": 7}  # fewer views keep the tests fast; the defaults are checked separately
 
 
-def _build(classifier, **overrides):
-    torch.manual_seed(0)
-    method = MTA(copy.deepcopy(classifier), dataclasses.replace(MTA.Config(), **overrides))
-    method.setup()
-    return method
+_build = functools.partial(build_method, MTA)
 
 
 @pytest.fixture(scope="module")
-def batch(test_images):
-    images, _ = test_images
-    noisy = images[:4] + 0.3 * torch.randn(
-        4, *images.shape[1:], generator=torch.Generator().manual_seed(0)
-    )
-    return noisy.clamp(0, 1)
+def batch(noisy_images):
+    return noisy_images[:4]
 
 
 def _softmax(z: np.ndarray) -> np.ndarray:

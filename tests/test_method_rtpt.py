@@ -2,35 +2,25 @@
 
 from __future__ import annotations
 
-import copy
 import dataclasses
 import math
 
 import numpy as np
 import pytest
 import torch
-from method_runs import run_method
+from method_runs import build_method, run_method
 
 from mura_plugin.methods.rtpt import RTPT, reliability_ensemble, reliability_weights
 
 FAST = {"views": 7}  # fewer views keep the tests fast; the defaults are checked separately
 
 
-def _build(cls, classifier, **overrides):
-    torch.manual_seed(0)
-    config = dataclasses.replace(cls.Config(), **overrides)
-    method = cls(copy.deepcopy(classifier), config)
-    method.setup()
-    return method
+_build = build_method
 
 
 @pytest.fixture(scope="module")
-def batch(test_images):
-    images, _ = test_images
-    noisy = images[:4] + 0.3 * torch.randn(
-        4, *images.shape[1:], generator=torch.Generator().manual_seed(0)
-    )
-    return noisy.clamp(0, 1)
+def batch(noisy_images):
+    return noisy_images[:4]
 
 
 def _weights_numpy(feats: np.ndarray, k: int, temperature: float) -> np.ndarray:

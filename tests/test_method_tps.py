@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import copy
-import dataclasses
+import functools
 import json
 import math
 
@@ -11,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from method_runs import run_method
+from method_runs import build_method, run_method
 
 from mura_plugin.methods._views import configured_views
 from mura_plugin.methods.tps import (
@@ -26,20 +25,12 @@ from tta_bench.templates import resolve_templates
 FAST = {"views": 7}  # fewer views keep the tests fast; the defaults are checked separately
 
 
-def _build(classifier, **overrides):
-    torch.manual_seed(0)
-    method = TPS(copy.deepcopy(classifier), dataclasses.replace(TPS.Config(), **overrides))
-    method.setup()
-    return method
+_build = functools.partial(build_method, TPS)
 
 
 @pytest.fixture(scope="module")
-def batch(test_images):
-    images, _ = test_images
-    noisy = images[:4] + 0.3 * torch.randn(
-        4, *images.shape[1:], generator=torch.Generator().manual_seed(0)
-    )
-    return noisy.clamp(0, 1)
+def batch(noisy_images):
+    return noisy_images[:4]
 
 
 def test_shifted_logits_known_values():

@@ -8,6 +8,7 @@ import math
 
 import pytest
 import torch
+from method_runs import build_method
 
 from mura_plugin.losses import view_entropy
 from mura_plugin.methods._views import LossScaler
@@ -21,21 +22,12 @@ from tta_bench.registry import registry
 FAST = {"views": 7}  # fewer views keep the tests fast; the defaults are checked separately
 
 
-def _build(cls, classifier, seed=0, **overrides):
-    torch.manual_seed(seed)
-    config = dataclasses.replace(cls.Config(), **overrides)
-    method = cls(copy.deepcopy(classifier), config)
-    method.setup()
-    return method
+_build = build_method
 
 
 @pytest.fixture(scope="module")
-def batch(test_images):
-    images, _ = test_images
-    noisy = images[:6] + 0.3 * torch.randn(
-        6, *images.shape[1:], generator=torch.Generator().manual_seed(0)
-    )
-    return noisy.clamp(0, 1)
+def batch(noisy_images):
+    return noisy_images
 
 
 def test_all_methods_registered():

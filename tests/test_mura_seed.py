@@ -6,10 +6,12 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import math
 
 import pytest
 import torch
+from method_runs import build_method
 from torch import nn
 from torchvision.transforms import InterpolationMode
 from torchvision.transforms import functional as TF
@@ -20,22 +22,13 @@ from mura_plugin.methods._views import configured_views
 from mura_plugin.methods.mura import MuRA
 from tta_bench.resolve import resolve_run
 
-
-def _build(classifier, seed=0, **overrides):
-    torch.manual_seed(seed)
-    method = MuRA(copy.deepcopy(classifier), dataclasses.replace(MuRA.Config(), **overrides))
-    method.setup()
-    return method
+_build = functools.partial(build_method, MuRA)
 
 
 @pytest.fixture(scope="module")
-def batch(test_images):
+def batch(noisy_images):
     """4 noisy test digits (the first 4 of tests/test_methods.py's batch)."""
-    images, _ = test_images
-    noisy = images[:4] + 0.3 * torch.randn(
-        4, *images.shape[1:], generator=torch.Generator().manual_seed(0)
-    )
-    return noisy.clamp(0, 1)
+    return noisy_images[:4]
 
 
 #: The sketch, item by item (the preset's comment): every setting the preset gives.
