@@ -39,18 +39,28 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
+from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 
 __all__ = [
     "AUGMIX_OPS",
+    "AugMixDraws",
+    "ViewPlan",
+    "apply_augmix",
     "augmix",
+    "augmix_draws",
     "crop_boxes",
+    "crop_thetas",
     "make_views",
+    "plan_views",
     "random_resized_crops",
     "random_rotations",
+    "render_crops",
+    "render_views",
     "rotate",
+    "rotation_angles",
 ]
 
 _ATTEMPTS = 10  # torchvision's RandomResizedCrop.get_params
@@ -100,6 +110,46 @@ def crop_boxes(
     return top, left, h, w
 
 
+def crop_thetas(
+    n: int,
+    height: int,
+    width: int,
+    generator: torch.Generator,
+    *,
+    scale: tuple[float, float] = (0.08, 1.0),
+    ratio: tuple[float, float] = (3 / 4, 4 / 3),
+    flip: bool = False,
+) -> torch.Tensor:
+    """``[n, 2, 3]`` float64 ``affine_grid`` matrices of ``n`` random resized crops of a
+    ``height x width`` image (boxes from ``crop_boxes``; then, when ``flip``, one draw per
+    crop mirrors it with probability 1/2): the random part of ``random_resized_crops``."""
+    top, left, ch, cw = crop_boxes(n, height, width, generator, scale=scale, ratio=ratio)
+    # affine_grid maps output [-1, 1] coordinates onto the box (align_corners=False: pixel
+    # edges at -1 and 1), so output pixel centres sample the box like a resize of the crop
+    sx, sy = cw.double() / width, ch.double() / height
+    cx = (2 * left + cw).double() / width - 1
+    cy = (2 * top + ch).double() / height - 1
+    if flip:
+        sx = torch.where(torch.rand(n, generator=generator) < 0.5, -sx, sx)
+    theta = torch.zeros(n, 2, 3, dtype=torch.float64)
+    theta[:, 0, 0], theta[:, 0, 2] = sx, cx
+    theta[:, 1, 1], theta[:, 1, 2] = sy, cy
+    return theta
+
+
+def render_crops(images: torch.Tensor, theta: torch.Tensor) -> torch.Tensor:
+    """``[V, B, C, H, W]`` crops of ``images [B, C, H, W]`` by the view-major matrices
+    ``theta [V * B, 2, 3]`` (``crop_thetas``), resized to ``H x W`` by one bilinear
+    ``grid_sample``. Each output depends on its own image and matrix only."""
+    b, c, h, w = images.shape
+    n = theta.shape[0]
+    theta = theta.to(images.device, images.dtype)
+    src = images.unsqueeze(0).expand(n // b, b, c, h, w).reshape(n, c, h, w)
+    grid = F.affine_grid(theta, [n, c, h, w], align_corners=False)
+    out = F.grid_sample(src, grid, mode="bilinear", padding_mode="border", align_corners=False)
+    return out.view(n // b, b, c, h, w)
+
+
 def random_resized_crops(
     images: torch.Tensor,
     n_views: int,
@@ -112,24 +162,9 @@ def random_resized_crops(
     """``[V, B, C, H, W]`` random resized crops of ``images [B, C, H, W]`` (boxes from
     ``crop_boxes``; mirrored with probability 1/2 when ``flip``), each resized back to
     ``H x W`` bilinearly. View-major: view ``v`` of sample ``b`` is draw ``v * B + b``."""
-    b, c, h, w = images.shape
-    n = n_views * b
-    top, left, ch, cw = crop_boxes(n, h, w, generator, scale=scale, ratio=ratio)
-    # affine_grid maps output [-1, 1] coordinates onto the box (align_corners=False: pixel
-    # edges at -1 and 1), so output pixel centres sample the box like a resize of the crop
-    sx, sy = cw.double() / w, ch.double() / h
-    cx = (2 * left + cw).double() / w - 1
-    cy = (2 * top + ch).double() / h - 1
-    if flip:
-        sx = torch.where(torch.rand(n, generator=generator) < 0.5, -sx, sx)
-    theta = torch.zeros(n, 2, 3, dtype=torch.float64)
-    theta[:, 0, 0], theta[:, 0, 2] = sx, cx
-    theta[:, 1, 1], theta[:, 1, 2] = sy, cy
-    theta = theta.to(images.device, images.dtype)
-    src = images.unsqueeze(0).expand(n_views, b, c, h, w).reshape(n, c, h, w)
-    grid = F.affine_grid(theta, [n, c, h, w], align_corners=False)
-    out = F.grid_sample(src, grid, mode="bilinear", padding_mode="border", align_corners=False)
-    return out.view(n_views, b, c, h, w)
+    b, _, h, w = images.shape
+    theta = crop_thetas(n_views * b, h, w, generator, scale=scale, ratio=ratio, flip=flip)
+    return render_crops(images, theta)
 
 
 def rotate(images: torch.Tensor, degrees: torch.Tensor) -> torch.Tensor:
@@ -159,18 +194,21 @@ def rotate(images: torch.Tensor, degrees: torch.Tensor) -> torch.Tensor:
     return out[:, :c] * out[:, c:]
 
 
+def rotation_angles(n: int, degrees: float, generator: torch.Generator) -> torch.Tensor:
+    """``[n]`` float64 angles uniform in ``[-degrees, degrees]`` (the draws of
+    ``random_rotations``)."""
+    if degrees < 0:
+        raise ValueError(f"degrees must be >= 0, got {degrees}")
+    return torch.empty(n, dtype=torch.float64).uniform_(-degrees, degrees, generator=generator)
+
+
 def random_rotations(
     images: torch.Tensor, degrees: float, generator: torch.Generator
 ) -> torch.Tensor:
     """``images [N, C, H, W]`` each rotated by its own angle uniform in ``[-degrees, degrees]``
     (float64 draws from ``generator``, one per image in order): ``RandomAffine(degrees)``
     with rotation only (see ``rotate``)."""
-    if degrees < 0:
-        raise ValueError(f"degrees must be >= 0, got {degrees}")
-    angles = torch.empty(images.shape[0], dtype=torch.float64).uniform_(
-        -degrees, degrees, generator=generator
-    )
-    return rotate(images, angles)
+    return rotate(images, rotation_angles(images.shape[0], degrees, generator))
 
 
 # -- AugMix ------------------------------------------------------------------------------
@@ -304,6 +342,81 @@ AUGMIX_OPS: dict[str, Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch
 }
 
 
+@dataclass(frozen=True)
+class AugMixDraws:
+    """The random draws of ``augmix`` for ``n`` images: Dirichlet mixing weights
+    ``weights [n, width]`` (float32), the blend ``m [n]`` (float32), and per chain and
+    image the chain length ``depth [width, n]``, operation indices ``ops``, levels
+    ``levels`` (float64) and signs ``negative``, each ``[width, n, max_depth]``."""
+
+    weights: torch.Tensor
+    m: torch.Tensor
+    depth: torch.Tensor
+    ops: torch.Tensor
+    levels: torch.Tensor
+    negative: torch.Tensor
+
+    def select(self, index: torch.Tensor) -> AugMixDraws:
+        """The draws of images ``index`` (int64 ``[k]``), in that order."""
+        return AugMixDraws(
+            self.weights[index],
+            self.m[index],
+            self.depth[:, index],
+            self.ops[:, index],
+            self.levels[:, index],
+            self.negative[:, index],
+        )
+
+
+def augmix_draws(
+    n: int,
+    generator: torch.Generator,
+    *,
+    severity: float = 1.0,
+    width: int = 3,
+    max_depth: int = 3,
+) -> AugMixDraws:
+    """The draws of ``augmix`` for ``n`` images, in the order ``augmix`` makes them."""
+    if severity < 0.1:
+        raise ValueError(f"severity must be >= 0.1 (levels are U(0.1, severity)), got {severity}")
+    k = len(AUGMIX_OPS)
+    u = 1.0 - torch.rand(n, width, dtype=torch.float64, generator=generator)  # (0, 1]
+    weights = -u.log()
+    weights = (weights / weights.sum(dim=1, keepdim=True)).float()  # Dirichlet(1, ..., 1)
+    m = torch.rand(n, generator=generator).float()  # Beta(1, 1)
+    depth = torch.randint(1, max_depth + 1, (width, n), generator=generator)
+    ops = torch.randint(0, k, (width, n, max_depth), generator=generator)
+    levels = torch.empty(width, n, max_depth, dtype=torch.float64).uniform_(
+        0.1, severity, generator=generator
+    )
+    negative = torch.rand(width, n, max_depth, generator=generator) > 0.5
+    return AugMixDraws(weights, m, depth, ops, levels, negative)
+
+
+def apply_augmix(images: torch.Tensor, draws: AugMixDraws) -> torch.Tensor:
+    """AugMix of ``images [N, C, H, W]`` in [0, 1] with the draws ``draws`` (one per image,
+    ``augmix_draws``): image ``i``'s output depends on image ``i`` and its draws only."""
+    n = images.shape[0]
+    dev = images.device
+    width, max_depth = draws.ops.shape[0], draws.ops.shape[2]
+    x8 = (images.float() * 255).round().clamp(0, 255)
+    chains = x8.unsqueeze(0).repeat(width, 1, 1, 1, 1).flatten(0, 1)  # [width * N, ...]
+    depth, ops = draws.depth.flatten(), draws.ops.flatten(0, 1)
+    levels, negative = draws.levels.flatten(0, 1), draws.negative.flatten(0, 1)
+    for step in range(max_depth):
+        for index, op in enumerate(AUGMIX_OPS.values()):
+            rows = ((depth > step) & (ops[:, step] == index)).nonzero()[:, 0]
+            if len(rows):
+                on = rows.to(dev)
+                chains[on] = op(
+                    chains[on], levels[rows, step].to(dev), negative[rows, step].to(dev)
+                )
+    chains = chains.view(width, n, *images.shape[1:]) / 255
+    mix = torch.einsum("wn,wnchx->nchx", draws.weights.t().to(dev), chains)
+    m = draws.m.to(dev).view(-1, 1, 1, 1)
+    return (m * (x8 / 255) + (1 - m) * mix).to(images.dtype)
+
+
 def augmix(
     images: torch.Tensor,
     generator: torch.Generator,
@@ -318,38 +431,93 @@ def augmix(
     drawn uniformly from ``AUGMIX_OPS`` (level ~ U(0.1, ``severity``), random sign for the
     geometric ones), and the result is ``m x + (1 - m) sum_i w_i chain_i(x)`` with
     ``w ~ Dirichlet(1, ..., 1)``, ``m ~ Beta(1, 1)``; same shape and dtype as ``images``."""
-    if severity < 0.1:
-        raise ValueError(f"severity must be >= 0.1 (levels are U(0.1, severity)), got {severity}")
-    n = images.shape[0]
-    dev = images.device
-    k = len(AUGMIX_OPS)
-    u = 1.0 - torch.rand(n, width, dtype=torch.float64, generator=generator)  # (0, 1]
-    weights = -u.log()
-    weights = (weights / weights.sum(dim=1, keepdim=True)).float()  # Dirichlet(1, ..., 1)
-    m = torch.rand(n, generator=generator).float()  # Beta(1, 1)
-    depth = torch.randint(1, max_depth + 1, (width, n), generator=generator)
-    ops = torch.randint(0, k, (width, n, max_depth), generator=generator)
-    levels = torch.empty(width, n, max_depth, dtype=torch.float64).uniform_(
-        0.1, severity, generator=generator
+    draws = augmix_draws(
+        images.shape[0], generator, severity=severity, width=width, max_depth=max_depth
     )
-    negative = torch.rand(width, n, max_depth, generator=generator) > 0.5
+    return apply_augmix(images, draws)
 
-    x8 = (images.float() * 255).round().clamp(0, 255)
-    chains = x8.unsqueeze(0).repeat(width, 1, 1, 1, 1).flatten(0, 1)  # [width * N, ...]
-    depth, ops = depth.flatten(), ops.flatten(0, 1)
-    levels, negative = levels.flatten(0, 1), negative.flatten(0, 1)
-    for step in range(max_depth):
-        for index, op in enumerate(AUGMIX_OPS.values()):
-            rows = ((depth > step) & (ops[:, step] == index)).nonzero()[:, 0]
-            if len(rows):
-                on = rows.to(dev)
-                chains[on] = op(
-                    chains[on], levels[rows, step].to(dev), negative[rows, step].to(dev)
-                )
-    chains = chains.view(width, n, *images.shape[1:]) / 255
-    mix = torch.einsum("wn,wnchx->nchx", weights.t().to(dev), chains)
-    m = m.to(dev).view(-1, 1, 1, 1)
-    return (m * (x8 / 255) + (1 - m) * mix).to(images.dtype)
+
+@dataclass(frozen=True)
+class ViewPlan:
+    """Every random draw of ``make_views`` for a batch of ``batch`` images, made up front
+    (``plan_views``) so that the views of any subset of the images can be rendered later
+    (``render_views``), chunk by chunk, with the values the whole batch would get.
+    Per crop, view-major (view ``v`` of sample ``b`` is row ``v * batch + b``): the crop
+    matrices ``theta [n_views * batch, 2, 3]`` (float64), rotation ``angles`` (float64, or
+    None) and ``augmix`` draws (or None)."""
+
+    batch: int
+    n_views: int
+    include_original: bool
+    theta: torch.Tensor
+    angles: torch.Tensor | None
+    augmix: AugMixDraws | None
+
+    @property
+    def views(self) -> int:
+        """Views per image: the crops, plus the original when it is included."""
+        return self.n_views + int(self.include_original)
+
+    def rows(self, rows: slice) -> ViewPlan:
+        """The plan of samples ``rows`` only (a batch of ``len(rows)`` images)."""
+        samples = torch.arange(self.batch)[rows]
+        index = (torch.arange(self.n_views)[:, None] * self.batch + samples).flatten()
+        return ViewPlan(
+            batch=len(samples),
+            n_views=self.n_views,
+            include_original=self.include_original,
+            theta=self.theta[index],
+            angles=None if self.angles is None else self.angles[index],
+            augmix=None if self.augmix is None else self.augmix.select(index),
+        )
+
+
+def plan_views(
+    batch: int,
+    height: int,
+    width: int,
+    n_views: int,
+    generator: torch.Generator,
+    *,
+    include_original: bool = True,
+    scale: tuple[float, float] = (0.08, 1.0),
+    flip: bool = True,
+    augmix_views: bool = False,
+    rotate_degrees: float = 0.0,
+) -> ViewPlan:
+    """The draws of ``make_views`` on a batch of ``batch`` images of ``height x width``,
+    in its order: the crops (boxes, then flips), then the rotations (when
+    ``rotate_degrees > 0``), then the AugMix draws (when ``augmix_views``)."""
+    if n_views < 0 or (n_views == 0 and not include_original):
+        raise ValueError(
+            f"need at least one view: n_views={n_views}, include_original={include_original}"
+        )
+    n = n_views * batch
+    if n == 0:  # nothing is drawn
+        return ViewPlan(
+            batch, 0, include_original, torch.zeros(0, 2, 3, dtype=torch.float64), None, None
+        )
+    theta = crop_thetas(n, height, width, generator, scale=scale, flip=flip)
+    angles = rotation_angles(n, rotate_degrees, generator) if rotate_degrees > 0 else None
+    mix = augmix_draws(n, generator) if augmix_views else None
+    return ViewPlan(batch, n_views, include_original, theta, angles, mix)
+
+
+def render_views(images: torch.Tensor, plan: ViewPlan) -> torch.Tensor:
+    """``[V, B, C, H, W]`` views of ``images [B, C, H, W]`` by ``plan`` (``plan_views``, or
+    ``plan.rows(...)`` for these images of a larger batch): the original first (when
+    included), then the crops, rotated and AugMix-ed as planned."""
+    if images.shape[0] != plan.batch:
+        raise ValueError(f"the plan is for {plan.batch} images, got {images.shape[0]}")
+    parts = [images.unsqueeze(0)] if plan.include_original else []
+    if plan.n_views > 0:
+        crops = render_crops(images, plan.theta)
+        if plan.angles is not None:
+            crops = rotate(crops.flatten(0, 1), plan.angles).view_as(crops)
+        if plan.augmix is not None:
+            crops = apply_augmix(crops.flatten(0, 1), plan.augmix).view_as(crops)
+        parts.append(crops)
+    return torch.cat(parts, dim=0)
 
 
 def make_views(
@@ -368,17 +536,19 @@ def make_views(
     flip), each rotated by an angle uniform in ``[-rotate_degrees, rotate_degrees]`` when
     ``rotate_degrees > 0`` (``random_rotations``: RandomAffine after the crop; 0 draws
     nothing), then AugMix-ed when ``augmix_views`` (TPT/TDA's ``AugMixAugmenter`` with
-    ``augmix=True``). At least one view is required."""
-    if n_views < 0 or (n_views == 0 and not include_original):
-        raise ValueError(
-            f"need at least one view: n_views={n_views}, include_original={include_original}"
-        )
-    parts = [images.unsqueeze(0)] if include_original else []
-    if n_views > 0:
-        crops = random_resized_crops(images, n_views, generator, scale=scale, flip=flip)
-        if rotate_degrees > 0:
-            crops = random_rotations(crops.flatten(0, 1), rotate_degrees, generator).view_as(crops)
-        if augmix_views:
-            crops = augmix(crops.flatten(0, 1), generator).view_as(crops)
-        parts.append(crops)
-    return torch.cat(parts, dim=0)
+    ``augmix=True``). At least one view is required. The same as ``render_views(images,
+    plan_views(...))``."""
+    b, _, h, w = images.shape
+    plan = plan_views(
+        b,
+        h,
+        w,
+        n_views,
+        generator,
+        include_original=include_original,
+        scale=scale,
+        flip=flip,
+        augmix_views=augmix_views,
+        rotate_degrees=rotate_degrees,
+    )
+    return render_views(images, plan)

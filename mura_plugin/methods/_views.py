@@ -52,13 +52,15 @@ from typing import Any
 import torch
 from torch import nn
 
-from mura_plugin.augment import make_views
+from mura_plugin.augment import ViewPlan, make_views, plan_views, render_views
 from tta_bench.bounds import bounded
 from tta_bench.method import GradientConfig, GradientMethod, build_optimizer, effective_precision
 from tta_bench.model import ZeroShotClassifier
 
 __all__ = [
     "EPISODIC",
+    "VIEW_MEMORY_MB",
+    "LazyViews",
     "SEPARABLE_LOSSES",
     "SINGLE_PROMPT",
     "TEXT_HEADS",
@@ -68,6 +70,11 @@ __all__ = [
     "check_text_head",
     "class_head",
     "configured_views",
+    "encode_flat",
+    "encode_in_chunks",
+    "image_chunks",
+    "plan_configured",
+    "view_bytes_per_image",
 ]
 
 #: protocol: the protocol's templates (``model.templates``, as ``zeroshot``); official: the
@@ -82,6 +89,13 @@ SINGLE_PROMPT = ("a photo of a {}.",)
 
 EPISODIC = ("sample", "batch", "online")
 
+#: Default of ``view_memory_mb``: the memory the rendered views of a chunk of images may
+#: take (see ``image_chunks``). At 224 px the 64 views of one image take about 150 MB
+#: (600 MB with AugMix) by ``view_bytes_per_image``'s estimate, so chunks hold 1-3 images
+#: and the peak does not grow with the batch; at 32 px a chunk holds 170 images (a whole
+#: batch of 64: the views are built exactly as without a budget).
+VIEW_MEMORY_MB = 512.0
+
 #: Losses whose value for sample i depends on sample i's views only: batched episodes are
 #: exact for them. Others (info_max's batch marginal, unknown plugin losses) run the
 #: sequential loop, where each episode sees only its own sample.
@@ -90,6 +104,9 @@ SEPARABLE_LOSSES = ("entropy", "marginal_entropy", "weighted_entropy", "consiste
 
 @dataclass
 class MultiViewConfig(GradientConfig):
+    #: ``view_memory_mb`` changes no cell: left out of the run key at its default.
+    hash_omit_at_default = ("view_memory_mb",)
+
     views: int = bounded(63, ge=0)  # augmented views per image, besides the original
     include_original: bool = True
     # RandomResizedCrop's default lower area bound
@@ -101,6 +118,9 @@ class MultiViewConfig(GradientConfig):
     # Images per chunk of the batched forward/backward (whole samples, at least one): chunks
     # that fit the CPU caches run ~2x faster than one huge batch; gradients accumulate.
     chunk_views: int = bounded(256, ge=1)
+    # The views of a batch are built and encoded in chunks of whole images whose rendered
+    # views take at most this many MB (``image_chunks``); the cells do not depend on it.
+    view_memory_mb: float = bounded(VIEW_MEMORY_MB, gt=0)
     augmix: bool = False  # AugMix each crop (TPT/TTL: on for their fine-grained sets only)
     text_head: str = "protocol"  # protocol | official (see the module docstring)
     # TPT/TTL's official code runs CLIP under fp16 autocast on CUDA (CPU: float32) ...
@@ -201,10 +221,113 @@ def configured_views(images: torch.Tensor, cfg: Any, generator: torch.Generator)
     )
 
 
+def plan_configured(images: torch.Tensor, cfg: Any, generator: torch.Generator) -> ViewPlan:
+    """The draws of ``configured_views(images, cfg, generator)`` (``augment.plan_views``),
+    made for the whole batch, so that its views can be rendered chunk by chunk."""
+    b, _, h, w = images.shape
+    return plan_views(
+        b,
+        h,
+        w,
+        cfg.views,
+        generator,
+        include_original=cfg.include_original,
+        scale=(cfg.crop_scale_min, float(getattr(cfg, "crop_scale_max", 1.0))),
+        flip=cfg.flip,
+        augmix_views=bool(getattr(cfg, "augmix", False)),
+        rotate_degrees=float(getattr(cfg, "rotate_degrees", 0.0)),
+    )
+
+
+def view_bytes_per_image(images: torch.Tensor, plan: ViewPlan) -> int:
+    """Estimated memory alive while one image's views are rendered by ``plan``: per view,
+    the pixels times 4 (the crop, its sampling grid, the concatenated output), 3 more with
+    a rotation (the coverage channel and its grid), 12 more with AugMix (the 8-bit copy, 3
+    chains and their mix). The estimate, not a measurement: ``benchmarks/method_cost.py``
+    measures the peak."""
+    c, h, w = images.shape[1:]
+    pixels = c * h * w * images.element_size()
+    factor = 4 + 3 * (plan.angles is not None) + 12 * (plan.augmix is not None)
+    return plan.views * pixels * factor
+
+
+def image_chunks(n: int, per_image: int, budget_mb: float) -> list[slice]:
+    """Chunks of whole images (at least one each) of ``n`` images, each taking at most
+    ``budget_mb`` MB at ``per_image`` bytes an image."""
+    size = max(1, int(budget_mb * 2**20 // max(1, per_image)))
+    return [slice(s, min(n, s + size)) for s in range(0, n, size)]
+
+
+def _nbytes(inputs: Any) -> int:
+    if isinstance(inputs, torch.Tensor):
+        return inputs.numel() * inputs.element_size()
+    if isinstance(inputs, dict):
+        return sum(_nbytes(v) for v in inputs.values())
+    raise TypeError(f"cannot size: {type(inputs).__name__}")
+
+
+def _cat(parts: list[Any]) -> Any:
+    """Concatenate per-chunk ``[V, b, ...]`` structures along the sample dimension."""
+    if isinstance(parts[0], torch.Tensor):
+        return torch.cat(parts, dim=1)
+    return {k: _cat([p[k] for p in parts]) for k in parts[0]}
+
+
+def encode_flat(encode: Any, views: torch.Tensor, chunk: int) -> torch.Tensor:
+    """``encode`` of views ``[V, B, C, H, W]`` flattened view-major, ``chunk`` views per
+    call, reshaped to ``[V, B, ...]`` (the frozen towers' chunked forward)."""
+    v, b = views.shape[:2]
+    flat = views.flatten(0, 1)
+    out = torch.cat([encode(flat[i : i + chunk]) for i in range(0, v * b, chunk)])
+    return out.view(v, b, *out.shape[1:])
+
+
+def encode_in_chunks(
+    images: torch.Tensor,
+    cfg: Any,
+    generator: torch.Generator,
+    encode: Any,
+    budget_mb: float,
+) -> Any:
+    """``encode(views)`` of the views ``configured_views(images, cfg, generator)`` would
+    give, built and encoded in chunks of whole images within ``budget_mb``
+    (``image_chunks``), the chunks' outputs (``[V, b, ...]`` tensors or dicts of them)
+    concatenated along the sample dimension. The draws are made for the whole batch
+    first, so the views do not depend on the chunking; ``encode`` must treat every view
+    on its own (a frozen tower, per-view features or logits)."""
+    plan = plan_configured(images, cfg, generator)
+    chunks = image_chunks(images.shape[0], view_bytes_per_image(images, plan), budget_mb)
+    if len(chunks) == 1:
+        return encode(render_views(images, plan))
+    return _cat([encode(render_views(images[rows], plan.rows(rows))) for rows in chunks])
+
+
+class LazyViews:
+    """The encoded views of a batch too large to keep (``MultiViewMethod.view_inputs``):
+    ``rows(r)`` renders and encodes the views of samples ``r`` from the batch's plan each
+    time it is asked (the same values every time), ``original(r)`` encodes the originals
+    only (view 0, when included). ``chunks``: the chunks of samples the budget allows."""
+
+    def __init__(self, method: MultiViewMethod, images: torch.Tensor, plan: ViewPlan, chunks):
+        self.method, self.images, self.plan, self.chunks = method, images, plan, chunks
+
+    @torch.no_grad()
+    def rows(self, rows: slice) -> Any:
+        views = render_views(self.images[rows], self.plan.rows(rows))
+        return self.method.encode_views(views)
+
+    @torch.no_grad()
+    def original(self, rows: slice) -> Any:
+        return self.method.encode_views(self.images[rows].unsqueeze(0))
+
+
 class MultiViewMethod(GradientMethod):
     """Adapt on views, predict on the original; see the module docstring."""
 
     Config = MultiViewConfig
+    #: Whether ``predict_episode`` reads view 0 (the original) of its inputs only, when
+    #: the original is included: batches kept as ``LazyViews`` then encode only that.
+    predict_reads_original = False
 
     def setup(self) -> None:
         cfg = self.config
@@ -217,6 +340,8 @@ class MultiViewMethod(GradientMethod):
         check_text_head(cfg.text_head)
         if cfg.chunk_views < 1:
             raise ValueError(f"chunk_views must be >= 1, got {cfg.chunk_views}")
+        if not cfg.view_memory_mb > 0:
+            raise ValueError(f"view_memory_mb must be > 0, got {cfg.view_memory_mb}")
         if not 0.0 < cfg.crop_scale_min <= 1.0:
             raise ValueError(f"crop_scale_min must be in (0, 1], got {cfg.crop_scale_min}")
         self._batches = 0
@@ -283,19 +408,77 @@ class MultiViewMethod(GradientMethod):
         return None
 
     # -- the loop ------------------------------------------------------------------------
+    def view_settings(self) -> Any:
+        """The view fields ``configured_views`` reads (default: the config)."""
+        return self.config
+
     def make_views(self, images: torch.Tensor) -> torch.Tensor:
-        return configured_views(images, self.config, self.generator)
+        return configured_views(images, self.view_settings(), self.generator)
+
+    def plan_views(self, images: torch.Tensor) -> ViewPlan:
+        """The draws of ``make_views(images)``."""
+        return plan_configured(images, self.view_settings(), self.generator)
+
+    def view_inputs(self, images: torch.Tensor) -> Any:
+        """``encode_views(make_views(images))``, built within ``config.view_memory_mb``: the
+        views are drawn for the whole batch, then rendered and encoded in chunks of whole
+        images (``image_chunks``). When the encoded chunks together would take more than a
+        quarter of the budget (MuRA's tokens at 224 px) and the loss treats samples
+        separately, nothing is kept: a ``LazyViews`` renders and encodes each chunk again
+        when the loop asks for it (the same values)."""
+        cfg = self.config
+        plan = self.plan_views(images)
+        n = images.shape[0]
+        chunks = image_chunks(n, view_bytes_per_image(images, plan), cfg.view_memory_mb)
+        if len(chunks) == 1:
+            return self.encode_views(render_views(images, plan))
+        first = self.encode_views(render_views(images[chunks[0]], plan.rows(chunks[0])))
+        per_image = _nbytes(first) / (chunks[0].stop - chunks[0].start)
+        if per_image * n > cfg.view_memory_mb * 2**20 / 4 and cfg.loss in SEPARABLE_LOSSES:
+            return LazyViews(self, images, plan, chunks)
+        rest = [self.encode_views(render_views(images[r], plan.rows(r))) for r in chunks[1:]]
+        return _cat([first, *rest])
+
+    def _predict_inputs(self, inputs: Any, rows: slice) -> Any:
+        """What ``predict_episode`` needs of samples ``rows`` of ``inputs``."""
+        lazy = isinstance(inputs, LazyViews)
+        if lazy and self.predict_reads_original and self.config.include_original:
+            return inputs.original(rows)
+        return _slice(inputs, rows)
+
+    def _predict_chunks(self, images: torch.Tensor, inputs: Any, episodes: bool) -> torch.Tensor:
+        """``predict_episode`` of the batch; of a ``LazyViews`` chunk by chunk (selecting
+        those samples' episode copies when ``episodes``)."""
+        if not isinstance(inputs, LazyViews):
+            return self.predict_episode(images, inputs)
+        out = []
+        for rows in inputs.chunks:
+            if episodes:
+                self.select_episodes(rows)
+            out.append(self.predict_episode(images[rows], self._predict_inputs(inputs, rows)))
+        if episodes:
+            self.select_episodes(slice(0, images.shape[0]))
+        return torch.cat(out, dim=0)
 
     def adapt_on(self, inputs: Any) -> None:
         """``config.steps`` optimiser steps on the mean of ``view_loss(inputs)`` (loss
         scaled as GradScaler does when ``self.loss_scaler`` is enabled)."""
         for index in range(self.config.steps):
             self.step_index = index
-            with torch.enable_grad(), self.autocast():
-                per_sample = self.view_loss(inputs)[0]
-                loss = per_sample.mean()
             self.optimizer.zero_grad(set_to_none=True)
-            (loss * self.loss_scaler.scale).backward()
+            if isinstance(inputs, LazyViews):  # the batch mean, accumulated chunk by chunk
+                n, losses = inputs.images.shape[0], []
+                for rows in inputs.chunks:
+                    with torch.enable_grad(), self.autocast():
+                        per_sample = self.view_loss(inputs.rows(rows))[0]
+                    (per_sample.sum() / n * self.loss_scaler.scale).backward()
+                    losses.append(per_sample.detach())
+                loss = torch.cat(losses).mean()
+            else:
+                with torch.enable_grad(), self.autocast():
+                    per_sample = self.view_loss(inputs)[0]
+                    loss = per_sample.mean()
+                (loss * self.loss_scaler.scale).backward()
             skipped = self.loss_scaler.unscale(self.params)
             if not bool(skipped.any()):
                 self.optimizer.step()
@@ -333,6 +516,8 @@ class MultiViewMethod(GradientMethod):
         persistent = len(self._episode_index) < len(self.params)
         views = cfg.views + int(cfg.include_original)
         per_chunk = max(1, cfg.chunk_views // views)
+        if isinstance(inputs, LazyViews):  # no more images at once than the budget allows
+            per_chunk = min(per_chunk, inputs.chunks[0].stop - inputs.chunks[0].start)
         for index in range(cfg.steps):
             self.step_index = index
             episode_opt.zero_grad(set_to_none=True)
@@ -365,12 +550,12 @@ class MultiViewMethod(GradientMethod):
             with self.timed("predict"):
                 return self.predict(images)
         with self.timed("adapt"), torch.no_grad():
-            inputs = self.encode_views(self.make_views(images))
+            inputs = self.view_inputs(images)
         if cfg.episodic != "sample":
             with self.timed("adapt"):
                 self.adapt_on(inputs)
             with self.timed("predict"):
-                logits = self.predict_episode(images, inputs)
+                logits = self._predict_chunks(images, inputs, episodes=False)
             if cfg.episodic == "batch":
                 with self.timed("adapt"):
                     self.restore_episode()
@@ -380,7 +565,7 @@ class MultiViewMethod(GradientMethod):
                 with self.timed("adapt"):
                     self.adapt_episodes(inputs, images.shape[0])
                 with self.timed("predict"):
-                    return self.predict_episode(images, inputs)
+                    return self._predict_chunks(images, inputs, episodes=True)
             finally:
                 self.end_episodes()
         out, losses = [], []
@@ -390,7 +575,7 @@ class MultiViewMethod(GradientMethod):
                 self.adapt_on(one)
                 losses.append(self.last_loss)
             with self.timed("predict"):
-                out.append(self.predict_episode(images[i : i + 1], one))
+                out.append(self.predict_episode(images[i : i + 1], one))  # one: encoded
             with self.timed("adapt"):
                 self.restore_episode()
         self.last_loss = torch.stack(losses).mean()
@@ -432,6 +617,8 @@ def _slice(inputs: Any, rows: slice) -> Any:
     """Samples ``rows`` of batch-major-second structures (``[V, B, ...]`` tensors, dicts)."""
     if isinstance(inputs, torch.Tensor):
         return inputs[:, rows]
+    if isinstance(inputs, LazyViews):
+        return inputs.rows(rows)
     if isinstance(inputs, dict):
         return {k: _slice(v, rows) for k, v in inputs.items()}
     raise TypeError(f"cannot slice per sample: {type(inputs).__name__}")

@@ -90,7 +90,14 @@ from typing import Optional
 import torch
 
 from mura_plugin.losses import view_entropy
-from mura_plugin.methods._views import TEXT_HEADS, check_text_head, class_head, configured_views
+from mura_plugin.methods._views import (
+    TEXT_HEADS,
+    VIEW_MEMORY_MB,
+    check_text_head,
+    class_head,
+    encode_flat,
+    encode_in_chunks,
+)
 from mura_plugin.methods.tda import _Cache, official_templates
 from tta_bench.bounds import bounded, one_of
 from tta_bench.method import PRECISIONS, Method, autocast_context, check_precision
@@ -145,6 +152,8 @@ def official_input(dataset: str | None) -> str:
 
 @dataclass
 class BoostAdapterConfig:
+    hash_omit_at_default = ("view_memory_mb",)  # changes no cell
+
     pos_shots: int = bounded(3, ge=1)
     # None: the official value for the dataset (OFFICIAL, else ImageNet's)
     pos_alpha: Optional[float] = bounded(None, ge=0)
@@ -170,6 +179,8 @@ class BoostAdapterConfig:
     flip: bool = True
     entropy_eps: float = bounded(0.0, ge=0)  # TTA-VLM's -sum p log(p + 1e-5); 0: exact
     chunk_views: int = bounded(256, ge=1)  # views per forward
+    # views built per chunk of images within this many MB (no cell depends on it)
+    view_memory_mb: float = bounded(VIEW_MEMORY_MB, gt=0)
     text_head: str = one_of("protocol", TEXT_HEADS)  # protocol | official (official_templates)
     precision: str = one_of(
         "fp16", PRECISIONS
@@ -294,9 +305,13 @@ class BoostAdapter(Method):
             feats = self._encode(images)
             logits = (scale * feats @ head.t()).float()
             return feats, logits, _entropy(logits, eps), logits.softmax(dim=-1), None
-        views = configured_views(images, _view_settings(cfg), self.generator)
-        v, b = views.shape[:2]
-        feats = self._encode(views.flatten(0, 1)).view(v, b, -1)
+        settings = _view_settings(cfg)
+
+        def encode(views: torch.Tensor) -> torch.Tensor:
+            return encode_flat(self._encode, views, len(views.flatten(0, 1)))
+
+        feats = encode_in_chunks(images, settings, self.generator, encode, cfg.view_memory_mb)
+        v = feats.shape[0]
         logits = (scale * feats @ head.t()).float()  # [V, B, C]
         order = view_entropy(logits).argsort(dim=0, stable=True)  # [V, B], exact entropy
         if self.input == "original":

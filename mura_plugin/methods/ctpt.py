@@ -67,7 +67,6 @@ from typing import Any
 
 import torch
 
-from mura_plugin.methods._views import configured_views
 from mura_plugin.methods.tpt import TPT, TPTConfig
 from tta_bench.bounds import bounded, one_of
 from tta_bench.model import ZeroShotClassifier
@@ -165,16 +164,15 @@ class CTPT(TPT):
     def resolved_settings(self) -> dict[str, Any]:
         return {"lambda_term": self.lambda_term, "augmix": self.augmix}
 
-    def make_views(self, images: torch.Tensor) -> torch.Tensor:
+    def view_settings(self) -> SimpleNamespace:
         cfg = self.config
-        views = SimpleNamespace(
+        return SimpleNamespace(
             views=cfg.views,
             include_original=cfg.include_original,
             crop_scale_min=cfg.crop_scale_min,
             flip=cfg.flip,
             augmix=self.augmix,
         )
-        return configured_views(images, views, self.generator)
 
     def _logits(self, feats: torch.Tensor) -> torch.Tensor:
         """TPT's logits, keeping the class embeddings ``[C, D]`` (or ``[B, C, D]`` in batched

@@ -98,7 +98,14 @@ from typing import Any, Optional
 import torch
 
 from mura_plugin.methods._dmn_dpe_prompts import method_head
-from mura_plugin.methods._views import SINGLE_PROMPT, TEXT_HEADS, check_text_head, configured_views
+from mura_plugin.methods._views import (
+    SINGLE_PROMPT,
+    TEXT_HEADS,
+    VIEW_MEMORY_MB,
+    check_text_head,
+    encode_flat,
+    encode_in_chunks,
+)
 from tta_bench.bounds import bounded, one_of
 from tta_bench.catalog import fine_grained
 from tta_bench.method import PRECISIONS, Method, autocast_context, check_precision
@@ -176,6 +183,8 @@ def official_augmix(dataset: str | None) -> bool:
 
 @dataclass
 class DMNConfig:
+    hash_omit_at_default = ("view_memory_mb",)  # changes no cell
+
     memory_size: int = bounded(50, ge=1)  # --memory_size
     beta: float = bounded(5.5, ge=0)  # --beta: sharpness of the read-out weights
     # p_zs + w * p_mem; None: the per-set weight its logs chose on test labels (SEARCHED_FUSION)
@@ -190,6 +199,8 @@ class DMNConfig:
     crop_scale_min: float = bounded(0.5, gt=0, le=1)  # get_preaugment: scale=(0.5, 1)
     flip: bool = True
     chunk_views: int = bounded(256, ge=1)  # views per forward
+    # views built per chunk of images within this many MB (no cell depends on it)
+    view_memory_mb: float = bounded(VIEW_MEMORY_MB, gt=0)
     text_head: str = one_of("protocol", TEXT_HEADS)  # protocol | official
     prompts: Optional[str] = None  # JSON {classname: [description, ...]} added to the head
     precision: str = one_of("fp16", PRECISIONS)  # autocast on CUDA; CPU: fp32
@@ -345,18 +356,13 @@ class DMN(Method):
             flip=cfg.flip,
             augmix=self.augmix,
         )
-        views = configured_views(images, settings, self.generator)
-        v, b = views.shape[:2]
-        flat = views.flatten(0, 1)
-        with autocast_context(cfg.precision, self.device):
-            feats = torch.cat(
-                [
-                    self.model.encode_image(flat[i : i + cfg.chunk_views])
-                    for i in range(0, v * b, cfg.chunk_views)
-                ]
-            )
-        feats = feats.float()
-        return (feats / feats.norm(dim=-1, keepdim=True)).view(v, b, -1)
+
+        def encode(views: torch.Tensor) -> torch.Tensor:
+            with autocast_context(cfg.precision, self.device):
+                feats = encode_flat(self.model.encode_image, views, cfg.chunk_views).float()
+            return feats / feats.norm(dim=-1, keepdim=True)
+
+        return encode_in_chunks(images, settings, self.generator, encode, cfg.view_memory_mb)
 
     @torch.no_grad()
     def step(self, images: torch.Tensor) -> torch.Tensor:

@@ -106,7 +106,13 @@ import torch.nn.functional as F
 
 from mura_plugin.losses import view_entropy
 from mura_plugin.methods._dmn_dpe_prompts import method_head
-from mura_plugin.methods._views import TEXT_HEADS, check_text_head, configured_views
+from mura_plugin.methods._views import (
+    TEXT_HEADS,
+    VIEW_MEMORY_MB,
+    check_text_head,
+    encode_flat,
+    encode_in_chunks,
+)
 from mura_plugin.methods.tda import MULTI_VIEW_SETS, VIEWS, _Cache, official_templates
 from tta_bench.bounds import bounded, one_of
 from tta_bench.method import PRECISIONS, Method, autocast_context, check_precision
@@ -158,6 +164,8 @@ def dpe_templates(dataset: str | None) -> list[str]:
 
 @dataclass
 class DPEConfig:
+    hash_omit_at_default = ("view_memory_mb",)  # changes no cell
+
     shots: int = bounded(3, ge=1)  # shot_capacity
     # None: the official value for the dataset (SETTINGS)
     alpha: Optional[float] = bounded(None, ge=0)
@@ -184,6 +192,8 @@ class DPEConfig:
     crop_scale_min: float = bounded(0.08, gt=0, le=1)
     flip: bool = True
     chunk_views: int = bounded(256, ge=1)  # views per forward
+    # views built per chunk of images within this many MB (no cell depends on it)
+    view_memory_mb: float = bounded(VIEW_MEMORY_MB, gt=0)
     text_head: str = one_of("protocol", TEXT_HEADS)  # protocol | official
     prompts: Optional[str] = None  # JSON {classname: [description, ...]} added to the head
     precision: str = one_of("fp16", PRECISIONS)  # autocast on CUDA; CPU: fp32
@@ -286,28 +296,22 @@ class DPE(Method):
     def _features(self, images: torch.Tensor) -> torch.Tensor:
         """Normalised features ``[V, B, D]``: the image (first) and, multi-view, its views."""
         cfg = self.config
-        if self.multi_view:
-            settings = SimpleNamespace(
-                views=cfg.n_views,
-                include_original=True,
-                crop_scale_min=cfg.crop_scale_min,
-                flip=cfg.flip,
-                augmix=self.augmix,
-            )
-            views = configured_views(images, settings, self.generator)
-        else:
-            views = images.unsqueeze(0)
-        v, b = views.shape[:2]
-        flat = views.flatten(0, 1)
-        with torch.no_grad(), autocast_context(cfg.precision, self.device):
-            feats = torch.cat(
-                [
-                    self.model.encode_image(flat[i : i + cfg.chunk_views])
-                    for i in range(0, v * b, cfg.chunk_views)
-                ]
-            )
-        feats = feats.float()
-        return (feats / feats.norm(dim=-1, keepdim=True)).view(v, b, -1)
+
+        def encode(views: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad(), autocast_context(cfg.precision, self.device):
+                feats = encode_flat(self.model.encode_image, views, cfg.chunk_views).float()
+            return feats / feats.norm(dim=-1, keepdim=True)
+
+        if not self.multi_view:
+            return encode(images.unsqueeze(0))
+        settings = SimpleNamespace(
+            views=cfg.n_views,
+            include_original=True,
+            crop_scale_min=cfg.crop_scale_min,
+            flip=cfg.flip,
+            augmix=self.augmix,
+        )
+        return encode_in_chunks(images, settings, self.generator, encode, cfg.view_memory_mb)
 
     def _clip_logits(
         self, feats: torch.Tensor, weights: torch.Tensor, scale: float

@@ -89,7 +89,13 @@ import torch
 from torch import nn
 
 from mura_plugin.losses import view_entropy
-from mura_plugin.methods._views import LossScaler, check_text_head, configured_views
+from mura_plugin.methods._views import (
+    VIEW_MEMORY_MB,
+    LossScaler,
+    check_text_head,
+    encode_flat,
+    encode_in_chunks,
+)
 from mura_plugin.methods.tpt import PromptTextEncoder
 from tta_bench.bounds import bounded, one_of
 from tta_bench.method import Method, autocast_context, check_precision, effective_precision
@@ -110,6 +116,8 @@ PROMPT_RULES = ("official", "ids")
 
 @dataclass
 class DynaPromptConfig:
+    hash_omit_at_default = ("view_memory_mb",)  # changes no cell
+
     buffer_size: int = bounded(12, ge=1)  # run_dynap.sh: num_p=12
     # None: TTA-VLM's rule (5e-3 on ImageNet and its variants, 3e-3 elsewhere)
     lr: Optional[float] = bounded(5e-3, gt=0)
@@ -124,6 +132,8 @@ class DynaPromptConfig:
     flip: bool = True
     augmix: bool = False  # AugMix each crop (the official: on its fine-grained sets only)
     chunk_views: int = bounded(256, ge=1)  # images per forward of the frozen tower
+    # views built per chunk of images within this many MB (no cell depends on it)
+    view_memory_mb: float = bounded(VIEW_MEMORY_MB, gt=0)
     text_head: str = "protocol"  # protocol | official ("a photo of a" + "{class}.")
     precision: str = "fp16"  # autocast on CUDA, as the official; CPU: fp32
     grad_scale: Optional[float] = bounded(1000.0, gt=0)  # GradScaler(init_scale=1000), fp16
@@ -317,15 +327,12 @@ class DynaPrompt(Method):
             flip=cfg.flip,
             augmix=cfg.augmix,
         )
-        views = configured_views(images, settings, self.generator)
-        v, b = views.shape[:2]
-        flat = views.flatten(0, 1)
-        chunk = cfg.chunk_views
-        with self.autocast():
-            feats = torch.cat(
-                [self.model.encode_image(flat[i : i + chunk]) for i in range(0, len(flat), chunk)]
-            )
-        return feats.float().view(v, b, -1)
+
+        def encode(views: torch.Tensor) -> torch.Tensor:
+            with self.autocast():
+                return encode_flat(self.model.encode_image, views, cfg.chunk_views).float()
+
+        return encode_in_chunks(images, settings, self.generator, encode, cfg.view_memory_mb)
 
     def criteria(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per prompt, from its logits ``[V, P, C]`` (view 0 the original): the mean entropy

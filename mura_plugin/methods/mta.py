@@ -72,7 +72,14 @@ from dataclasses import dataclass
 
 import torch
 
-from mura_plugin.methods._views import SINGLE_PROMPT, check_text_head, class_head, configured_views
+from mura_plugin.methods._views import (
+    SINGLE_PROMPT,
+    VIEW_MEMORY_MB,
+    check_text_head,
+    class_head,
+    encode_flat,
+    encode_in_chunks,
+)
 from tta_bench.bounds import bounded, one_of
 from tta_bench.method import PRECISIONS, Method, autocast_context, check_precision
 
@@ -81,6 +88,8 @@ __all__ = ["MTA", "MTAConfig", "mta_bandwidth", "mta_solve"]
 
 @dataclass
 class MTAConfig:
+    hash_omit_at_default = ("view_memory_mb",)  # changes no cell
+
     views: int = bounded(63, ge=1)  # augmented views per image, besides the original
     include_original: bool = True  # the original is view 0 and the mode's initialisation
     crop_scale_min: float = bounded(0.08, gt=0, le=1)  # RandomResizedCrop's default
@@ -94,6 +103,8 @@ class MTAConfig:
     neighbours: float = bounded(0.3, gt=0, le=1)
     temperature: float = bounded(1.0, gt=0)  # of the affinity's softmax over the logits
     chunk_views: int = bounded(256, ge=1)  # views per forward
+    # views built per chunk of images within this many MB (no cell depends on it)
+    view_memory_mb: float = bounded(VIEW_MEMORY_MB, gt=0)
     text_head: str = one_of("protocol", ("protocol", "official"))  # official: SINGLE_PROMPT
     precision: str = one_of("fp16", PRECISIONS)  # autocast on CUDA, as the official; CPU: fp32
 
@@ -189,17 +200,13 @@ class MTA(Method):
     def step(self, images: torch.Tensor) -> torch.Tensor:
         cfg = self.config
         with self.timed("adapt"):
-            views = configured_views(images, cfg, self.generator)
-            v, b = views.shape[:2]
-            flat = views.flatten(0, 1)
-            with autocast_context(cfg.precision, self.device):
-                feats = torch.cat(
-                    [
-                        self.model.encode_image(flat[i : i + cfg.chunk_views])
-                        for i in range(0, v * b, cfg.chunk_views)
-                    ]
-                )
-            feats = feats.float().view(v, b, -1).transpose(0, 1)  # [B, V, D]
+
+            def encode(views: torch.Tensor) -> torch.Tensor:
+                with autocast_context(cfg.precision, self.device):
+                    return encode_flat(self.model.encode_image, views, cfg.chunk_views).float()
+
+            feats = encode_in_chunks(images, cfg, self.generator, encode, cfg.view_memory_mb)
+            feats = feats.transpose(0, 1)  # [B, V, D]
             head = self.head.float()
             logits = self.model.logit_scale * feats @ head.t()
             mode, _ = mta_solve(

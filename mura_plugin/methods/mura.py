@@ -108,7 +108,7 @@ FUSIONS = ("softmax", "router", "none", "softmax_layer")
 class MuRAConfig(MultiViewConfig):
     #: Options added for the mura-seed preset; at their defaults MuRA computes exactly what
     #: it did before them, so they stay out of the run key (``method_config_hash``) there.
-    hash_omit_at_default = ("scale", "crop_scale_max", "rotate_degrees")
+    hash_omit_at_default = ("scale", "crop_scale_max", "rotate_degrees", "view_memory_mb")
 
     ranks: list[int] = bounded(default_factory=lambda: [4, 8, 16], ge=1)
     blocks: int = bounded(1, ge=1)  # adapt the deepest N vision blocks
@@ -140,6 +140,7 @@ def _detach_inputs(_module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]
 
 
 class MuRA(MultiViewMethod):
+    predict_reads_original = True  # predict_episode reads view 0 only
     Config = MuRAConfig
     stream_kind = "episodic"  # adapters reset per sample (episodic=sample) or per batch
 

@@ -95,6 +95,7 @@ class RTPTConfig(TPTConfig):
 
 
 class RTPT(TPT):
+    predict_reads_original = False  # the prediction ensembles every view
     augmix_on_fine_grained = True  # the official: AugMix on its fine-grained sets only
     Config = RTPTConfig
     stream_kind = "episodic"
@@ -121,5 +122,4 @@ class RTPT(TPT):
     def predict(self, images: torch.Tensor) -> torch.Tensor:
         """Without adaptation (``adapt_every`` > 1 skips it): the same ensemble over fresh
         views of ``images`` under the current prompt."""
-        feats = self.encode_views(self.make_views(images))
-        return self.predict_episode(images, feats)
+        return self._predict_chunks(images, self.view_inputs(images), episodes=False)

@@ -72,7 +72,14 @@ from types import SimpleNamespace
 import torch
 
 from mura_plugin.losses import view_entropy
-from mura_plugin.methods._views import SINGLE_PROMPT, check_text_head, class_head, configured_views
+from mura_plugin.methods._views import (
+    SINGLE_PROMPT,
+    VIEW_MEMORY_MB,
+    check_text_head,
+    class_head,
+    encode_flat,
+    encode_in_chunks,
+)
 from tta_bench.bounds import bounded
 from tta_bench.method import Method, autocast_context, check_precision
 from tta_bench.templates import resolve_templates
@@ -142,6 +149,8 @@ def uses_views(views: str, dataset: str | None) -> bool:
 
 @dataclass
 class TDAConfig:
+    hash_omit_at_default = ("view_memory_mb",)  # changes no cell
+
     pos_shots: int = bounded(3, ge=0)
     # None: the official value for the dataset (POSITIVE)
     pos_alpha: float | None = bounded(None, ge=0)
@@ -162,6 +171,8 @@ class TDAConfig:
     crop_scale_min: float = bounded(0.08, gt=0, le=1)
     flip: bool = True
     chunk_views: int = bounded(256, ge=1)  # views per forward
+    # views built per chunk of images within this many MB (no cell depends on it)
+    view_memory_mb: float = bounded(VIEW_MEMORY_MB, gt=0)
     text_head: str = "protocol"  # protocol | official (official_templates)
     precision: str = "fp16"  # autocast on CUDA (the official code runs CLIP in fp16); CPU: fp32
 
@@ -264,17 +275,14 @@ class TDA(Method):
             feats = feats / feats.norm(dim=-1, keepdim=True)
             logits = self.model.logits_from_features(feats, self.head).float()
             return feats, logits, view_entropy(logits), logits.softmax(dim=-1)
-        views = configured_views(images, _view_settings(cfg), self.generator)
-        v, b = views.shape[:2]
-        flat = views.flatten(0, 1)
-        with autocast_context(cfg.precision, self.device):
-            feats = torch.cat(
-                [
-                    self.model.encode_image(flat[i : i + cfg.chunk_views])
-                    for i in range(0, v * b, cfg.chunk_views)
-                ]
-            )
-        feats = feats.float().view(v, b, -1)
+
+        def encode(views: torch.Tensor) -> torch.Tensor:
+            with autocast_context(cfg.precision, self.device):
+                return encode_flat(self.model.encode_image, views, cfg.chunk_views).float()
+
+        settings = _view_settings(cfg)
+        feats = encode_in_chunks(images, settings, self.generator, encode, cfg.view_memory_mb)
+        v = feats.shape[0]
         logits = scale * feats @ self.head.t().float()  # [V, B, C]
         k = max(1, int(v * cfg.selection))
         chosen = view_entropy(logits).argsort(dim=0)[:k]  # [k, B]

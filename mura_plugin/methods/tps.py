@@ -93,7 +93,12 @@ from torch import nn
 
 from mura_plugin.losses import view_entropy
 from mura_plugin.methods._clip_text import encode_text
-from mura_plugin.methods._views import check_text_head, configured_views
+from mura_plugin.methods._views import (
+    VIEW_MEMORY_MB,
+    check_text_head,
+    encode_flat,
+    encode_in_chunks,
+)
 from tta_bench.bounds import bounded, one_of
 from tta_bench.catalog import fine_grained
 from tta_bench.method import PRECISIONS, Method, autocast_context, check_precision
@@ -116,6 +121,8 @@ OFFICIAL_TEMPLATES = "clip-imagenet-80"
 
 @dataclass
 class TPSConfig:
+    hash_omit_at_default = ("view_memory_mb",)  # changes no cell
+
     views: int = bounded(63, ge=0)  # augmented views per image, besides the original
     include_original: bool = True  # predict on the original (else: one more forward)
     crop_scale_min: float = bounded(0.08, gt=0, le=1)  # RandomResizedCrop's default
@@ -131,6 +138,8 @@ class TPSConfig:
     prompts: Optional[str] = None
     descriptor_sentence: bool = True  # "{classname}, which ... {description}" (official)
     chunk_views: int = bounded(256, ge=1)  # views per forward
+    # views built per chunk of images within this many MB (no cell depends on it)
+    view_memory_mb: float = bounded(VIEW_MEMORY_MB, gt=0)
     chunk_episodes: int = bounded(16, ge=1)  # episodes optimised together
     text_head: str = one_of("protocol", ("protocol", "official"))  # official: CLIP's 80
     precision: str = one_of("fp16", PRECISIONS)  # autocast on CUDA, as the official; CPU: fp32
@@ -311,9 +320,12 @@ class TPS(Method):
     def step(self, images: torch.Tensor) -> torch.Tensor:
         cfg = self.config
         with self.timed("adapt"), torch.no_grad():
-            views = configured_views(images, cfg, self.generator)
-            v, b = views.shape[:2]
-            feats = self._encode(views.flatten(0, 1)).view(v, b, -1)
+
+            def encode(views: torch.Tensor) -> torch.Tensor:
+                return encode_flat(self._encode, views, len(views.flatten(0, 1)))
+
+            feats = encode_in_chunks(images, cfg, self.generator, encode, cfg.view_memory_mb)
+            b = feats.shape[1]
         if not cfg.include_original:
             with self.timed("predict"), torch.no_grad():
                 originals = self._encode(images)

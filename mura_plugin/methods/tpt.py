@@ -187,6 +187,7 @@ class PromptTextEncoder(nn.Module):
 
 
 class TPT(MultiViewMethod):
+    predict_reads_original = True  # predict_episode reads view 0 only
     augmix_on_fine_grained = True  # the official: AugMix on its fine-grained sets only
     Config = TPTConfig
     stream_kind = "episodic"  # the prompt and optimiser reset before every sample

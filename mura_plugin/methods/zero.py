@@ -51,7 +51,14 @@ from dataclasses import dataclass
 import torch
 
 from mura_plugin.losses import view_entropy
-from mura_plugin.methods._views import SINGLE_PROMPT, check_text_head, class_head, configured_views
+from mura_plugin.methods._views import (
+    SINGLE_PROMPT,
+    VIEW_MEMORY_MB,
+    check_text_head,
+    class_head,
+    encode_flat,
+    encode_in_chunks,
+)
 from tta_bench.bounds import bounded
 from tta_bench.method import Method, autocast_context, check_precision
 
@@ -60,6 +67,8 @@ __all__ = ["Zero", "ZeroConfig", "zero_votes"]
 
 @dataclass
 class ZeroConfig:
+    hash_omit_at_default = ("view_memory_mb",)  # changes no cell
+
     views: int = bounded(63, ge=1)
     include_original: bool = True
     crop_scale_min: float = bounded(0.08, gt=0, le=1)
@@ -68,6 +77,8 @@ class ZeroConfig:
     tie_eps: float = bounded(1e-3, ge=0)
     # views per forward: cache-sized chunks run ~2x faster on CPU
     chunk_views: int = bounded(256, ge=1)
+    # views built per chunk of images within this many MB (no cell depends on it)
+    view_memory_mb: float = bounded(VIEW_MEMORY_MB, gt=0)
     text_head: str = "protocol"  # protocol | official ("a photo of a {}.")
     precision: str = "fp16"  # autocast on CUDA, as the official code runs CLIP; CPU: fp32
 
@@ -135,17 +146,15 @@ class Zero(Method):
     @torch.no_grad()
     def step(self, images: torch.Tensor) -> torch.Tensor:
         cfg = self.config
-        views = configured_views(images, cfg, self.generator)
-        v, b = views.shape[:2]
-        flat = views.flatten(0, 1)
-        chunk = cfg.chunk_views
-        with autocast_context(cfg.precision, self.device):
-            cos = torch.cat(
-                [
-                    self.model.encode_image(flat[i : i + chunk]) @ self.head.t()
-                    for i in range(0, v * b, chunk)
-                ]
-            ).view(v, b, -1)
+
+        def encode(views: torch.Tensor) -> torch.Tensor:
+            with autocast_context(cfg.precision, self.device):
+                return encode_flat(
+                    lambda x: self.model.encode_image(x) @ self.head.t(), views, cfg.chunk_views
+                )
+
+        cos = encode_in_chunks(images, cfg, self.generator, encode, cfg.view_memory_mb)
+        v = cos.shape[0]
         scale = float(self.model.logit_scale)
         votes = zero_votes(cos, scale, cfg.selection)
         k = max(1, int(v * cfg.selection))
