@@ -13,6 +13,16 @@ during those steps. Methods that ask for clean source images (EATA's Fisher) get
 many random images of the setting's size, outside the timing.
 
 Usage: python benchmarks/method_cost.py [--methods a,b] [--skip-tiny] [--skip-vit]
+
+Peak memory against the batch (``--memory``): TDA's multi-view input, TPT, TTL (``lora``),
+ZERO and MuRA on ViT-B-32 (random weights) at 224 px with their default views (63 + the
+original), batches of 1, 8, 32 and 64 random images (``--batches``), a ``--memory-classes``
+class head (10: TPT re-encodes its prompts per sample, and the head is not what grows).
+Each (method, batch) runs one ``step`` in a fresh process (no allocator reuse between
+cells), after a one-image warm-up step; it prints the peak RSS growth of the step (MB),
+seconds per image, and the growth from batch 1.
+
+    python benchmarks/method_cost.py --memory [--batches 1,8,32,64] [--methods tda,mura]
 """
 
 from __future__ import annotations
@@ -138,6 +148,69 @@ def report(title: str, rows: dict[str, dict[str, float]]) -> None:
         print(f"mura/tpt = {m / t:.2f} (target <= 0.5), mura/lora = {m / lo:.2f} (target < 1)")
 
 
+#: The multi-view methods of the memory table, with what makes each build views.
+MEMORY_METHODS = {
+    "tda": {"views": "multi"},
+    "tpt": {},
+    "lora": {},
+    "zero": {},
+    "mura": {},
+}
+
+
+def memory_cell(name: str, batch: int, classes: int) -> dict[str, float]:
+    """One ``step`` of ``name`` on ``batch`` random 224 px images (ViT-B-32): its peak RSS
+    growth and time, after a warm-up step on one image."""
+    import dataclasses
+
+    model, _ = vit_setting(torch.device("cpu"), classes)
+    cls = registry("methods").get(name)
+    cfg = dataclasses.replace(cls.Config(), **MEMORY_METHODS.get(name, {}))
+    torch.manual_seed(0)
+    method = cls(model, cfg)
+    method.setup()
+    images = torch.rand(batch, 3, 224, 224, generator=torch.Generator().manual_seed(0))
+    method.reseed(0)
+    method.step(images[:1])
+    method.reset()
+    method.reseed(1)
+    with PeakMemory(torch.device("cpu")) as mem:
+        start = time.perf_counter()
+        method.step(images)
+        seconds = time.perf_counter() - start
+    return {"peak_mb": mem.peak_bytes / 2**20, "s_per_image": seconds / batch}
+
+
+def memory_table(names: list[str], batches: list[int], classes: int) -> None:
+    import json
+    import subprocess
+    import sys
+
+    from tabulate import tabulate
+
+    rows = []
+    for name in names:
+        base = None
+        for batch in batches:
+            code = (
+                "import json, sys; sys.path.insert(0, 'benchmarks'); import method_cost as m; "
+                f"print(json.dumps(m.memory_cell({name!r}, {batch}, {classes})))"
+            )
+            out = subprocess.run(
+                [sys.executable, "-c", code], capture_output=True, text=True, check=True
+            )
+            cell = json.loads(out.stdout.strip().splitlines()[-1])
+            base = cell["peak_mb"] if base is None else base
+            growth = cell["peak_mb"] - base
+            rows.append([name, batch, f"{cell['peak_mb']:.0f}", f"{growth:+.0f}",
+                         f"{cell['s_per_image']:.2f}"])  # fmt: skip
+            print(f"  {name} batch {batch}: {cell['peak_mb']:.0f} MB", flush=True)
+    print(f"\nPeak RSS growth of one step, ViT-B-32 at 224 px, {classes} classes, "
+          f"view_memory_mb at its default")  # fmt: skip
+    headers = ["method", "batch", "peak MB", "vs batch 1", "s/image"]
+    print(tabulate(rows, headers=headers, tablefmt="github"))
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--methods", help="comma-separated subset (default: all registered)")
@@ -146,7 +219,15 @@ def main() -> None:
     parser.add_argument("--classes", type=int, default=1000)
     parser.add_argument("--device", default="cpu")
     parser.add_argument("--repeats", type=int, default=3, help="timed steps; the minimum")
+    parser.add_argument("--memory", action="store_true", help="peak memory vs batch size")
+    parser.add_argument("--batches", default="1,8,32,64")
+    parser.add_argument("--memory-classes", type=int, default=10)
     args = parser.parse_args()
+    if args.memory:
+        names = args.methods.split(",") if args.methods else list(MEMORY_METHODS)
+        print(f"torch threads: {torch.get_num_threads()}")
+        memory_table(names, [int(b) for b in args.batches.split(",")], args.memory_classes)
+        return
     device = torch.device(args.device)
     names = args.methods.split(",") if args.methods else sorted(registry("methods").names())
     names = sorted(names, key=lambda n: (n != "zeroshot", n))

@@ -79,21 +79,19 @@ def test_every_view_method_has_the_budget_option():
 
 #: The loop's other paths: batch episodes (the mean accumulated chunk by chunk), the
 #: sequential per-sample loop, and predictions without adaptation (R-TPT's view ensemble).
-OTHER_PATHS = [
-    ("mura", {"views": 7, "episodic": "batch", "router_persist": False}),
-    ("lora", {"views": 7, "episodic": "online"}),
-    ("tpt", {"views": 7, "episode_batching": False}),
-    ("rtpt", {"views": 7, "adapt_every": 2}),
-]
+OTHER_PATHS = {
+    "mura-batch": ("mura", {"views": 7, "episodic": "batch", "router_persist": False}),
+    "tpt-batch-2-steps": ("tpt", {"views": 7, "episodic": "batch", "steps": 2}),
+    "lora-online": ("lora", {"views": 7, "episodic": "online"}),
+    "tpt-sequential": ("tpt", {"views": 7, "episode_batching": False}),
+    "rtpt-predict-only": ("rtpt", {"views": 7, "adapt_every": 2}),
+}
 
 
 @pytest.mark.parametrize(
     ("name", "overrides"),
-    [*sorted(MULTI_VIEW.items()), *OTHER_PATHS],
-    ids=[
-        *sorted(MULTI_VIEW),
-        *(f"{n}-{next(iter(o.items() - {('views', 7)}))[0]}" for n, o in OTHER_PATHS),
-    ],
+    [*sorted(MULTI_VIEW.items()), *OTHER_PATHS.values()],
+    ids=[*sorted(MULTI_VIEW), *OTHER_PATHS],
 )
 def test_a_tiny_budget_changes_no_output(name, overrides, classifier, noisy_images, monkeypatch):
     """The same logits (to float32 rounding: a chunk's forward has fewer rows) and the same

@@ -90,11 +90,12 @@ SINGLE_PROMPT = ("a photo of a {}.",)
 EPISODIC = ("sample", "batch", "online")
 
 #: Default of ``view_memory_mb``: the memory the rendered views of a chunk of images may
-#: take (see ``image_chunks``). At 224 px the 64 views of one image take about 150 MB
-#: (600 MB with AugMix) by ``view_bytes_per_image``'s estimate, so chunks hold 1-3 images
-#: and the peak does not grow with the batch; at 32 px a chunk holds 170 images (a whole
-#: batch of 64: the views are built exactly as without a budget).
-VIEW_MEMORY_MB = 512.0
+#: take (see ``image_chunks``); a chunk is also the most images one forward/backward of
+#: the adaptation covers. At 224 px the 64 views of one image take about 150 MB (600 MB
+#: with AugMix) by ``view_bytes_per_image``'s estimate, so a chunk is one image, as in
+#: the official code, and the peak does not grow with the batch; at 32 px a chunk holds
+#: 81 images (a whole batch of 64: the views are built exactly as without a budget).
+VIEW_MEMORY_MB = 256.0
 
 #: Losses whose value for sample i depends on sample i's views only: batched episodes are
 #: exact for them. Others (info_max's batch marginal, unknown plugin losses) run the
@@ -345,6 +346,10 @@ class MultiViewMethod(GradientMethod):
         if not 0.0 < cfg.crop_scale_min <= 1.0:
             raise ValueError(f"crop_scale_min must be in (0, 1], got {cfg.crop_scale_min}")
         self._batches = 0
+        self._chunk_images = 1  # images per chunk of the last view_inputs (the budget's)
+        #: The first sample of the chunk ``view_loss`` is called on (None: the whole batch
+        #: or one episode), for losses that keep per-sample choices across steps (TPT).
+        self.loss_rows: int | None = None
         #: The optimisation step running (0 = the first of an episode), for losses whose
         #: later steps reuse what the first one decided (TPT's confident views).
         self.step_index = 0
@@ -430,6 +435,7 @@ class MultiViewMethod(GradientMethod):
         plan = self.plan_views(images)
         n = images.shape[0]
         chunks = image_chunks(n, view_bytes_per_image(images, plan), cfg.view_memory_mb)
+        self._chunk_images = chunks[0].stop - chunks[0].start
         if len(chunks) == 1:
             return self.encode_views(render_views(images, plan))
         first = self.encode_views(render_views(images[chunks[0]], plan.rows(chunks[0])))
@@ -466,14 +472,19 @@ class MultiViewMethod(GradientMethod):
         for index in range(self.config.steps):
             self.step_index = index
             self.optimizer.zero_grad(set_to_none=True)
-            if isinstance(inputs, LazyViews):  # the batch mean, accumulated chunk by chunk
-                n, losses = inputs.images.shape[0], []
-                for rows in inputs.chunks:
+            n = _batch_size(inputs)
+            if self.config.loss in SEPARABLE_LOSSES and n > self._chunk_images:
+                # the batch mean, accumulated over the budget's chunks of samples
+                losses = []
+                for start in range(0, n, self._chunk_images):
+                    rows = slice(start, min(n, start + self._chunk_images))
+                    self.loss_rows = start
                     with torch.enable_grad(), self.autocast():
-                        per_sample = self.view_loss(inputs.rows(rows))[0]
+                        per_sample = self.view_loss(_slice(inputs, rows))[0]
                     (per_sample.sum() / n * self.loss_scaler.scale).backward()
                     losses.append(per_sample.detach())
                 loss = torch.cat(losses).mean()
+                self.loss_rows = None
             else:
                 with torch.enable_grad(), self.autocast():
                     per_sample = self.view_loss(inputs)[0]
@@ -515,9 +526,8 @@ class MultiViewMethod(GradientMethod):
         episode_opt = build_optimizer(copies, cfg)  # fresh state per episode
         persistent = len(self._episode_index) < len(self.params)
         views = cfg.views + int(cfg.include_original)
-        per_chunk = max(1, cfg.chunk_views // views)
-        if isinstance(inputs, LazyViews):  # no more images at once than the budget allows
-            per_chunk = min(per_chunk, inputs.chunks[0].stop - inputs.chunks[0].start)
+        # no more images at once than the budget allows (view_inputs' chunks)
+        per_chunk = min(max(1, cfg.chunk_views // views), self._chunk_images)
         for index in range(cfg.steps):
             self.step_index = index
             episode_opt.zero_grad(set_to_none=True)
@@ -525,6 +535,7 @@ class MultiViewMethod(GradientMethod):
             losses = []
             for start in range(0, n, per_chunk):
                 rows = slice(start, min(n, start + per_chunk))
+                self.loss_rows = start
                 with torch.enable_grad(), self.autocast():
                     self.select_episodes(rows)
                     per_sample = self.view_loss(_slice(inputs, rows))[0]
@@ -532,6 +543,7 @@ class MultiViewMethod(GradientMethod):
                 (per_sample.sum() * self.loss_scaler.scale).backward()
                 losses.append(per_sample.detach())
             self.select_episodes(slice(0, n))
+            self.loss_rows = None
             skipped = self.loss_scaler.unscale(copies, episodes=n)
             if persistent:
                 shared = self.loss_scaler.unscale(self.params)
@@ -611,6 +623,15 @@ def _row_state(optimizer: torch.optim.Optimizer, p: torch.Tensor):
         for k, v in optimizer.state.get(p, {}).items()
         if isinstance(v, torch.Tensor) and v.shape == p.shape
     ]
+
+
+def _batch_size(inputs: Any) -> int:
+    """Samples in ``inputs`` (``[V, B, ...]`` tensors, dicts of them, ``LazyViews``)."""
+    if isinstance(inputs, torch.Tensor):
+        return inputs.shape[1]
+    if isinstance(inputs, LazyViews):
+        return inputs.images.shape[0]
+    return _batch_size(next(iter(inputs.values())))
 
 
 def _slice(inputs: Any, rows: slice) -> Any:

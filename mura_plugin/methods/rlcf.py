@@ -264,7 +264,7 @@ class RLCF(TPT):
         cfg = self.config
         feats = inputs["feats"]
         logits = self._logits(feats)  # [V, B, C]
-        key = None if self._episode_ctx is None else self._rows
+        key = self.loss_rows  # the chunk of samples (None: all, or one episode)
         if self.step_index == 0 or key not in self.selected_views:
             k = max(1, int(logits.shape[0] * cfg.selection))
             chosen = view_entropy(logits.detach()).argsort(dim=0)[:k]

@@ -208,7 +208,6 @@ class TPT(MultiViewMethod):
         self.prompt = PromptTextEncoder(model, templates)
         self._episode_ctx: torch.Tensor | None = None  # copies in use ([n, N, width])
         self._episode_ctx_all: torch.Tensor | None = None
-        self._rows: int | None = None  # the chunk of episodes in use (its first sample)
         #: The confident views of the running episode(s), ``[k, B]`` per chunk of samples,
         #: chosen at the first step (on the initial prompt) and kept for the later ones.
         self.selected_views: dict[int | None, torch.Tensor] = {}
@@ -231,11 +230,9 @@ class TPT(MultiViewMethod):
 
     def select_episodes(self, rows: slice) -> None:
         self._episode_ctx = self._episode_ctx_all[rows]
-        self._rows = rows.start
 
     def end_episodes(self) -> None:
         self._episode_ctx = self._episode_ctx_all = None
-        self._rows = None
 
     @torch.no_grad()
     def encode_views(self, views: torch.Tensor) -> torch.Tensor:
@@ -262,7 +259,7 @@ class TPT(MultiViewMethod):
         lowest-entropy views, chosen at the episode's first step and kept for later steps,
         as the official ``test_time_tuning`` does (``selected_idx``)."""
         logits = self._logits(feats)  # [V, B, C]
-        key = None if self._episode_ctx is None else self._rows
+        key = self.loss_rows  # the chunk of samples (None: all, or one episode)
         if self.step_index == 0 or key not in self.selected_views:
             k = max(1, int(logits.shape[0] * self.config.selection))
             self.selected_views[key] = view_entropy(logits.detach()).argsort(dim=0)[:k]
