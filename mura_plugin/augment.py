@@ -285,47 +285,101 @@ def _shear(axis: int) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], to
 
 def _translate(axis: int) -> Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]:
     def op(x: torch.Tensor, level: torch.Tensor, neg: torch.Tensor) -> torch.Tensor:
+        # PIL's affine (1, 0, t, 0, 1, 0) or (1, 0, 0, 0, 1, t) by a whole number of
+        # pixels t: output pixel i reads the input's pixel centre i + t exactly (weights 0
+        # and 1), black where that lies outside. A copy of the overlapping window.
         size = x.shape[-1] if axis == 0 else x.shape[-2]
         t = (level * (size / 3) / 10).floor() * torch.where(neg, -1.0, 1.0).double()
-        m = torch.zeros(len(x), 6, dtype=torch.float64, device=x.device)
-        m[:, 0] = m[:, 4] = 1.0
-        m[:, 2 if axis == 0 else 5] = t  # (1, 0, t, 0, 1, 0) or (1, 0, 0, 0, 1, t)
-        return _pil_affine(x, m)
+        out = torch.zeros_like(x)
+        for i, shift in enumerate(t.long().tolist()):
+            lo, hi = max(0, -shift), min(size, size - shift)
+            if lo >= hi:
+                continue
+            if axis == 0:
+                out[i, :, :, lo:hi] = x[i, :, :, lo + shift : hi + shift]
+            else:
+                out[i, :, lo:hi] = x[i, :, lo + shift : hi + shift]
+        return out
 
     op.__name__ = "translate_x" if axis == 0 else "translate_y"
     return op
 
 
-def _pil_affine(x: torch.Tensor, matrices: torch.Tensor, chunk: int = 256) -> torch.Tensor:
+#: Values of the largest temporary one step of AugMix works on (``apply_augmix``'s chains,
+#: ``_pil_affine``'s float64 taps): the batch is taken a few images at a time (one at
+#: least), so the temporary memory is bounded whatever the batch and each step reuses the
+#: memory the previous one released (on this project's CPU, a 224 px batch in one piece
+#: ran rotations 8x slower: every call faulted in fresh pages for its temporaries).
+STEP_ELEMENTS = 1 << 19
+
+
+def _pil_affine(x: torch.Tensor, matrices: torch.Tensor) -> torch.Tensor:
     """PIL's ``Image.transform(size, AFFINE, (a, b, c, d, e, f), BILINEAR)`` of 8-bit values
     ``x [n, C, H, W]`` with per-image matrices ``[n, 6]``: output pixel (x, y) reads the input
     at ``(a X + b Y + c, d X + e Y + f)``, ``X = x + 0.5``, ``Y = y + 0.5``; black where that
-    point lies outside the image, else bilinear taps clamped to the image, truncated to 8 bits."""
+    point lies outside the image, else bilinear taps clamped to the image, truncated to 8 bits.
+
+    Coordinates and weights are float64, as PIL's, computed once per distinct matrix (a
+    rotation of AugMix takes one of 4 whole angles) and shared by the images that have it.
+    Taps whose weight is exactly 0 everywhere are skipped (a shear moves whole rows or
+    columns: one axis has no fractional offset), which leaves the values as they are. The
+    images are taken a few at a time (``STEP_ELEMENTS``)."""
     n, c, h, w = x.shape
     out = torch.empty_like(x)
-    xs = torch.arange(w, dtype=torch.float64, device=x.device) + 0.5
-    ys = torch.arange(h, dtype=torch.float64, device=x.device) + 0.5
-    for s in range(0, n, chunk):
-        m = matrices[s : s + chunk].view(-1, 6, 1, 1)
-        img = x[s : s + chunk].double().flatten(2)  # [k, C, HW]
-        xin = m[:, 0] * xs + m[:, 1] * ys[:, None] + m[:, 2]  # [k, H, W]
-        yin = m[:, 3] * xs + m[:, 4] * ys[:, None] + m[:, 5]
-        inside = (xin >= 0) & (xin < w) & (yin >= 0) & (yin < h)
-        xin, yin = xin - 0.5, yin - 0.5
-        x0, y0 = xin.floor(), yin.floor()
-        dx, dy = (xin - x0).unsqueeze(1), (yin - y0).unsqueeze(1)
-        xa, xb = x0.clamp(0, w - 1).long(), (x0 + 1).clamp(0, w - 1).long()
-        ya, yb = y0.clamp(0, h - 1).long(), (y0 + 1).clamp(0, h - 1).long()
-
-        # the four taps, gathered at once: [k, C, 4, HW]
-        index = torch.stack([ya * w + xa, ya * w + xb, yb * w + xa, yb * w + xb], dim=1)
-        index = index.flatten(2).unsqueeze(1).expand(-1, c, -1, -1).flatten(2)
-        taps = img.gather(2, index).view(-1, c, 4, h, w)
-        top = taps[:, :, 0] + (taps[:, :, 1] - taps[:, :, 0]) * dx
-        bottom = taps[:, :, 2] + (taps[:, :, 3] - taps[:, :, 2]) * dx
-        value = (top + (bottom - top) * dy).floor().clamp(0, 255)
-        out[s : s + chunk] = torch.where(inside.unsqueeze(1), value, 0.0).to(x.dtype)
+    step = max(1, STEP_ELEMENTS // (c * h * w))
+    distinct, which = torch.unique(matrices.cpu(), dim=0, return_inverse=True)
+    for u, m in enumerate(distinct.tolist()):
+        plan = _affine_taps(m, h, w, x.device)
+        rows = (which == u).nonzero()[:, 0].to(x.device)
+        for s in range(0, len(rows), step):
+            sel = rows[s : s + step]
+            out[sel] = _apply_taps(x[sel].flatten(2), plan).view(-1, c, h, w).to(x.dtype)
     return out
+
+
+def _affine_taps(m: list[float], h: int, w: int, device: torch.device) -> dict:
+    """Where each output pixel of PIL's affine ``m`` reads (``_pil_affine``): tap indices
+    into the flattened image, float64 weights (None where 0 everywhere) and the inside mask."""
+    xs = torch.arange(w, dtype=torch.float64, device=device) + 0.5
+    ys = torch.arange(h, dtype=torch.float64, device=device)[:, None] + 0.5
+    xin = m[0] * xs + m[1] * ys + m[2]  # [H, W]
+    yin = m[3] * xs + m[4] * ys + m[5]
+    inside = ((xin >= 0) & (xin < w) & (yin >= 0) & (yin < h)).flatten()
+    xin, yin = xin - 0.5, yin - 0.5
+    x0, y0 = xin.floor(), yin.floor()
+    dx, dy = (xin - x0).flatten(), (yin - y0).flatten()
+    xa, xb = x0.clamp(0, w - 1).long().flatten(), (x0 + 1).clamp(0, w - 1).long().flatten()
+    ya, yb = y0.clamp(0, h - 1).long().flatten() * w, (y0 + 1).clamp(0, h - 1).long().flatten() * w
+    wx = dx if bool((dx != 0).any()) else None
+    wy = dy if bool((dy != 0).any()) else None
+    taps = [ya + xa]
+    if wx is not None:
+        taps.append(ya + xb)
+    if wy is not None:
+        taps += [yb + xa] + ([yb + xb] if wx is not None else [])
+    return {"taps": taps, "wx": wx, "wy": wy, "inside": inside}
+
+
+def _apply_taps(img: torch.Tensor, plan: dict) -> torch.Tensor:
+    """The bilinear values ``[k, C, HW]`` of ``img [k, C, HW]`` by ``_affine_taps``' plan,
+    PIL's order of operations (the row's two taps, then between rows), truncated, black
+    outside."""
+    k, c, hw = img.shape
+    img = img.double()
+
+    def tap(index: torch.Tensor) -> torch.Tensor:
+        return img.gather(2, index.view(1, 1, hw).expand(k, c, hw))
+
+    taps, wx, wy = list(plan["taps"]), plan["wx"], plan["wy"]
+    value = tap(taps.pop(0))
+    if wx is not None:
+        value = value + (tap(taps.pop(0)) - value) * wx
+    if wy is not None:
+        bottom = tap(taps.pop(0))
+        if wx is not None:
+            bottom = bottom + (tap(taps.pop(0)) - bottom) * wx
+        value = value + (bottom - value) * wy
+    return torch.where(plan["inside"], value.floor_().clamp_(0, 255), 0.0)
 
 
 #: The official ``augmentations`` list, in its order (the index an op is drawn by).
@@ -395,7 +449,22 @@ def augmix_draws(
 
 def apply_augmix(images: torch.Tensor, draws: AugMixDraws) -> torch.Tensor:
     """AugMix of ``images [N, C, H, W]`` in [0, 1] with the draws ``draws`` (one per image,
-    ``augmix_draws``): image ``i``'s output depends on image ``i`` and its draws only."""
+    ``augmix_draws``): image ``i``'s output depends on image ``i`` and its draws only, so
+    the images are taken a few at a time (``STEP_ELEMENTS`` values of chains per step)."""
+    n = images.shape[0]
+    width = draws.ops.shape[0]
+    step = max(1, STEP_ELEMENTS // (width * images[0].numel()))
+    if n <= step:
+        return _augmix_step(images, draws)
+    out = torch.empty_like(images)
+    for s in range(0, n, step):
+        rows = torch.arange(s, min(n, s + step))
+        out[s : s + step] = _augmix_step(images[s : s + step], draws.select(rows))
+    return out
+
+
+def _augmix_step(images: torch.Tensor, draws: AugMixDraws) -> torch.Tensor:
+    """``apply_augmix`` of one step's images."""
     n = images.shape[0]
     dev = images.device
     width, max_depth = draws.ops.shape[0], draws.ops.shape[2]
