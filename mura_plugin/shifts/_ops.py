@@ -2,8 +2,10 @@
 
 Every op here has one implementation, the same on every device: torch on ``[B, C, H, W]``
 float batches, with no branch on the device or on an image-size threshold. Separable
-filters (Gaussians) are two dense matrix products (``M_h @ X @ M_w^T``) with the boundary
-rule folded into the matrices, so the cost does not grow with the filter's width; fixed
+filters (Gaussians) are ``M_h @ X @ M_w^T`` with the boundary rule folded into the 1-D
+matrices, each applied as a banded block product (``_BandedPlan``: the work per output
+follows the filter's width, not the side; one dense block where blocks would not halve
+it); fixed
 non-separable kernels (disks) are FFT correlations after padding; per-sample sparse kernels
 (motion lines) are weighted sums of windows of a padded batch (``shifted_taps``, built on
 ``gather_windows``). The only branches left inside an op are for correctness (see
@@ -40,9 +42,10 @@ __all__ = [
 
 BOUNDARY_MODES = ("nearest", "reflect", "reflect101")
 
-#: The most values a kernel's stack of shifted or zoomed copies holds at once (16 MiB of
-#: float32), on any device: ``shifted_taps`` and zoom_blur build such stacks a few samples
-#: (channels) at a time and reduce each right after it is written, so their temporary
+#: The most values a kernel's stack of shifted or zoomed copies, or its padded images and
+#: spectra, holds at once (16 MiB of float32), on any device: ``shifted_taps``, zoom_blur,
+#: ``fft_correlate`` and the banded Gaussian (``_apply_plans``) work a few samples
+#: (channels) at a time and reduce each step right after it is written, so their temporary
 #: memory stays bounded whatever the batch (one 224 px sample's motion line is ~4.7M values).
 STACK_ELEMENTS = 1 << 22
 
@@ -133,31 +136,143 @@ def apply_separable(images: torch.Tensor, mh: torch.Tensor, mw: torch.Tensor) ->
     return torch.matmul(mh, out)
 
 
-#: Dense 1-D Gaussian matrices of ``gaussian_filter`` by (side, sigma, truncate, mode, device,
-#: dtype).
-_GAUSSIAN_MATRICES = BoundedCache(16)
+#: Output positions per block of a banded 1-D filter are at least this many (see
+#: ``_banded_plan``): a product with a handful of columns wastes the matrix unit.
+BAND_BLOCK = 16
+
+
+class _BandedPlan:
+    """A 1-D filter matrix ``M [n, n]`` (boundary folded in) cut into diagonal blocks.
+
+    The outputs are split into ``blocks`` runs of ``tile`` consecutive positions (``tile``
+    divides ``n``); block ``b`` reads the ``width = tile + 2 pad`` inputs from ``b * tile -
+    pad`` of the input padded by ``pad`` zeros on each side, and ``mats [blocks, width,
+    tile]`` holds the matching entries of ``M`` (transposed; zero where the padded position
+    lies outside the image). Every non-zero of ``M`` is inside its block when the filter's
+    reach (``radius``) plus the boundary fold stays within ``pad`` of the block: checked,
+    otherwise (radius near the side) the plan is one dense block (``pad = 0``, ``width = n``,
+    the matrix itself), as it is when blocks would not halve the work: the work per output
+    is ``width`` products instead of ``n``."""
+
+    def __init__(self, mat: torch.Tensor, radius: int):
+        n = mat.shape[0]
+        tile = next((d for d in range(max(BAND_BLOCK, 2 * radius), n) if n % d == 0), n)
+        if 2 * (tile + 2 * radius) > n:
+            tile = n  # blocks would save less than half the products: one dense block
+        pad = radius if tile < n else 0
+        blocks = n // tile
+        width = tile + 2 * pad
+        mats = torch.zeros(blocks, width, tile, dtype=mat.dtype, device=mat.device)
+        for b in range(blocks):
+            cols = torch.arange(b * tile - pad, b * tile - pad + width, device=mat.device)
+            ok = (cols >= 0) & (cols < n)
+            mats[b, ok] = mat[b * tile : (b + 1) * tile, cols[ok]].t()
+        if tile < n and int(mats.count_nonzero()) != int(mat.count_nonzero()):
+            # Not every non-zero was inside its block (a fold reaching past the pad): one
+            # dense block is always exact.
+            tile, pad, blocks, width, mats = n, 0, 1, n, mat.t().reshape(1, n, n)
+        self.tile, self.pad, self.blocks, self.width = tile, pad, blocks, width
+        self.mats = mats.contiguous()
+
+    def rows(self, src: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``x [R, n] @ M^T`` into ``out [R, n]`` (contiguous), ``x`` given as ``src [R, n +
+        2 pad]`` with ``pad`` zero columns on each side (``_apply_plans`` writes the
+        vertical pass into such a buffer): one batched product over the blocks, each block's
+        windows a strided view of ``src`` (no copy)."""
+        r, n_in = src.shape
+        view = src.as_strided((self.blocks, r, self.width), (self.tile, n_in, 1))
+        torch.bmm(view, self.mats, out=out.view(r, self.blocks, self.tile).transpose(0, 1))
+        return out
+
+    def cols(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
+        """``M @ x`` for ``x [N, n, W]`` into ``out [N, n, W]`` (any row stride): per
+        block, one batched product of its matrix with its window of rows, read in place
+        (the image's edge blocks drop the window rows outside the image, whose entries are
+        zero), into the block's rows of ``out``."""
+        n_img, n, _ = x.shape
+        mats = self.mats.transpose(1, 2)
+        for b in range(self.blocks):
+            lo = b * self.tile - self.pad
+            first, last = max(0, -lo), min(self.width, n - lo)
+            torch.bmm(
+                mats[b, :, first:last].expand(n_img, -1, -1),
+                x[:, lo + first : lo + last],
+                out=out[:, b * self.tile : (b + 1) * self.tile],
+            )
+        return out
+
+
+def _apply_plans(
+    images: torch.Tensor, plans: tuple[_BandedPlan, _BandedPlan], clamp=None
+) -> torch.Tensor:
+    """The separable filter of two ``_BandedPlan``s (rows, then columns) on ``images
+    [..., H, W]``: the vertical pass into a buffer with the horizontal plan's zero columns
+    on each side of every row, then the horizontal pass into the output (clipped to
+    ``clamp=(lo, hi)`` if given).
+
+    The batch is taken a few images at a time (at most ``STACK_ELEMENTS`` values of the
+    buffer per step, one image at least), so the temporary memory is bounded whatever the
+    batch and is reused from step to step."""
+    ph, pw = plans
+    h, w = images.shape[-2:]
+    x = images.reshape(-1, h, w)
+    n_img = x.shape[0]
+    wp = w + 2 * pw.pad
+    out = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+    step = min(n_img, max(1, STACK_ELEMENTS // (h * wp)))
+    buf = torch.empty((step, h, wp), device=x.device, dtype=x.dtype)
+    buf[..., : pw.pad] = 0.0
+    buf[..., w + pw.pad :] = 0.0
+    for s in range(0, n_img, step):
+        e = min(n_img, s + step)
+        vert = buf[: e - s]
+        ph.cols(x[s:e], vert[..., pw.pad : pw.pad + w])
+        res = pw.rows(vert.view(-1, wp), out[s:e].view(-1, w))
+        if clamp is not None:
+            res.clamp_(clamp[0], clamp[1])
+    return out.view(images.shape)
+
+
+#: Banded plans of ``gaussian_filter``'s 1-D Gaussians by (side, sigma, truncate, mode,
+#: device, dtype).
+_GAUSSIAN_PLANS = BoundedCache(16)
 
 
 def gaussian_filter(
-    images: torch.Tensor, sigma: float, *, truncate: float = 4.0, mode: str = "nearest"
+    images: torch.Tensor,
+    sigma: float,
+    *,
+    truncate: float = 4.0,
+    mode: str = "nearest",
+    clamp: tuple[float, float] | None = None,
 ) -> torch.Tensor:
     """Isotropic Gaussian blur of ``images [..., H, W]`` (skimage ``gaussian`` per channel):
-    ``M_h X M_w^T`` with the dense 1-D filter matrices (``gaussian_matrix``), cached by
-    ``(side, sigma, truncate, mode, device, dtype)`` (building them costs more than applying
-    them to a batch of small images)."""
+    ``M_h X M_w^T`` with the 1-D filter matrices (``gaussian_matrix``), each applied as a
+    banded block product (``_BandedPlan``: about ``2 radius + tile`` products per output
+    and pass, not ``H`` or ``W``), cached by ``(side, sigma, truncate, mode, device,
+    dtype)``. ``clamp=(lo, hi)`` clips the result as it is written out."""
     h, w = images.shape[-2:]
+    radius = int(truncate * sigma + 0.5) if sigma > 0 else 0
 
-    def matrix(n: int) -> torch.Tensor:
+    def plan(n: int) -> _BandedPlan:
         key = (n, float(sigma), float(truncate), mode, str(images.device), images.dtype)
-        return _GAUSSIAN_MATRICES.get(
+        return _GAUSSIAN_PLANS.get(
             key,
-            lambda: gaussian_matrix(
-                n, sigma, truncate=truncate, mode=mode, device=images.device, dtype=images.dtype
+            lambda: _BandedPlan(
+                gaussian_matrix(
+                    n,
+                    sigma,
+                    truncate=truncate,
+                    mode=mode,
+                    device=images.device,
+                    dtype=images.dtype,
+                ),
+                radius,
             ),
         )
 
-    mh = matrix(h)
-    return apply_separable(images, mh, mh if w == h else matrix(w))
+    ph = plan(h)
+    return _apply_plans(images, (ph, ph if w == h else plan(w)), clamp)
 
 
 def fft_size(n: int) -> int:
@@ -189,7 +304,12 @@ def _kernel_spectrum(kernels: torch.Tensor, fh: int, fw: int, dtype: torch.dtype
 
 
 def fft_correlate(
-    images: torch.Tensor, kernels: torch.Tensor, mode: str, *, cache_key: object = None
+    images: torch.Tensor,
+    kernels: torch.Tensor,
+    mode: str,
+    *,
+    cache_key: object = None,
+    clamp: tuple[float, float] | None = None,
 ) -> torch.Tensor:
     """Correlate ``images [B, C, H, W]`` with centred ``kernels [B or 1, kh, kw]`` (odd sides).
 
@@ -197,17 +317,26 @@ def fft_correlate(
     reflect-101) so the circular FFT product equals the bounded correlation inside the
     image (the FFT length is then rounded up to a 5-smooth size; the extra zeros never wrap
     into the kept region). A hashable ``cache_key`` naming a fixed kernel caches its
-    spectrum.
+    spectrum; ``clamp=(lo, hi)`` clips the result as it is written out.
+
+    The padded images and their spectra are temporaries larger than the result (a complex
+    spectrum holds ~2x the values of the padded image), so the batch is transformed a few
+    samples at a time, at most ``STACK_ELEMENTS`` spectrum values per step (one sample at
+    least), each step's crop written into the one output: the temporary memory is bounded
+    whatever the batch, and each step reuses the memory the previous one released.
     """
-    h, w = images.shape[-2:]
+    b, c, h, w = images.shape
     kh, kw = kernels.shape[-2:]
     ry, rx = kh // 2, kw // 2
     fh, fw = fft_size(h + 2 * ry), fft_size(w + 2 * rx)
 
-    def spectrum() -> torch.Tensor:
-        return _kernel_spectrum(kernels.to(images.device), fh, fw, images.dtype)
+    def spectrum(k: torch.Tensor = kernels) -> torch.Tensor:
+        return _kernel_spectrum(k.to(images.device), fh, fw, images.dtype)
 
-    if cache_key is None:
+    per_kernel = kernels.shape[0] > 1
+    if per_kernel:
+        spec_k = None
+    elif cache_key is None:
         spec_k = spectrum()
     else:
         spec_k = _SPECTRA.get((cache_key, fh, fw, str(images.device), images.dtype), spectrum)
@@ -215,13 +344,26 @@ def fft_correlate(
         # torch's reflect padding needs pad < size; fold the indices instead.
         iy = fold_index(torch.arange(-ry, h + ry, device=images.device), h, "reflect101")
         ix = fold_index(torch.arange(-rx, w + rx, device=images.device), w, "reflect101")
-        padded = images[:, :, iy][:, :, :, ix]
+
+        def pad(x: torch.Tensor) -> torch.Tensor:
+            return x[:, :, iy][:, :, :, ix]
     else:
-        padded = F.pad(images, (rx, rx, ry, ry), mode=mode)
-    spec = torch.fft.rfft2(padded, s=(fh, fw))
-    spec.mul_(spec_k[:, None])
-    res = torch.fft.irfft2(spec, s=(fh, fw))
-    return res[:, :, ry : ry + h, rx : rx + w].contiguous()
+
+        def pad(x: torch.Tensor) -> torch.Tensor:
+            return F.pad(x, (rx, rx, ry, ry), mode=mode)
+
+    out = torch.empty(images.shape, device=images.device, dtype=images.dtype)
+    step = max(1, STACK_ELEMENTS // (2 * c * fh * (fw // 2 + 1)))
+    for s in range(0, b, step):
+        e = min(b, s + step)
+        spec = torch.fft.rfft2(pad(images[s:e]), s=(fh, fw))
+        spec.mul_((spectrum(kernels[s:e]) if per_kernel else spec_k)[:, None])
+        res = torch.fft.irfft2(spec, s=(fh, fw))[:, :, ry : ry + h, rx : rx + w]
+        if clamp is None:
+            out[s:e] = res
+        else:
+            torch.clamp(res, clamp[0], clamp[1], out=out[s:e])
+    return out
 
 
 def zoom_axis(n: int, factor: float, device: torch.device) -> tuple[torch.Tensor, ...]:

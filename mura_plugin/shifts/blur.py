@@ -81,9 +81,15 @@ ZOOM_BLUR = {
 }
 
 
-def gaussian_filter(images: torch.Tensor, sigma: float, truncate: float = 4.0) -> torch.Tensor:
-    """Gaussian filter with edge replication (skimage's ``gaussian``, ``mode='nearest'``)."""
-    return _gaussian_filter(images, sigma, truncate=truncate, mode="nearest")
+def gaussian_filter(
+    images: torch.Tensor,
+    sigma: float,
+    truncate: float = 4.0,
+    clamp: tuple[float, float] | None = None,
+) -> torch.Tensor:
+    """Gaussian filter with edge replication (skimage's ``gaussian``, ``mode='nearest'``);
+    ``clamp=(lo, hi)`` clips the result as it is written."""
+    return _gaussian_filter(images, sigma, truncate=truncate, mode="nearest", clamp=clamp)
 
 
 def gaussian_blur(
@@ -96,7 +102,7 @@ def gaussian_blur(
     sigma *= spatial_scale(table, images)
     if not math.isfinite(sigma) or sigma <= 0:
         raise ValueError(f"gaussian_blur: sigma must be positive, got {sigma}")
-    return gaussian_filter(images, sigma).clamp(0.0, 1.0)
+    return gaussian_filter(images, sigma, clamp=(0.0, 1.0))
 
 
 def disk_kernel(
@@ -126,7 +132,7 @@ def defocus_blur(
     scale = spatial_scale(table, images)
     kernel = disk_kernel(radius * scale, alias * scale, images.device)
     key = ("disk", radius * scale, alias * scale)
-    return fft_correlate(images, kernel[None], "reflect", cache_key=key).clamp_(0.0, 1.0)
+    return fft_correlate(images, kernel[None], "reflect", cache_key=key, clamp=(0.0, 1.0))
 
 
 def glass_blur(
@@ -168,7 +174,7 @@ def glass_blur(
         index = torch.gather(src[:, it], 1, index).long()
     flat = x.view(b, c, h * w)
     x = torch.gather(flat, 2, index.view(b, 1, h * w).expand(b, c, h * w)).view(b, c, h, w)
-    return gaussian_filter(x, sigma).clamp_(0.0, 1.0)
+    return gaussian_filter(x, sigma, clamp=(0.0, 1.0))
 
 
 _GLASS_TABLES = BoundedCache(16)
