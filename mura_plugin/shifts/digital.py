@@ -10,7 +10,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from mura_plugin.shifts._ops import rgb_to_gray
+from mura_plugin.shifts._ops import STACK_ELEMENTS, rgb_to_gray
 from mura_plugin.shifts._params import check_images, severity_param
 from tta_bench.rng import SampleGenerator
 
@@ -191,6 +191,41 @@ def saturate(
     return scale_saturation(images, a, b)
 
 
+def _stepped_from_uint8(kernel, name: str):
+    """A ``from_uint8`` entry for a deterministic, per-pixel kernel: the 8-bit
+    ``[B, H, W, C]`` batch is converted a few images at a time (``STACK_ELEMENTS`` values
+    per step) into float ``[n, C, H, W]`` (``x / 255``, as the harness converts) and
+    corrupted into one output, the same values as ``kernel`` on the
+    converted batch. It skips the batch-sized float copy of the input, and every
+    temporary is one step's size, whatever the batch."""
+
+    def entry(
+        images: torch.Tensor, severity: int, *, generator: SampleGenerator, table: str = "cifar"
+    ) -> torch.Tensor:
+        if images.dtype != torch.uint8 or images.dim() != 4 or images.shape[-1] not in (1, 3):
+            raise ValueError(
+                f"{name}.from_uint8 expects uint8 images [B, H, W, C] with C in (1, 3), "
+                f"got {tuple(images.shape)} {images.dtype}"
+            )
+        b, h, w, c = images.shape
+        out = torch.empty((b, c, h, w), device=images.device)
+        step = max(1, STACK_ELEMENTS // (h * w * c))
+        for s in range(0, b, step):
+            x = images[s : s + step].permute(0, 3, 1, 2).contiguous().float().div_(255.0)
+            out[s : s + step] = kernel(x, severity, generator=generator, table=table)
+        return out
+
+    entry.__name__ = f"{name}_from_uint8"
+    entry.__doc__ = (
+        f"``{name}`` of an 8-bit ``[B, H, W, C]`` batch ({_stepped_from_uint8.__name__})."
+    )
+    return entry
+
+
+brightness.from_uint8 = _stepped_from_uint8(brightness, "brightness")  # type: ignore[attr-defined]
+saturate.from_uint8 = _stepped_from_uint8(saturate, "saturate")  # type: ignore[attr-defined]
+
+
 #: 2^23: float32 values in [2^23, 2^24) are the integers, so adding it rounds to an integer.
 _ROUND_BIAS = float(1 << 23)
 
@@ -274,8 +309,6 @@ def _jpeg_roundtrip(hwc_u8: torch.Tensor, quality: int, out: torch.Tensor) -> No
 
 #: Pillow's fixed-point precision for 8-bit resampling weights (``PRECISION_BITS``).
 _PIL_BITS = 22
-#: Input columns per block of the blocked horizontal box pass (see ``_BoxPlan``).
-BOX_BLOCK = 28
 
 
 @lru_cache(maxsize=64)
@@ -316,90 +349,47 @@ def _rounding_is_exact_in_float32(windows: tuple[tuple[int, int, int], ...]) -> 
     return True
 
 
-class _BoxPlan:
-    """Pillow BOX down-sampling of an ``[H, W]`` 8-bit image to ``[H', W']``, arranged for
-    cheap batched evaluation.
+class _BoxAxis:
+    """Pillow's 8-bit BOX down-sampling along one axis (``_pil_box_windows``) as a sum of
+    gathered slices: output ``o`` is ``sum_j x[start_o + min(j, count_o - 1)] * [j <
+    count_o]`` over ``j < depth`` (the largest window), each term one ``index_select``
+    along the axis (a block copy of whole rows: the callers reduce along dim 1), then the
+    fixed-point normalisation (``round_8bit``). Sums of 8-bit values are exact in float32;
+    so is the rounding, checked per window size (float64 otherwise)."""
 
-    Horizontal pass (Pillow's first): a dense ``[W, W']`` matrix product would spend most of
-    its work on zeros. Instead the outputs are cut into ``blocks`` runs of ``slots``
-    consecutive windows; block ``b`` reads the ``width`` columns from ``b * stride`` (a
-    strided view of overlapping slices, no copy), which hold all of its windows, and one
-    batched product with ``mats [blocks, width, slots]`` gives every window sum, already in
-    output order (``blocks * slots >= W'`` columns; the surplus has weight 0 and is dropped
-    at the end). Vertical pass: output row ``o`` is the sum of its window's rows, gathered
-    (``rows_idx``; past a shorter window's end ``rows_mask`` is 0). Sums of 8-bit values are
-    exact in float32; so is the fixed-point rounding, checked per window size (float64
-    otherwise)."""
-
-    def __init__(self, h: int, w: int, oh: int, ow: int, device: torch.device):
-        cols = _pil_box_windows(w, ow)
-        self.slots = min(ow, max(1, round(BOX_BLOCK * ow / w)))
-        self.blocks = -(-ow // self.slots)
-        firsts = [cols[b * self.slots][0] for b in range(self.blocks)]
-        # The largest stride with every block's slice starting at or before its first window.
-        self.stride = min([f // b for b, f in enumerate(firsts) if b] or [1])
-        ends = [
-            max(s + c for s, c, _ in cols[b * self.slots : (b + 1) * self.slots])
-            for b in range(self.blocks)
-        ]
-        self.width = max(e - b * self.stride for b, e in enumerate(ends))
-        #: Values the strided view may read past the last pixel (multiplied by weight 0).
-        self.overhang = max(0, (self.blocks - 1) * self.stride + self.width - w)
-        mats = torch.zeros(self.blocks, self.width, self.slots)
-        col_k = torch.zeros(self.blocks * self.slots)
-        for o, (start, count, k) in enumerate(cols):
-            b, j = divmod(o, self.slots)
-            mats[b, start - b * self.stride : start - b * self.stride + count, j] = 1.0
-            col_k[o] = k / float(1 << _PIL_BITS)
-        self.mats = mats.to(device)
-        self.col_k = col_k.to(device)
-        rows = _pil_box_windows(h, oh)
-        depth = max(c for _, c, _ in rows)
-        self.rows_idx = [
-            torch.tensor([s + min(j, max(c - 1, 0)) for s, c, _ in rows], device=device)
+    def __init__(self, n_in: int, n_out: int, device: torch.device):
+        wins = _pil_box_windows(n_in, n_out)
+        depth = max(c for _, c, _ in wins)
+        self.idx = [
+            torch.tensor([st + min(j, max(c - 1, 0)) for st, c, _ in wins], device=device)
             for j in range(depth)
         ]
-        self.rows_mask = [
+        self.mask = [
             None
-            if all(j < c for _, c, _ in rows)
-            else torch.tensor([float(j < c) for _, c, _ in rows], device=device).view(-1, 1)
+            if all(j < c for _, c, _ in wins)
+            else torch.tensor([float(j < c) for _, c, _ in wins], device=device)
             for j in range(depth)
         ]
-        self.row_k = torch.tensor([k / float(1 << _PIL_BITS) for _, _, k in rows], device=device)
-        self.float32_exact = _rounding_is_exact_in_float32(cols + rows)
+        self.k = torch.tensor([k / float(1 << _PIL_BITS) for _, _, k in wins], device=device)
+        self.float32_exact = _rounding_is_exact_in_float32(wins)
 
-    def round_8bit(self, sums: torch.Tensor, k: torch.Tensor) -> torch.Tensor:
-        """Pillow's fixed-point normalisation of window ``sums`` by ``k / 2^22``, in place
-        (float64 where float32 would not be exact for these window sizes; never above 255
-        for sums of 8-bit values, see ``_rounding_is_exact_in_float32``)."""
+    def down(self, x: torch.Tensor, dim: int) -> torch.Tensor:
+        """The 8-bit box averages of ``x [n, a, b]`` (8-bit values, float32) along ``dim``
+        (1 or 2)."""
+        shape = (-1, 1) if dim == 1 else (-1,)
+        sums = x.index_select(dim, self.idx[0])
+        for idx, mask in zip(self.idx[1:], self.mask[1:]):
+            part = x.index_select(dim, idx)
+            sums = sums.add_(part) if mask is None else sums.addcmul_(part, mask.view(shape))
+        k = self.k.view(shape)
         if self.float32_exact:
             return sums.mul_(k).add_(0.5).floor_()
         return sums.copy_(sums.double().mul_(k.double()).add_(0.5).floor_())
 
-    def buffer(self, size: int, device: torch.device) -> torch.Tensor:
-        """A flat float32 buffer for ``size`` 8-bit values plus the ``overhang`` (zeros) the
-        strided view may read past the last row."""
-        buf = torch.empty(size + self.overhang, device=device)
-        buf[size:] = 0.0
-        return buf
-
-    def down(self, buf: torch.Tensor, n: int, h: int, w: int) -> torch.Tensor:
-        """The first ``n * H * W`` values of ``buf`` (``[n, H, W]`` 8-bit values; see
-        ``buffer``) -> ``[n, H', blocks * slots]`` (columns past ``W'`` are surplus)."""
-        view = buf.as_strided((self.blocks, n * h, self.width), (self.stride, w, 1))
-        wide = torch.empty(n * h, self.blocks, self.slots, device=buf.device)
-        torch.bmm(view, self.mats, out=wide.transpose(0, 1))
-        wide = self.round_8bit(wide.view(n, h, -1), self.col_k)
-        sums = wide.index_select(1, self.rows_idx[0])
-        for idx, mask in zip(self.rows_idx[1:], self.rows_mask[1:]):
-            part = wide.index_select(1, idx)
-            sums = sums.add_(part) if mask is None else sums.addcmul_(part, mask)
-        return self.round_8bit(sums, self.row_k.view(-1, 1))
-
 
 @lru_cache(maxsize=32)
-def _box_plan(h: int, w: int, oh: int, ow: int, device: torch.device) -> _BoxPlan:
-    return _BoxPlan(h, w, oh, ow, device)
+def _box_axis(n_in: int, n_out: int, device: torch.device) -> _BoxAxis:
+    return _BoxAxis(n_in, n_out, device)
 
 
 def pixelate(
@@ -408,20 +398,36 @@ def pixelate(
     """Box-filter the 8-bit image down to ``int(side * c)`` and back up (Pillow BOX both ways:
     windows of whole pixels averaged with fixed-point weights, horizontal pass first, each
     pass rounded to 8 bits; upward BOX is nearest-neighbour at pixel centres, torch's
-    ``nearest-exact``). Bit-exact with Pillow on 8-bit inputs."""
+    ``nearest-exact``). Bit-exact with Pillow on 8-bit inputs; see ``_BoxAxis``."""
     del generator  # deterministic
     check_images("pixelate", images)
     c = severity_param("pixelate", PIXELATE, table, severity)
     b, ch, h, w = images.shape
     oh, ow = max(1, int(h * c)), max(1, int(w * c))
-    plan = _box_plan(h, w, oh, ow, images.device)
     n = b * ch
-    buf = plan.buffer(n * h * w, images.device)
-    u8 = buf[: n * h * w].view(n, h, w)
-    torch.mul(images.detach().reshape(n, h, w), 255.0, out=u8)
-    u8.round_().clamp_(0, 255)
-    small = plan.down(buf, n, h, w).view(b, ch, oh, -1)[..., :ow].div_(255.0).to(images.dtype)
-    return F.interpolate(small, size=(h, w), mode="nearest-exact")
+    # Pillow's horizontal pass first, on the transposed 8-bit image (columns become rows,
+    # so every window term is a block copy of rows), written into the output's memory:
+    # the down-sampled image is small, and the upsampling then overwrites it.
+    out = torch.empty((b, ch, h, w), device=images.device, dtype=torch.float32)
+    u8t = out.view(n, w, h)
+    torch.mul(images.detach().reshape(n, h, w).transpose(1, 2), 255.0, out=u8t)
+    u8t.round_().clamp_(0, 255)
+    half = _box_axis(w, ow, images.device).down(u8t, 1).transpose(1, 2).contiguous()
+    small = _box_axis(h, oh, images.device).down(half, 1).div_(255.0)  # [n, oh, ow]
+    # Upward BOX = nearest-exact: two index reads (columns, then rows into the output).
+    rows = _nearest_exact_index(oh, h, images.device)
+    cols = _nearest_exact_index(ow, w, images.device)
+    torch.index_select(small.index_select(2, cols), 1, rows, out=out.view(n, h, w))
+    return out.to(images.dtype)
+
+
+@lru_cache(maxsize=32)
+def _nearest_exact_index(n_in: int, n_out: int, device: torch.device) -> torch.Tensor:
+    """The source index of each of ``n_out`` positions under ``F.interpolate``'s
+    ``nearest-exact`` resize from ``n_in`` (taken from interpolating the indices themselves,
+    so it is torch's own rounding)."""
+    idx = torch.arange(n_in, dtype=torch.float32).view(1, 1, n_in)
+    return F.interpolate(idx, size=n_out, mode="nearest-exact").view(-1).long().to(device)
 
 
 # -- the seed article's simple colour shifts -------------------------------------------------
