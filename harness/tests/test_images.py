@@ -608,3 +608,35 @@ def test_hostile_bytes_give_an_array_or_the_modules_error_naming_the_file():
         f"{tried['refused']} refused"
     )
     assert total >= 100 and tried["decoded"] > 0 and tried["refused"] > 0
+
+
+def test_the_header_walk_agrees_with_pils_parse(monkeypatch):
+    """``is_plain_jpeg``'s marker walk answers True only where PIL's header parse does, on
+    baseline, grey, 4:4:4, restart-marker, progressive, CMYK, EXIF-oriented and upright
+    EXIF files, and truncated or non-JPEG bytes."""
+    from tta_bench import images
+
+    rng = np.random.default_rng(0)
+    arr = (rng.random((40, 56, 3)) * 255).astype(np.uint8)
+    files = {}
+    for mode in ("RGB", "L", "CMYK"):
+        for kw in ({}, {"progressive": True}, {"subsampling": 0}, {"restart_marker_blocks": 1}):
+            buf = io.BytesIO()
+            Image.fromarray(arr).convert(mode).save(buf, format="JPEG", **kw)
+            files[f"{mode} {kw}"] = buf.getvalue()
+    for orientation in (1, 6):
+        img = Image.fromarray(arr)
+        exif = img.getexif()
+        exif[0x0112] = orientation
+        buf = io.BytesIO()
+        img.save(buf, format="JPEG", exif=exif.tobytes())
+        files[f"exif {orientation}"] = buf.getvalue()
+    files["truncated"] = files["RGB {}"][:40]
+    files["png"] = b"\x89PNG\r\n\x1a\n" + bytes(30)
+    walked = {k: images.is_plain_jpeg(v) for k, v in files.items()}
+    monkeypatch.setattr(images, "_plainly_baseline", lambda data: False)  # PIL's parse only
+    parsed = {k: images.is_plain_jpeg(v) for k, v in files.items()}
+    assert walked == parsed
+    assert walked["RGB {}"] and walked["L {}"] and walked["exif 1"]
+    assert not walked["RGB {'progressive': True}"] and not walked["exif 6"]
+    assert not walked["CMYK {}"] and not walked["truncated"]
