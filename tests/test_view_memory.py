@@ -6,10 +6,10 @@ from __future__ import annotations
 
 import pytest
 import torch
+from method_runs import build_method, run_method
 
 from mura_plugin import augment
 from mura_plugin.methods import _views
-from tests.method_runs import build_method, run_method
 from tta_bench.registry import registry
 
 #: A budget below one image's views: one image per chunk, nothing kept (``LazyViews``).
