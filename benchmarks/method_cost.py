@@ -19,10 +19,20 @@ ZERO and MuRA on ViT-B-32 (random weights) at 224 px with their default views (6
 original), batches of 1, 8, 32 and 64 random images (``--batches``), a ``--memory-classes``
 class head (10: TPT re-encodes its prompts per sample, and the head is not what grows).
 Each (method, batch) runs one ``step`` in a fresh process (no allocator reuse between
-cells), after a one-image warm-up step; it prints the peak RSS growth of the step (MB),
-seconds per image, and the growth from batch 1.
+cells, no warm-up); it prints the peak RSS growth of the step (MB), seconds per image
+(first-call set-up included), and the growth from batch 1.
 
     python benchmarks/method_cost.py --memory [--batches 1,8,32,64] [--methods tda,mura]
+
+Compute rate (``--flops``), on the tiny model (batch of 64 at 32 px): the GFLOP/s of a
+plain 2048 x 2048 float32 matmul on the same threads (the machine's compute limit), and
+for MuRA, TTL (``lora``) and TPT one ``step``'s FLOPs (torch's ``FlopCounterMode``:
+matmuls, convolutions and attention, forward and backward) over its median time
+(``--repeats``), as GFLOP/s and as a share of the matmul rate; and the TENT loop: the
+harness's ``tent`` step against a bare loop of the same computation (forward, entropy,
+backward, Adam step on the same LayerNorm parameters), median of paired repeats.
+
+    python benchmarks/method_cost.py --flops [--repeats 5]
 """
 
 from __future__ import annotations
@@ -159,8 +169,10 @@ MEMORY_METHODS = {
 
 
 def memory_cell(name: str, batch: int, classes: int) -> dict[str, float]:
-    """One ``step`` of ``name`` on ``batch`` random 224 px images (ViT-B-32): its peak RSS
-    growth and time, after a warm-up step on one image."""
+    """One ``step`` of ``name`` on ``batch`` random 224 px images (ViT-B-32), the first of
+    the process (no warm-up: memory freed by an earlier step would be reused unseen): its
+    peak RSS growth and time (first-call kernel set-up included, the same at every
+    batch)."""
     import dataclasses
 
     model, _ = vit_setting(torch.device("cpu"), classes)
@@ -170,9 +182,6 @@ def memory_cell(name: str, batch: int, classes: int) -> dict[str, float]:
     method = cls(model, cfg)
     method.setup()
     images = torch.rand(batch, 3, 224, 224, generator=torch.Generator().manual_seed(0))
-    method.reseed(0)
-    method.step(images[:1])
-    method.reset()
     method.reseed(1)
     with PeakMemory(torch.device("cpu")) as mem:
         start = time.perf_counter()
@@ -211,6 +220,107 @@ def memory_table(names: list[str], batches: list[int], classes: int) -> None:
     print(tabulate(rows, headers=headers, tablefmt="github"))
 
 
+def matmul_gflops(n: int = 2048, repeats: int = 10) -> float:
+    """GFLOP/s of an ``n x n`` float32 matmul (median of ``repeats``, after a warm-up)."""
+    a, b = torch.randn(n, n), torch.randn(n, n)
+    a @ b
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        a @ b
+        times.append(time.perf_counter() - start)
+    return 2 * n**3 / statistics.median(times) / 1e9
+
+
+def step_flops(method, images: torch.Tensor) -> int:
+    """FLOPs of one ``step`` (forward and backward), counted by ``FlopCounterMode``."""
+    from torch.utils.flop_counter import FlopCounterMode
+
+    method.reset()
+    method.reseed(0)
+    with FlopCounterMode(display=False) as counter:
+        method.step(images)
+    return int(counter.get_total_flops())
+
+
+def flops_table(repeats: int) -> None:
+    from tabulate import tabulate
+
+    model, images = tiny_setting(torch.device("cpu"))
+    peak = matmul_gflops()
+    print(f"2048 x 2048 float32 matmul: {peak:.1f} GFLOP/s")
+    rows = []
+    for name in ("mura", "lora", "tpt"):
+        cls = registry("methods").get(name)
+        torch.manual_seed(0)
+        method = cls(copy.deepcopy(model), cls.Config())
+        method.setup()
+        method.reseed(0)
+        method.step(images)  # warm-up
+        flops = step_flops(method, images)
+        times = []
+        for rep in range(repeats):
+            method.reset()
+            method.reseed(1 + rep)
+            start = time.perf_counter()
+            method.step(images)
+            times.append(time.perf_counter() - start)
+        rates = sorted(flops / t / 1e9 for t in times)
+        med = statistics.median(rates)
+        rate = f"{med:.1f} ({rates[0]:.1f}-{rates[-1]:.1f})"
+        rows.append([name, f"{flops / len(images) / 1e9:.2f}", rate, f"{med / peak:.0%}"])
+        print(f"  {name}: {med:.1f} GFLOP/s", flush=True)
+    print(f"\nTiny model, batch of 64 at 32 px; matmul limit {peak:.1f} GFLOP/s")
+    headers = ["method", "GFLOP/sample", "GFLOP/s: median (range)", "share of matmul"]
+    print(tabulate(rows, headers=headers, tablefmt="github"))
+    tent_vs_bare(model, images, repeats)
+
+
+def tent_vs_bare(model: ZeroShotClassifier, images: torch.Tensor, repeats: int) -> None:
+    """The harness's ``tent`` step against the same computation written as a bare loop."""
+    cls = registry("methods").get("tent")
+    torch.manual_seed(0)
+    tent = cls(copy.deepcopy(model), cls.Config())
+    tent.setup()
+    bare_model = copy.deepcopy(tent.model)  # the same surgery (batch statistics, grads)
+    params = [p for p in bare_model.parameters() if p.requires_grad]
+    cfg = tent.config
+    opt = torch.optim.Adam(
+        params, lr=cfg.lr, betas=(cfg.momentum, 0.999), weight_decay=cfg.weight_decay
+    )
+
+    def bare_step() -> torch.Tensor:
+        with torch.enable_grad():
+            logits = bare_model(images)
+            loss = -(logits.softmax(1) * logits.log_softmax(1)).sum(1).mean()
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        opt.step()
+        return logits.detach()
+
+    def timed(fn) -> float:
+        start = time.perf_counter()
+        fn()
+        return time.perf_counter() - start
+
+    steps = 20
+    for fn in (bare_step, lambda: tent.step(images)):
+        fn()  # warm-up
+    ratios, harness, bare = [], [], []
+    for _ in range(repeats):
+        h = sum(timed(lambda: tent.step(images)) for _ in range(steps))
+        b = sum(timed(bare_step) for _ in range(steps))
+        harness.append(h / steps)
+        bare.append(b / steps)
+        ratios.append(b / h)
+    ratios.sort()
+    print(
+        f"\nTENT: harness step {statistics.median(harness) * 1000:.2f} ms, bare loop "
+        f"{statistics.median(bare) * 1000:.2f} ms per batch of {len(images)}; bare/harness "
+        f"{statistics.median(ratios):.3f} ({ratios[0]:.3f}-{ratios[-1]:.3f}) (target >= 0.95)"
+    )
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--methods", help="comma-separated subset (default: all registered)")
@@ -222,7 +332,12 @@ def main() -> None:
     parser.add_argument("--memory", action="store_true", help="peak memory vs batch size")
     parser.add_argument("--batches", default="1,8,32,64")
     parser.add_argument("--memory-classes", type=int, default=10)
+    parser.add_argument("--flops", action="store_true", help="GFLOP/s vs the matmul limit")
     args = parser.parse_args()
+    if args.flops:
+        print(f"torch threads: {torch.get_num_threads()}")
+        flops_table(args.repeats)
+        return
     if args.memory:
         names = args.methods.split(",") if args.methods else list(MEMORY_METHODS)
         print(f"torch threads: {torch.get_num_threads()}")

@@ -453,12 +453,19 @@ class MultiViewMethod(GradientMethod):
         return _slice(inputs, rows)
 
     def _predict_chunks(self, images: torch.Tensor, inputs: Any, episodes: bool) -> torch.Tensor:
-        """``predict_episode`` of the batch; of a ``LazyViews`` chunk by chunk (selecting
-        those samples' episode copies when ``episodes``)."""
-        if not isinstance(inputs, LazyViews):
+        """``predict_episode`` of the batch, chunk by chunk of the budget's images (selecting
+        those samples' episode copies when ``episodes``): with per-sample prompts, TPT's
+        prediction runs the text tower on every sample's class prompts at once."""
+        n = images.shape[0]
+        if isinstance(inputs, LazyViews):
+            chunks = inputs.chunks
+        else:
+            size = self._chunk_images
+            chunks = [slice(s, min(n, s + size)) for s in range(0, n, size)]
+        if len(chunks) == 1:
             return self.predict_episode(images, inputs)
         out = []
-        for rows in inputs.chunks:
+        for rows in chunks:
             if episodes:
                 self.select_episodes(rows)
             out.append(self.predict_episode(images[rows], self._predict_inputs(inputs, rows)))
