@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import itertools
+
 import pytest
 import torch
 
@@ -153,22 +155,22 @@ def test_uint8_entry_equals_the_float_kernel(name):
 
 
 @pytest.mark.parametrize("name", ["brightness", "saturate"])
-def test_stepped_uint8_entries_equal_the_kernel_in_any_step(name, monkeypatch):
-    """Per-pixel kernels convert the 8-bit batch a few images at a time: with one image per
-    step (black and grey pixels in some images only) the output is still the kernel's."""
-    from mura_plugin.shifts import digital
+def test_uint8_entries_equal_the_kernel(name):
+    """Per-pixel kernels take their channel planes from the 8-bit batch and work in place:
+    the output is still the kernel's on the converted batch, bit for bit (black and grey
+    pixels in some images only; one channel too)."""
     from tta_bench.inputs import to_float_images
 
     kernel = registry("shifts").get(name)
     u8 = torch.randint(0, 256, (4, 10, 12, 3), dtype=torch.uint8)
     u8[1, :3] = 0  # black
     u8[2, :3] = 90  # grey
-    for sev in (1, 5):
-        want = kernel(to_float_images(u8), sev, generator=None, table="imagenet")
-        monkeypatch.setattr(digital, "STACK_ELEMENTS", 10 * 12 * 3)  # one image per step
-        got = kernel.from_uint8(u8, sev, generator=None, table="imagenet")
-        monkeypatch.undo()
-        assert torch.equal(got, want)
+    for images in (u8, u8[..., :1].contiguous(), u8[:, ::2]):
+        for table, sev in itertools.product(("cifar", "imagenet", "digits"), range(1, 6)):
+            want = kernel(to_float_images(images), sev, generator=None, table=table)
+            got = kernel.from_uint8(images, sev, generator=None, table=table)
+            assert got.is_contiguous()
+            assert torch.equal(got, want)
 
 
 def test_jpeg_offers_the_uint8_entry():

@@ -640,3 +640,22 @@ def test_the_header_walk_agrees_with_pils_parse(monkeypatch):
     assert walked["RGB {}"] and walked["L {}"] and walked["exif 1"]
     assert not walked["RGB {'progressive': True}"] and not walked["exif 6"]
     assert not walked["CMYK {}"] and not walked["truncated"]
+
+
+def test_to_float_images_is_the_plain_conversion_bit_for_bit():
+    """The batch conversion (one cast-and-transpose copy, then the division in place) gives
+    exactly ``x.float() / 255`` in ``[B, C, H, W]`` order, contiguous, for 1 and 3
+    channels and for a strided view of the bytes."""
+    import torch
+
+    from tta_bench.inputs import to_float_images
+
+    g = torch.Generator().manual_seed(0)
+    u8 = torch.randint(0, 256, (3, 7, 9, 3), dtype=torch.uint8, generator=g)
+    u8.view(-1)[:256] = torch.arange(256, dtype=torch.uint8)  # every byte value
+    for images in (u8, u8[..., :1].contiguous(), u8[:, ::2, 1:]):
+        got = to_float_images(images)
+        want = torch.stack([im.permute(2, 0, 1).float() / 255.0 for im in images])
+        assert got.dtype == torch.float32 and got.is_contiguous()
+        assert got.shape == want.shape
+        assert torch.equal(got, want)

@@ -40,10 +40,15 @@ def uint8_entry(kernel: Kernel) -> Kernel | None:
 
 
 def to_float_images(images: torch.Tensor) -> torch.Tensor:
-    """uint8 ``[B, H, W, C]`` -> contiguous float ``[B, C, H, W]`` in [0, 1]."""
-    # Transposing the uint8 bytes first, then converting, is several times faster on the
-    # CPU than converting the strided view; the values are the same.
-    return images.permute(0, 3, 1, 2).contiguous().float().div_(255.0)
+    """uint8 ``[B, H, W, C]`` -> contiguous float ``[B, C, H, W]`` in [0, 1].
+
+    One cast-and-transpose copy into the float batch, then the division in place: no
+    byte-sized or float temporary (at 224 px, batch 64, on this project's CPU: 21 ms
+    against 57 ms for transposing the bytes, converting and dividing, most of either being
+    the first touch of the fresh 38.5 MB batch). The values are the same."""
+    b, h, w, c = images.shape
+    out = torch.empty((b, c, h, w), device=images.device, dtype=torch.float32)
+    return out.copy_(images.permute(0, 3, 1, 2)).div_(255.0)
 
 
 _TAKES_TABLE: dict[Kernel, bool] = {}

@@ -10,8 +10,9 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from mura_plugin.shifts._ops import STACK_ELEMENTS, rgb_to_gray
+from mura_plugin.shifts._ops import rgb_to_gray
 from mura_plugin.shifts._params import check_images, severity_param
+from tta_bench.inputs import to_float_images
 from tta_bench.rng import SampleGenerator
 
 __all__ = [
@@ -99,12 +100,16 @@ def hsv_to_rgb(hsv: torch.Tensor) -> torch.Tensor:
     return v.unsqueeze(1) - v.unsqueeze(1) * s.unsqueeze(1) * f
 
 
-def shift_value(rgb: torch.Tensor, c: float) -> torch.Tensor:
+def shift_value(
+    rgb: torch.Tensor, c: float, *, v: torch.Tensor | None = None, inplace: bool = False
+) -> torch.Tensor:
     """RGB ``[B, C, H, W]`` in [0, 1] with HSV value ``V' = clip(V + c, 0, 1)``, hue and
     saturation kept: equal to ``hsv_to_rgb`` of the modified ``rgb_to_hsv`` without building
     H and S (RGB scales with V at fixed H and S: ``x * V' / V``; black, S = 0, becomes grey
-    ``V'``). Inputs below 0 are outside the contract."""
-    v = rgb.amax(1, keepdim=True)
+    ``V'``). Inputs below 0 are outside the contract. ``v`` is the channel maximum when the
+    caller has it; ``inplace`` writes into ``rgb`` (a temporary of the caller's)."""
+    if v is None:
+        v = rgb.amax(1, keepdim=True)
     scale = (v + c).clamp_(0.0, 1.0)
     # A reduction is far cheaper than materialising a mask when (as usual) nothing is black.
     has_black = bool(v.amin() <= 0)
@@ -112,19 +117,29 @@ def shift_value(rgb: torch.Tensor, c: float) -> torch.Tensor:
     # mask: much cheaper than a bool mask and masked_fill on CPU) sets them to it.
     black = torch.le(v, 0.0, out=torch.empty_like(v)) if has_black else None
     scale.div_(v.clamp_(min=1e-12))
-    out = torch.mul(rgb, scale)
+    out = rgb.mul_(scale) if inplace else torch.mul(rgb, scale)
     if black is not None:
         out.add_(black, alpha=min(max(c, 0.0), 1.0))
     return out.clamp_(0.0, 1.0)
 
 
-def scale_saturation(rgb: torch.Tensor, a: float, b: float) -> torch.Tensor:
+def scale_saturation(
+    rgb: torch.Tensor,
+    a: float,
+    b: float,
+    *,
+    v: torch.Tensor | None = None,
+    vmin: torch.Tensor | None = None,
+    inplace: bool = False,
+) -> torch.Tensor:
     """RGB ``[B, 3, H, W]`` in [0, 1] with HSV saturation ``S' = clip(S * a + b, 0, 1)``, hue
     and value kept: equal to the ``rgb_to_hsv`` / ``hsv_to_rgb`` round trip without building
     H (each channel is ``V - V * S * f(H)``, so ``V - (V - x) * S' / S``; grey pixels have
-    hue 0, red, and get ``(V, V (1 - S'), V (1 - S'))``)."""
-    v = rgb.amax(1, keepdim=True)
-    delta = torch.sub(v, rgb.amin(1, keepdim=True))
+    hue 0, red, and get ``(V, V (1 - S'), V (1 - S'))``). ``v`` and ``vmin`` are the channel
+    maximum and minimum when the caller has them; ``inplace`` writes into ``rgb``."""
+    if v is None or vmin is None:
+        v, vmin = rgb.amax(1, keepdim=True), rgb.amin(1, keepdim=True)
+    delta = torch.sub(v, vmin)
     grey = (delta <= 0) if b != 0 and bool(delta.amin() <= 0) else None
     delta.clamp_(min=1e-12)
     if b == 0 and a >= 0:
@@ -136,7 +151,7 @@ def scale_saturation(rgb: torch.Tensor, a: float, b: float) -> torch.Tensor:
         safe_v = v.clamp(min=1e-12)
         scale = torch.div(delta, safe_v).mul_(a).add_(b).clamp_(0.0, 1.0)
         scale.mul_(safe_v).div_(delta)
-    out = torch.sub(v, rgb)
+    out = torch.sub(v, rgb, out=rgb if inplace else None)
     out = torch.addcmul(v, out, scale, value=-1.0, out=out)
     if grey is not None:
         grey_gb = (v * (1.0 - min(max(b, 0.0), 1.0))).expand_as(out[:, 1:])
@@ -191,39 +206,59 @@ def saturate(
     return scale_saturation(images, a, b)
 
 
-def _stepped_from_uint8(kernel, name: str):
-    """A ``from_uint8`` entry for a deterministic, per-pixel kernel: the 8-bit
-    ``[B, H, W, C]`` batch is converted a few images at a time (``STACK_ELEMENTS`` values
-    per step) into float ``[n, C, H, W]`` (``x / 255``, as the harness converts) and
-    corrupted into one output, the same values as ``kernel`` on the
-    converted batch. It skips the batch-sized float copy of the input, and every
-    temporary is one step's size, whatever the batch."""
-
-    def entry(
-        images: torch.Tensor, severity: int, *, generator: SampleGenerator, table: str = "cifar"
-    ) -> torch.Tensor:
-        if images.dtype != torch.uint8 or images.dim() != 4 or images.shape[-1] not in (1, 3):
-            raise ValueError(
-                f"{name}.from_uint8 expects uint8 images [B, H, W, C] with C in (1, 3), "
-                f"got {tuple(images.shape)} {images.dtype}"
-            )
-        b, h, w, c = images.shape
-        out = torch.empty((b, c, h, w), device=images.device)
-        step = max(1, STACK_ELEMENTS // (h * w * c))
-        for s in range(0, b, step):
-            x = images[s : s + step].permute(0, 3, 1, 2).contiguous().float().div_(255.0)
-            out[s : s + step] = kernel(x, severity, generator=generator, table=table)
-        return out
-
-    entry.__name__ = f"{name}_from_uint8"
-    entry.__doc__ = (
-        f"``{name}`` of an 8-bit ``[B, H, W, C]`` batch ({_stepped_from_uint8.__name__})."
-    )
-    return entry
+def _check_uint8(name: str, images: torch.Tensor) -> None:
+    if images.dtype != torch.uint8 or images.dim() != 4 or images.shape[-1] not in (1, 3):
+        raise ValueError(
+            f"{name}.from_uint8 expects uint8 images [B, H, W, C] with C in (1, 3), "
+            f"got {tuple(images.shape)} {images.dtype}"
+        )
 
 
-brightness.from_uint8 = _stepped_from_uint8(brightness, "brightness")  # type: ignore[attr-defined]
-saturate.from_uint8 = _stepped_from_uint8(saturate, "saturate")  # type: ignore[attr-defined]
+def _float_and_planes(
+    images: torch.Tensor, with_min: bool
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The 8-bit ``[B, H, W, 3]`` batch as float ``[B, 3, H, W]`` (``x / 255``, the harness's
+    conversion), with its channel maximum (and minimum) ``[B, 1, H, W]`` taken on the bytes:
+    ``max(x) / 255 == max(x / 255)`` exactly, as division by 255 is monotonic. The float
+    batch is then the only batch-sized tensor the kernel writes."""
+    x = to_float_images(images)
+    r, g, bl = images.unbind(-1)
+    v = torch.maximum(torch.maximum(r, g), bl).unsqueeze(1).float().div_(255.0)
+    vmin = None
+    if with_min:
+        vmin = torch.minimum(torch.minimum(r, g), bl).unsqueeze(1).float().div_(255.0)
+    return x, v, vmin
+
+
+def _brightness_from_uint8(
+    images: torch.Tensor, severity: int, *, generator: SampleGenerator, table: str = "cifar"
+) -> torch.Tensor:
+    """``brightness`` of an 8-bit ``[B, H, W, C]`` batch: the same values as ``brightness``
+    on the converted batch, with the value plane taken from the bytes and the float batch
+    scaled in place (no batch-sized temporary besides the output)."""
+    _check_uint8("brightness", images)
+    if images.shape[-1] == 1:
+        return brightness(to_float_images(images), severity, generator=generator, table=table)
+    c = severity_param("brightness", BRIGHTNESS, table, severity)
+    x, v, _ = _float_and_planes(images, with_min=False)
+    return shift_value(x, c, v=v, inplace=True)
+
+
+def _saturate_from_uint8(
+    images: torch.Tensor, severity: int, *, generator: SampleGenerator, table: str = "cifar"
+) -> torch.Tensor:
+    """``saturate`` of an 8-bit ``[B, H, W, C]`` batch, as ``_brightness_from_uint8``: the
+    same values as ``saturate`` on the converted batch."""
+    _check_uint8("saturate", images)
+    if images.shape[-1] == 1:
+        return saturate(to_float_images(images), severity, generator=generator, table=table)
+    a, b = severity_param("saturate", SATURATE, table, severity)
+    x, v, vmin = _float_and_planes(images, with_min=True)
+    return scale_saturation(x, a, b, v=v, vmin=vmin, inplace=True)
+
+
+brightness.from_uint8 = _brightness_from_uint8  # type: ignore[attr-defined]
+saturate.from_uint8 = _saturate_from_uint8  # type: ignore[attr-defined]
 
 
 #: 2^23: float32 values in [2^23, 2^24) are the integers, so adding it rounds to an integer.

@@ -270,10 +270,10 @@ def impulse_noise(
     check_images("impulse_noise", images)
     c = severity_param("impulse_noise", IMPULSE_NOISE, table, severity)
     u = draw_batch(generator, "uniform", *images.shape[1:]).to(images.device)
-    # x - x * hit + salt with float 0/1 masks (exactly 0, 1 or x).
-    hit = torch.lt(u, c, out=torch.empty_like(images))
-    salt = torch.lt(u, c / 2, out=torch.empty_like(images))
-    return torch.addcmul(images, images, hit, value=-1.0).add_(salt)
+    # Hit values become the salt mask (1 or 0), the others keep x; written over the draws,
+    # so the output is the only batch-sized float tensor (the masks are bytes).
+    hit, salt = torch.lt(u, c), torch.lt(u, c / 2)
+    return torch.where(hit, salt, images, out=u)
 
 
 def speckle_noise(
