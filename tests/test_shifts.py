@@ -173,6 +173,44 @@ def test_uint8_entries_equal_the_kernel(name):
             assert torch.equal(got, want)
 
 
+STEPPED = ["shot_noise", "glass_blur", "motion_blur", "contrast", "spatter"]
+
+
+def test_stepped_kernels_are_the_ones_declared():
+    """The kernels run a few images at a time are exactly ``STEPPED`` (a new one is added to
+    the test below)."""
+    shifts = registry("shifts")
+    assert sorted(n for n in SHIFTS if hasattr(shifts.get(n), "__wrapped__")) == sorted(STEPPED)
+
+
+@pytest.mark.parametrize("name", STEPPED)
+@pytest.mark.parametrize("table", ["digits", "imagenet"])
+def test_image_steps_give_the_whole_batch_output(name, table, batch, monkeypatch):
+    """With steps forced to one image and to four (of six), a stepped kernel's output is
+    its whole-batch output, bit for bit: each image keeps its own generator."""
+    from mura_plugin.shifts import _ops
+
+    kernel = registry("shifts").get(name)
+    idx = list(range(len(batch)))
+    want = kernel.__wrapped__(batch, 3, generator=_gen(idx, name, 3), table=table)
+    assert torch.equal(kernel(batch, 3, generator=_gen(idx, name, 3), table=table), want)
+    per = batch[0].numel()
+    for images_per_step in (1, 4):
+        monkeypatch.setattr(_ops, "STACK_ELEMENTS", images_per_step * per)
+        got = kernel(batch, 3, generator=_gen(idx, name, 3), table=table)
+        assert torch.equal(got, want), images_per_step
+
+
+def test_generator_subset_draws_what_the_batch_draws():
+    """``SampleGenerator.subset`` shares the samples' generators: drawing a batch in two
+    parts gives the whole batch's draws."""
+    whole = _gen(range(5), "x", 1).uniform(7)
+    gen = _gen(range(5), "x", 1)
+    parts = torch.cat([gen.subset(0, 2).uniform(7), gen.subset(2, 5).uniform(7)])
+    assert torch.equal(parts, whole)
+    assert gen.subset(1, 3).seeds == _gen(range(5), "x", 1).seeds[1:3]
+
+
 def test_jpeg_offers_the_uint8_entry():
     from tta_bench.inputs import uint8_entry
 

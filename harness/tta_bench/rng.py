@@ -111,6 +111,14 @@ class SampleGenerator:
     def __len__(self) -> int:
         return len(self.seeds)
 
+    def subset(self, start: int, stop: int) -> SampleGenerator:
+        """The generators of samples ``start:stop``, shared (not copies): a kernel that runs
+        a batch a few samples at a time draws from each sample's own generator exactly what
+        the whole batch would. The pool, if any, stays with this object (``release``)."""
+        part = SampleGenerator(self.seeds[start:stop], device=self.device)
+        part._generators = self.generators[start:stop]
+        return part
+
     def _stack(self, draw, shape: Sequence[int], dtype: torch.dtype) -> torch.Tensor:
         rows = [draw(tuple(shape), g, dtype) for g in self.generators]
         return torch.stack(rows).to(self.device)

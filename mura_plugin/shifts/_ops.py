@@ -9,7 +9,9 @@ it); fixed
 non-separable kernels (disks) are FFT correlations after padding; per-sample sparse kernels
 (motion lines) are weighted sums of windows of a padded batch (``shifted_taps``, built on
 ``gather_windows``). The only branches left inside an op are for correctness (see
-``fft_correlate``'s padding of kernels wider than the image).
+``fft_correlate``'s padding of kernels wider than the image). Kernels with several
+batch-sized temporaries run a few images at a time (``in_image_steps``), the same steps
+on every device.
 """
 
 from __future__ import annotations
@@ -493,3 +495,36 @@ def draw_batch(
     for row, g in zip(out, generator.generators):
         fill(row, generator=g)
     return out
+
+
+def in_image_steps(kernel: Callable[..., torch.Tensor]) -> Callable[..., torch.Tensor]:
+    """``kernel`` run a few images at a time (at most ``STACK_ELEMENTS`` values per step, or
+    one image), each step written into one output; a batch that fits one step is one call.
+
+    For kernels with several batch-sized temporaries: a step's temporaries stay small
+    enough for the allocator to reuse from step to step and call to call, where fresh
+    batch-sized ones (above glibc's 32 MiB mapping threshold) are zero pages touched
+    anew each time, which cost more than the arithmetic at 224 px. The same code runs on
+    every device (a GPU runs a 224 px batch of 64 in three calls). Each image keeps its
+    own generator (``SampleGenerator.subset``); the kernel's batch independence (tested
+    for every kernel, to float rounding) makes the steps' output the batch's."""
+
+    def stepped(
+        images: torch.Tensor, severity: int, *, generator: SampleGenerator, **kwargs: Any
+    ) -> torch.Tensor:
+        b = images.shape[0]
+        step = max(1, STACK_ELEMENTS // max(1, images[0].numel()))
+        if step >= b:
+            return kernel(images, severity, generator=generator, **kwargs)
+        out = torch.empty(images.shape, dtype=images.dtype, device=images.device)
+        for s in range(0, b, step):
+            e = min(b, s + step)
+            part = None if generator is None else generator.subset(s, e)
+            out[s:e] = kernel(images[s:e], severity, generator=part, **kwargs)
+        return out
+
+    stepped.__name__ = kernel.__name__
+    stepped.__qualname__ = kernel.__qualname__
+    stepped.__doc__ = kernel.__doc__
+    stepped.__wrapped__ = kernel  # type: ignore[attr-defined]
+    return stepped

@@ -19,6 +19,7 @@ from mura_plugin.shifts._ops import (
     _filter_matrix,
     draw_batch,
     fft_correlate,
+    in_image_steps,
     shifted_taps,
     zoom_axis,
 )
@@ -135,6 +136,7 @@ def defocus_blur(
     return fft_correlate(images, kernel[None], "reflect", cache_key=key, clamp=(0.0, 1.0))
 
 
+@in_image_steps
 def glass_blur(
     images: torch.Tensor, severity: int, *, generator: SampleGenerator, table: str = "cifar"
 ) -> torch.Tensor:
@@ -249,6 +251,7 @@ def motion_filter(
     return shifted_taps(images, dy, dx, g)
 
 
+@in_image_steps
 def motion_blur(
     images: torch.Tensor, severity: int, *, generator: SampleGenerator, table: str = "cifar"
 ) -> torch.Tensor:

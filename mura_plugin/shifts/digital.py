@@ -10,7 +10,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from mura_plugin.shifts._ops import rgb_to_gray
+from mura_plugin.shifts._ops import in_image_steps, rgb_to_gray
 from mura_plugin.shifts._params import check_images, severity_param
 from tta_bench.inputs import to_float_images
 from tta_bench.rng import SampleGenerator
@@ -169,6 +169,7 @@ def _from_rgb(rgb: torch.Tensor, channels: int) -> torch.Tensor:
 
 
 # -- ImageNet-C digital corruptions ----------------------------------------------------------
+@in_image_steps
 def contrast(
     images: torch.Tensor, severity: int, *, generator: SampleGenerator, table: str = "cifar"
 ) -> torch.Tensor:

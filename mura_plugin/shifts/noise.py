@@ -11,7 +11,7 @@ from functools import lru_cache
 
 import torch
 
-from mura_plugin.shifts._ops import draw_batch
+from mura_plugin.shifts._ops import draw_batch, in_image_steps
 from mura_plugin.shifts._params import check_images, severity_param
 from tta_bench.rng import SampleGenerator
 
@@ -240,6 +240,7 @@ def _poisson_marked(
     return counts.add_(idx.copy_(m))
 
 
+@in_image_steps
 def shot_noise(
     images: torch.Tensor, severity: int, *, generator: SampleGenerator, table: str = "cifar"
 ) -> torch.Tensor:

@@ -19,6 +19,7 @@ from mura_plugin.shifts._ops import (
     draw_batch,
     gather_windows,
     gaussian_filter,
+    in_image_steps,
     rgb_to_gray,
 )
 from mura_plugin.shifts._params import check_images, severity_param, spatial_scale
@@ -585,6 +586,7 @@ def _water(liquid: torch.Tensor, strength: float) -> torch.Tensor:
     return m.mul_(strength / m.amax(dim=(2, 3), keepdim=True).clamp_min(1e-12))
 
 
+@in_image_steps
 def spatter(
     images: torch.Tensor, severity: int, *, generator: SampleGenerator, table: str = "cifar"
 ) -> torch.Tensor:
