@@ -19,6 +19,9 @@ limit for the reference (numpy, scipy, scikit-image, OpenCV, Pillow), so the com
 per core. The reference is timed on the first ``--ref-images`` images of the batch.
 
 Allocator: both sides run with the default allocator and page size (no tuning on either side).
+Each size ends with the time of a fresh output batch written once, the floor under any
+batched kernel that returns a new batch (the reference's per-image arrays are small enough
+for the allocator to reuse).
 """
 
 from __future__ import annotations
@@ -184,6 +187,25 @@ def main() -> None:
         print("slower than the reference: " + (", ".join(slower) if slower else "none"))
         for note in notes:
             print(note)
+        touch = fresh_batch_seconds(x.shape, args.repeats)
+        print(
+            f"a fresh float batch of this shape, allocated and written once (the least a "
+            f"batched kernel's output costs): {1e3 * statistics.median(touch):.1f} ms "
+            f"({1e3 * min(touch):.1f}-{1e3 * max(touch):.1f}), "
+            f"{len(x) / statistics.median(touch):.0f} img/s"
+        )
+
+
+def fresh_batch_seconds(shape: torch.Size, repeats: int) -> list[float]:
+    """Wall seconds of allocating a float tensor of ``shape`` and writing it once, each time
+    a new one (what any kernel returning a new batch pays before its arithmetic: above
+    glibc's 32 MiB mapping threshold, fresh zero pages touched for the first time)."""
+    out = []
+    for _ in range(repeats + 1):
+        t0 = time.perf_counter()
+        torch.empty(shape).fill_(0.5)
+        out.append(time.perf_counter() - t0)
+    return out[1:]
 
 
 if __name__ == "__main__":
