@@ -208,6 +208,7 @@ def saturate(
 
 
 def _check_uint8(name: str, images: torch.Tensor) -> None:
+    """The ``from_uint8`` entries' input contract: uint8 ``[B, H, W, C]``, C in (1, 3)."""
     if images.dtype != torch.uint8 or images.dim() != 4 or images.shape[-1] not in (1, 3):
         raise ValueError(
             f"{name}.from_uint8 expects uint8 images [B, H, W, C] with C in (1, 3), "
@@ -310,11 +311,7 @@ def _jpeg_from_uint8(
     The codec takes 8-bit pixels, so this skips the float -> 8-bit pass (at 224 px about a
     third of the kernel's time)."""
     del generator  # deterministic
-    if images.dtype != torch.uint8 or images.dim() != 4 or images.shape[-1] not in (1, 3):
-        raise ValueError(
-            "jpeg_compression.from_uint8 expects uint8 images [B, H, W, C] with C in (1, 3), "
-            f"got {tuple(images.shape)} {images.dtype}"
-        )
+    _check_uint8("jpeg_compression", images)
     quality = int(severity_param("jpeg_compression", JPEG_COMPRESSION, table, severity))
     b, h, w, c = images.shape
     out = torch.empty((b, c, h, w), memory_format=torch.channels_last)
