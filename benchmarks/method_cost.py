@@ -20,9 +20,12 @@ original), batches of 1, 8, 32 and 64 random images (``--batches``), a ``--memor
 class head (10: TPT re-encodes its prompts per sample, and the head is not what grows).
 Each (method, batch) runs one ``step`` in a fresh process (no allocator reuse between
 cells, no warm-up); it prints the peak RSS growth of the step (MB), seconds per image
-(first-call set-up included), and the growth from batch 1.
+(first-call set-up included), and the growth from batch 1. With ``--live`` each cell runs
+a second time with glibc told to return freed blocks at once
+(``MALLOC_MMAP_THRESHOLD_=131072 MALLOC_TRIM_THRESHOLD_=131072``, for that process only):
+the peak of the memory the step holds, without what the allocator keeps for reuse.
 
-    python benchmarks/method_cost.py --memory [--batches 1,8,32,64] [--methods tda,mura]
+    python benchmarks/method_cost.py --memory [--live] [--batches 1,8,32,64] [--methods tda,mura]
 
 Compute rate (``--flops``), on the tiny model (batch of 64 at 32 px): the GFLOP/s of a
 plain 2048 x 2048 float32 matmul on the same threads (the machine's compute limit), and
@@ -190,33 +193,53 @@ def memory_cell(name: str, batch: int, classes: int) -> dict[str, float]:
     return {"peak_mb": mem.peak_bytes / 2**20, "s_per_image": seconds / batch}
 
 
-def memory_table(names: list[str], batches: list[int], classes: int) -> None:
+#: glibc settings under which freed blocks go back to the system at once (``--live``).
+RETURN_FREED = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
+
+
+def memory_table(names: list[str], batches: list[int], classes: int, live: bool) -> None:
     import json
+    import os
     import subprocess
     import sys
 
     from tabulate import tabulate
 
+    def cell(name: str, batch: int, env: dict[str, str]) -> dict[str, float]:
+        code = (
+            "import json, sys; sys.path.insert(0, 'benchmarks'); import method_cost as m; "
+            f"print(json.dumps(m.memory_cell({name!r}, {batch}, {classes})))"
+        )
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            capture_output=True,
+            text=True,
+            check=True,
+            env={**os.environ, **env},
+        )
+        return json.loads(out.stdout.strip().splitlines()[-1])
+
     rows = []
     for name in names:
-        base = None
+        base = base_live = None
         for batch in batches:
-            code = (
-                "import json, sys; sys.path.insert(0, 'benchmarks'); import method_cost as m; "
-                f"print(json.dumps(m.memory_cell({name!r}, {batch}, {classes})))"
-            )
-            out = subprocess.run(
-                [sys.executable, "-c", code], capture_output=True, text=True, check=True
-            )
-            cell = json.loads(out.stdout.strip().splitlines()[-1])
-            base = cell["peak_mb"] if base is None else base
-            growth = cell["peak_mb"] - base
-            rows.append([name, batch, f"{cell['peak_mb']:.0f}", f"{growth:+.0f}",
-                         f"{cell['s_per_image']:.2f}"])  # fmt: skip
-            print(f"  {name} batch {batch}: {cell['peak_mb']:.0f} MB", flush=True)
+            got = cell(name, batch, {})
+            base = got["peak_mb"] if base is None else base
+            row = [name, batch, f"{got['peak_mb']:.0f}", f"{got['peak_mb'] - base:+.0f}",
+                   f"{got['s_per_image']:.2f}"]  # fmt: skip
+            note = f"  {name} batch {batch}: {got['peak_mb']:.0f} MB"
+            if live:
+                held = cell(name, batch, RETURN_FREED)
+                base_live = held["peak_mb"] if base_live is None else base_live
+                row += [f"{held['peak_mb']:.0f}", f"{held['peak_mb'] - base_live:+.0f}"]
+                note += f", {held['peak_mb']:.0f} MB returning freed blocks"
+            rows.append(row)
+            print(note, flush=True)
     print(f"\nPeak RSS growth of one step, ViT-B-32 at 224 px, {classes} classes, "
           f"view_memory_mb at its default")  # fmt: skip
     headers = ["method", "batch", "peak MB", "vs batch 1", "s/image"]
+    if live:
+        headers += ["peak MB, freed blocks returned", "vs batch 1"]
     print(tabulate(rows, headers=headers, tablefmt="github"))
 
 
@@ -332,6 +355,7 @@ def main() -> None:
     parser.add_argument("--memory", action="store_true", help="peak memory vs batch size")
     parser.add_argument("--batches", default="1,8,32,64")
     parser.add_argument("--memory-classes", type=int, default=10)
+    parser.add_argument("--live", action="store_true", help="--memory: also freeing at once")
     parser.add_argument("--flops", action="store_true", help="GFLOP/s vs the matmul limit")
     args = parser.parse_args()
     if args.flops:
@@ -341,7 +365,8 @@ def main() -> None:
     if args.memory:
         names = args.methods.split(",") if args.methods else list(MEMORY_METHODS)
         print(f"torch threads: {torch.get_num_threads()}")
-        memory_table(names, [int(b) for b in args.batches.split(",")], args.memory_classes)
+        batches = [int(b) for b in args.batches.split(",")]
+        memory_table(names, batches, args.memory_classes, args.live)
         return
     device = torch.device(args.device)
     names = args.methods.split(",") if args.methods else sorted(registry("methods").names())

@@ -140,3 +140,67 @@ def test_cells_with_a_tiny_budget_equal_the_unbounded_run(tmp_path, method, over
     assert [c["accuracy"] for c in cells[0]] == [c["accuracy"] for c in cells[1]]
     for key in ("ece", "nll"):
         assert [c[key] for c in cells[0]] == pytest.approx([c[key] for c in cells[1]], abs=1e-6)
+
+
+#: Batched per-sample episodes: MuRA (its router persists: one step per batch), TTL's LoRA
+#: (nothing persists), TPT (a prompt per sample, its confident views kept across steps).
+EPISODES = {
+    "mura": {"views": 7},
+    "mura-no-router": {"views": 7, "router_persist": False, "steps": 2},
+    "lora": {"views": 7, "steps": 2},
+    "tpt": {"views": 7, "steps": 2},
+}
+
+
+@pytest.mark.parametrize("key", sorted(EPISODES))
+def test_episodes_run_group_by_group_with_the_same_output(
+    key, classifier, noisy_images, monkeypatch
+):
+    """With a tiny budget the per-sample episodes run one group (here one image) at a
+    time, so no more adapter copies (with their gradients and optimiser state) are alive
+    at once than a group holds; the logits are those of the whole batch as one group
+    (forced), to float32 rounding, and the predictions and the loss the same."""
+    cls = registry("methods").get(key.split("-")[0])
+    overrides = EPISODES[key]
+    sizes: list[int] = []
+    real_begin = cls.begin_episodes
+
+    def counting(self, n):
+        sizes.append(n)
+        return real_begin(self, n)
+
+    monkeypatch.setattr(cls, "begin_episodes", counting)
+    outs, losses = {}, {}
+    for mode in ("groups", "whole"):
+        if mode == "whole":
+            monkeypatch.setattr(cls, "episode_groups", lambda self, n: [slice(0, n)])
+        sizes.clear()
+        method = build_method(cls, classifier, **overrides, view_memory_mb=TINY)
+        method.reseed(3)
+        outs[mode] = torch.cat([method.step(noisy_images), method.step(noisy_images[:4])])
+        losses[mode] = method.last_loss
+        if mode == "groups":
+            assert sizes and max(sizes) == 1, sizes
+        else:
+            assert sizes == [6, 4], sizes
+    torch.testing.assert_close(outs["groups"], outs["whole"], rtol=0, atol=2e-5)
+    assert torch.equal(outs["groups"].argmax(-1), outs["whole"].argmax(-1))
+    torch.testing.assert_close(losses["groups"], losses["whole"], rtol=1e-6, atol=1e-6)
+
+
+def test_a_persistent_router_steps_once_per_batch_over_all_groups(classifier, noisy_images):
+    """MuRA's router (kept across episodes) takes the batch's one step from every group's
+    gradient: its value after a batch run in groups equals the whole-batch run's."""
+    cls = registry("methods").get("mura")
+    routers = []
+    for budget in (TINY, UNBOUNDED):
+        method = build_method(cls, classifier, views=7, view_memory_mb=budget)
+        episode = {id(p) for p in method.episode_parameters()}
+        shared = [p for p in method.params if id(p) not in episode]
+        assert shared  # the router
+        before = torch.cat([p.detach().flatten() for p in shared])
+        method.reseed(3)
+        method.step(noisy_images)
+        routers.append(torch.cat([p.detach().flatten() for p in shared]))
+        assert not torch.equal(routers[-1], before)  # it took its step
+    torch.testing.assert_close(routers[0], routers[1], rtol=0, atol=1e-7)

@@ -14,6 +14,12 @@ original image after the update. Episodic granularity (``episodic``):
   sequential per-sample loop computed in parallel (tests/test_methods.py checks it).
   Parameters that persist across episodes (MuRA's router) are the exception: they get one
   step per batch from the summed per-sample losses instead of one per sample (see mura.py).
+  The episodes run together in groups of the budget's chunk of images (``episode_groups``:
+  one image at 224 px, a whole batch of 64 at 32 px), so the per-sample copies, their
+  gradients and optimiser state do not grow with the batch; persistent parameters then
+  collect every group's gradient before their one step, and each group's adapted copies
+  (values only) wait for it to be predicted (``run_episodes``). With fp16 loss scaling a
+  group starts from the scale the groups before it left, as in the sequential loop.
   ``episode_batching=false`` keeps the sequential loop for exactness studies.
 * ``batch``: the whole batch adapts together (one forward of V x B views), then restored.
 * ``online``: like ``batch`` but nothing is restored between batches (only ``reset()``).
@@ -523,6 +529,45 @@ class MultiViewMethod(GradientMethod):
             and self.supports_episode_batching()
         )
 
+    def _episode_chunk(self) -> int:
+        """Samples per forward/backward of batched episodes: ``chunk_views`` worth of
+        views, and no more images than the budget allows (``view_inputs``' chunks)."""
+        cfg = self.config
+        views = cfg.views + int(cfg.include_original)
+        return min(max(1, cfg.chunk_views // views), self._chunk_images)
+
+    def episode_groups(self, n: int) -> list[slice]:
+        """The groups of samples whose episodes run together, one group after the other:
+        the budget's chunks of images (``view_inputs``), rounded to whole forward chunks
+        (``_episode_chunk``), so that the per-sample adapter copies, their gradients and
+        optimiser state do not grow with the batch. One group (the whole batch) when
+        shared parameters take several steps between episodes (the router of MuRA with
+        ``steps > 1``: each step needs every sample's gradient)."""
+        persistent = len(self._episode_index) < len(self.params)
+        if persistent and self.config.steps > 1:
+            return [slice(0, n)]
+        per_chunk = self._episode_chunk()
+        size = max(per_chunk, self._chunk_images // per_chunk * per_chunk)
+        return [slice(s, min(n, s + size)) for s in range(0, n, size)]
+
+    def _episode_backward(self, inputs: Any, n: int) -> torch.Tensor:
+        """Forward/backward of ``n`` parallel episodes over chunks of whole samples
+        (``_episode_chunk``): sample i's copy gets sample i's gradient only, shared
+        parameters the sum. Returns the per-sample losses (detached)."""
+        per_chunk = self._episode_chunk()
+        losses = []
+        for start in range(0, n, per_chunk):
+            rows = slice(start, min(n, start + per_chunk))
+            self.loss_rows = start
+            with torch.enable_grad(), self.autocast():
+                self.select_episodes(rows)
+                per_sample = self.view_loss(_slice(inputs, rows))[0]
+            (per_sample.sum() * self.loss_scaler.scale).backward()
+            losses.append(per_sample.detach())
+        self.select_episodes(slice(0, n))
+        self.loss_rows = None
+        return torch.cat(losses)
+
     def adapt_episodes(self, inputs: Any, n: int) -> None:
         """``config.steps`` steps of ``n`` parallel episodes (see the module docstring); the
         per-sample copies stay active for ``predict_episode`` until ``end_episodes()``.
@@ -532,25 +577,11 @@ class MultiViewMethod(GradientMethod):
         copies = self.begin_episodes(n)
         episode_opt = build_optimizer(copies, cfg)  # fresh state per episode
         persistent = len(self._episode_index) < len(self.params)
-        views = cfg.views + int(cfg.include_original)
-        # no more images at once than the budget allows (view_inputs' chunks)
-        per_chunk = min(max(1, cfg.chunk_views // views), self._chunk_images)
         for index in range(cfg.steps):
             self.step_index = index
             episode_opt.zero_grad(set_to_none=True)
             self.optimizer.zero_grad(set_to_none=True)
-            losses = []
-            for start in range(0, n, per_chunk):
-                rows = slice(start, min(n, start + per_chunk))
-                self.loss_rows = start
-                with torch.enable_grad(), self.autocast():
-                    self.select_episodes(rows)
-                    per_sample = self.view_loss(_slice(inputs, rows))[0]
-                # sample i's copy gets sample i's gradient only; shared ones get the sum
-                (per_sample.sum() * self.loss_scaler.scale).backward()
-                losses.append(per_sample.detach())
-            self.select_episodes(slice(0, n))
-            self.loss_rows = None
+            losses = self._episode_backward(inputs, n)
             skipped = self.loss_scaler.unscale(copies, episodes=n)
             if persistent:
                 shared = self.loss_scaler.unscale(self.params)
@@ -559,7 +590,76 @@ class MultiViewMethod(GradientMethod):
             if persistent and not bool(shared.any()):  # no gradient: the shared ones skip
                 self.optimizer.step()
             self.loss_scaler.update(skipped)
-            self.last_loss = torch.cat(losses).mean()
+            self.last_loss = losses.mean()
+
+    def run_episodes(self, images: torch.Tensor, inputs: Any) -> torch.Tensor:
+        """Logits of the batch's per-sample episodes, run in parallel group by group
+        (``episode_groups``): a group adapts, is predicted and drops its copies before the
+        next one starts. Shared parameters that persist across episodes (one step per batch
+        on the summed per-sample losses) step once all groups have added their gradients;
+        the groups' adapted copies are kept (values only, no gradient or optimiser state)
+        until then, and each group is predicted after that step, as in one whole-batch
+        group. The same computation as ``adapt_episodes`` on the whole batch."""
+        n = images.shape[0]
+        groups = self.episode_groups(n)
+        if len(groups) == 1:
+            try:
+                with self.timed("adapt"):
+                    self.adapt_episodes(inputs, n)
+                with self.timed("predict"):
+                    return self._predict_chunks(images, inputs, episodes=True)
+            finally:
+                self.end_episodes()
+        persistent = len(self._episode_index) < len(self.params)
+        if persistent:
+            self.optimizer.zero_grad(set_to_none=True)
+        out, kept, skips, losses = [], [], [], []
+        for rows in groups:
+            part = _slice(inputs, rows)  # a LazyViews renders the group's views once
+            g = rows.stop - rows.start
+            try:
+                with self.timed("adapt"):
+                    copies = self.begin_episodes(g)
+                    episode_opt = build_optimizer(copies, self.config)
+                    for index in range(self.config.steps):
+                        self.step_index = index
+                        episode_opt.zero_grad(set_to_none=True)
+                        if not persistent:
+                            self.optimizer.zero_grad(set_to_none=True)
+                        group_losses = self._episode_backward(part, g)
+                        skipped = self.loss_scaler.unscale(copies, episodes=g)
+                        _step_rows(episode_opt, copies, skip=skipped)
+                        if not persistent:
+                            self.loss_scaler.update(skipped)
+                    skips.append(skipped)
+                    losses.append(group_losses)  # of the last step
+                    if persistent:
+                        kept.append((rows, [c.detach().clone() for c in copies]))
+                if not persistent:
+                    with self.timed("predict"):
+                        out.append(self.predict_episode(images[rows], part))
+            finally:
+                self.end_episodes()
+        if persistent:
+            with self.timed("adapt"):
+                shared = self.loss_scaler.unscale(self.params)
+                if not bool(shared.any()):
+                    self.optimizer.step()
+                self.loss_scaler.update(torch.cat(skips) | shared)
+            for rows, values in kept:
+                try:
+                    with self.timed("predict"):
+                        copies = self.begin_episodes(rows.stop - rows.start)
+                        if not bool(shared.any()):  # a skipped step keeps the copies as set
+                            with torch.no_grad():
+                                for copy, value in zip(copies, values):
+                                    copy.copy_(value)
+                        part = self._predict_inputs(inputs, rows)
+                        out.append(self.predict_episode(images[rows], part))
+                finally:
+                    self.end_episodes()
+        self.last_loss = torch.cat(losses).mean()
+        return torch.cat(out, dim=0)
 
     def step(self, images: torch.Tensor) -> torch.Tensor:
         cfg = self.config
@@ -580,13 +680,7 @@ class MultiViewMethod(GradientMethod):
                     self.restore_episode()
             return logits
         if self.batched_episodes():
-            try:
-                with self.timed("adapt"):
-                    self.adapt_episodes(inputs, images.shape[0])
-                with self.timed("predict"):
-                    return self._predict_chunks(images, inputs, episodes=True)
-            finally:
-                self.end_episodes()
+            return self.run_episodes(images, inputs)
         out, losses = [], []
         for i in range(images.shape[0]):
             one = _slice(inputs, slice(i, i + 1))

@@ -63,9 +63,10 @@ Cost: the frozen blocks before the first adapted one run once per batch for all 
 without gradients (``encode_views``, open_clip ViTs; other towers detach the input of the
 first adapted block instead), the adaptation forward/backward covers only the adapted
 block(s), and the prediction on the original image restarts from its cached tokens (view 0).
-With ``episodic=sample`` the B per-sample episodes of a batch run in one batched
-forward/backward, each sample with its own adapter copy (``episode_batching``, default;
-exactly the per-sample loop, see _views.py). Router persistence in batched mode (CRU,
+With ``episodic=sample`` the B per-sample episodes of a batch run in batched
+forward/backward passes, each sample with its own adapter copy (``episode_batching``,
+default; exactly the per-sample loop, see _views.py), group by group within the view
+memory budget (one image at a time at 224 px, the whole batch at 32 px). Router persistence in batched mode (CRU,
 ``router_persist=true``): the shared router is updated once per batch, by one optimiser step
 on the gradient of the *sum* of the batch's per-sample losses (its optimiser state persists
 across batches), instead of once per sample: every sample of a batch adapts with the router
