@@ -154,11 +154,12 @@ def test_uint8_entry_equals_the_float_kernel(name):
             entry(x, 4, generator=_gen(range(3), name, 4), table="cifar")
 
 
-@pytest.mark.parametrize("name", ["brightness", "saturate"])
+@pytest.mark.parametrize("name", ["brightness", "saturate", "pixelate"])
 def test_uint8_entries_equal_the_kernel(name):
-    """Per-pixel kernels take their channel planes from the 8-bit batch and work in place:
-    the output is still the kernel's on the converted batch, bit for bit (black and grey
-    pixels in some images only; one channel too)."""
+    """Per-pixel kernels take their channel planes from the 8-bit batch and work in place,
+    pixelate takes the bytes as its 8-bit image: the output is still the kernel's on the
+    converted batch, bit for bit, at every table and severity (black and grey pixels in
+    some images only; one channel; a strided batch)."""
     from tta_bench.inputs import to_float_images
 
     kernel = registry("shifts").get(name)

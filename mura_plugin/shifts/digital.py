@@ -431,27 +431,59 @@ def pixelate(
     """Box-filter the 8-bit image down to ``int(side * c)`` and back up (Pillow BOX both ways:
     windows of whole pixels averaged with fixed-point weights, horizontal pass first, each
     pass rounded to 8 bits; upward BOX is nearest-neighbour at pixel centres, torch's
-    ``nearest-exact``). Bit-exact with Pillow on 8-bit inputs; see ``_BoxAxis``."""
+    ``nearest-exact``). Bit-exact with Pillow on 8-bit inputs; see ``_BoxAxis``.
+
+    ``pixelate.from_uint8`` is the same corruption of an 8-bit ``[B, H, W, C]`` batch: the
+    bytes are the 8-bit image, so the quantisation pass is skipped, the same result."""
     del generator  # deterministic
     check_images("pixelate", images)
     c = severity_param("pixelate", PIXELATE, table, severity)
     b, ch, h, w = images.shape
-    oh, ow = max(1, int(h * c)), max(1, int(w * c))
-    n = b * ch
     # Pillow's horizontal pass first, on the transposed 8-bit image (columns become rows,
     # so every window term is a block copy of rows), written into the output's memory:
     # the down-sampled image is small, and the upsampling then overwrites it.
     out = torch.empty((b, ch, h, w), device=images.device, dtype=torch.float32)
-    u8t = out.view(n, w, h)
-    torch.mul(images.detach().reshape(n, h, w).transpose(1, 2), 255.0, out=u8t)
+    u8t = out.view(b * ch, w, h)
+    torch.mul(images.detach().reshape(b * ch, h, w).transpose(1, 2), 255.0, out=u8t)
     u8t.round_().clamp_(0, 255)
-    half = _box_axis(w, ow, images.device).down(u8t, 1).transpose(1, 2).contiguous()
-    small = _box_axis(h, oh, images.device).down(half, 1).div_(255.0)  # [n, oh, ow]
+    return _pixelate_bytes(out, c).to(images.dtype)
+
+
+def _pixelate_from_uint8(
+    images: torch.Tensor, severity: int, *, generator: SampleGenerator, table: str = "cifar"
+) -> torch.Tensor:
+    """``pixelate`` of an 8-bit ``[B, H, W, C]`` batch (C = 1 or 3): float ``[B, C, H, W]``,
+    equal to ``pixelate(images.permute(0, 3, 1, 2).float() / 255, ...)`` value for value
+    (there the quantisation gives the bytes back exactly); the bytes are cast into the
+    transposed planes in one copy instead."""
+    del generator  # deterministic
+    _check_uint8("pixelate", images)
+    c = severity_param("pixelate", PIXELATE, table, severity)
+    b, h, w, ch = images.shape
+    out = torch.empty((b, ch, h, w), device=images.device, dtype=torch.float32)
+    out.view(b, ch, w, h).copy_(images.detach().permute(0, 3, 2, 1))
+    return _pixelate_bytes(out, c)
+
+
+pixelate.from_uint8 = _pixelate_from_uint8  # type: ignore[attr-defined]
+
+
+def _pixelate_bytes(out: torch.Tensor, c: float) -> torch.Tensor:
+    """``pixelate`` of the 8-bit values (as floats) that ``out [B, C, H, W]`` holds as
+    transposed planes ``[B * C, W, H]``, written over them into ``out``: the horizontal
+    BOX pass, the vertical one (each rounded to 8 bits, ``_BoxAxis``), then the
+    nearest-exact upsampling of ``small / 255``."""
+    b, ch, h, w = out.shape
+    oh, ow = max(1, int(h * c)), max(1, int(w * c))
+    n = b * ch
+    u8t = out.view(n, w, h)
+    half = _box_axis(w, ow, out.device).down(u8t, 1).transpose(1, 2).contiguous()
+    small = _box_axis(h, oh, out.device).down(half, 1).div_(255.0)  # [n, oh, ow]
     # Upward BOX = nearest-exact: two index reads (columns, then rows into the output).
-    rows = _nearest_exact_index(oh, h, images.device)
-    cols = _nearest_exact_index(ow, w, images.device)
+    rows = _nearest_exact_index(oh, h, out.device)
+    cols = _nearest_exact_index(ow, w, out.device)
     torch.index_select(small.index_select(2, cols), 1, rows, out=out.view(n, h, w))
-    return out.to(images.dtype)
+    return out
 
 
 @lru_cache(maxsize=32)
