@@ -66,11 +66,12 @@ block(s), and the prediction on the original image restarts from its cached toke
 With ``episodic=sample`` the B per-sample episodes of a batch run in batched
 forward/backward passes, each sample with its own adapter copy (``episode_batching``,
 default; exactly the per-sample loop, see _views.py), group by group within the view
-memory budget (one image at a time at 224 px, the whole batch at 32 px). Router persistence in batched mode (CRU,
-``router_persist=true``): the shared router is updated once per batch, by one optimiser step
-on the gradient of the *sum* of the batch's per-sample losses (its optimiser state persists
-across batches), instead of once per sample: every sample of a batch adapts with the router
-as it was at the start of the batch and is predicted with the router after the batch's step.
+memory budget (one image at a time at 224 px, the whole batch at 32 px). Router
+persistence in batched mode (CRU, ``router_persist=true``): the shared router is updated
+once per batch, by one optimiser step on the gradient of the *sum* of the batch's
+per-sample losses (its optimiser state persists across batches), instead of once per
+sample: every sample of a batch adapts with the router as it was at the start of the batch
+and is predicted with the router after the batch's step.
 ``method.episode_batching=false`` restores the sequential per-sample router updates (the
 exact CRU order, slower) for exactness studies.
 """
