@@ -1,7 +1,10 @@
 """``tta-bench rescore`` over committed digits-c runs: results/digits-c-samples holds the
 committed zeroshot and tent runs of digits-c rerun with ``log_samples=logits`` (their cells
-equal results/digits-c's); rescoring their per-sample files reproduces the stored accuracy,
-ECE and NLL exactly, without adapting again."""
+equal results/digits-c's); rescoring their per-sample files reproduces the stored accuracy
+exactly and ECE and NLL to float32 rounding, without adapting again. The results were
+written on a CPU with AVX-512 kernels; on an AVX2-only CPU torch's vectorised log-softmax
+rounds the last bit of some NLLs differently (1.6340886 against 1.6340888 on one cell of
+zeroshot), which moves the float32 NLL and the ECE's last digits, never a prediction."""
 
 from __future__ import annotations
 
@@ -30,5 +33,9 @@ def test_rescore_reproduces_the_committed_metrics_exactly(method):
         assert {m: stored[m] for m in ("n", "accuracy", "ece", "nll")} == {
             m: committed[key][m] for m in ("n", "accuracy", "ece", "nll")
         }
-        for metric in ("accuracy", "ece", "nll"):
-            assert values[key][metric] == stored[metric], (key, metric)
+        assert values[key]["accuracy"] == stored["accuracy"], key
+        for metric in ("ece", "nll"):
+            assert values[key][metric] == pytest.approx(stored[metric], rel=1e-6, abs=1e-7), (
+                key,
+                metric,
+            )

@@ -529,6 +529,10 @@ class MultiViewMethod(GradientMethod):
             and self.supports_episode_batching()
         )
 
+    def has_persistent_parameters(self) -> bool:
+        """Whether some adapted parameters carry over between episodes (MuRA's router)."""
+        return len(self._episode_index) < len(self.params)
+
     def _episode_chunk(self) -> int:
         """Samples per forward/backward of batched episodes: ``chunk_views`` worth of
         views, and no more images than the budget allows (``view_inputs``' chunks)."""
@@ -543,7 +547,7 @@ class MultiViewMethod(GradientMethod):
         optimiser state do not grow with the batch. One group (the whole batch) when
         shared parameters take several steps between episodes (the router of MuRA with
         ``steps > 1``: each step needs every sample's gradient)."""
-        persistent = len(self._episode_index) < len(self.params)
+        persistent = self.has_persistent_parameters()
         if persistent and self.config.steps > 1:
             return [slice(0, n)]
         per_chunk = self._episode_chunk()
@@ -576,7 +580,7 @@ class MultiViewMethod(GradientMethod):
         cfg = self.config
         copies = self.begin_episodes(n)
         episode_opt = build_optimizer(copies, cfg)  # fresh state per episode
-        persistent = len(self._episode_index) < len(self.params)
+        persistent = self.has_persistent_parameters()
         for index in range(cfg.steps):
             self.step_index = index
             episode_opt.zero_grad(set_to_none=True)
@@ -610,7 +614,7 @@ class MultiViewMethod(GradientMethod):
                     return self._predict_chunks(images, inputs, episodes=True)
             finally:
                 self.end_episodes()
-        persistent = len(self._episode_index) < len(self.params)
+        persistent = self.has_persistent_parameters()
         if persistent:
             self.optimizer.zero_grad(set_to_none=True)
         out, kept, skips, losses = [], [], [], []
