@@ -572,19 +572,26 @@ class MultiViewMethod(GradientMethod):
         self.loss_rows = None
         return torch.cat(losses)
 
-    def adapt_episodes(self, inputs: Any, n: int) -> None:
+    def adapt_episodes(
+        self, inputs: Any, n: int, *, defer_shared: bool = False
+    ) -> tuple[list[torch.Tensor], torch.Tensor, torch.Tensor]:
         """``config.steps`` steps of ``n`` parallel episodes (see the module docstring); the
         per-sample copies stay active for ``predict_episode`` until ``end_episodes()``.
         Each step runs forward/backward over chunks of whole samples (``chunk_views``) and
-        accumulates the gradients of the summed per-sample losses before stepping."""
+        accumulates the gradients of the summed per-sample losses before stepping. With
+        ``defer_shared`` (one step, persistent parameters, ``run_episodes``' groups) only
+        the copies step: the shared parameters' gradients are left to accumulate over the
+        groups, and their unscaling, step and the scaler's update are the caller's.
+        Returns the copies, the last step's per-episode skips and per-sample losses."""
         cfg = self.config
         copies = self.begin_episodes(n)
         episode_opt = build_optimizer(copies, cfg)  # fresh state per episode
-        persistent = self.has_persistent_parameters()
+        persistent = self.has_persistent_parameters() and not defer_shared
         for index in range(cfg.steps):
             self.step_index = index
             episode_opt.zero_grad(set_to_none=True)
-            self.optimizer.zero_grad(set_to_none=True)
+            if not defer_shared:
+                self.optimizer.zero_grad(set_to_none=True)
             losses = self._episode_backward(inputs, n)
             skipped = self.loss_scaler.unscale(copies, episodes=n)
             if persistent:
@@ -593,8 +600,10 @@ class MultiViewMethod(GradientMethod):
             _step_rows(episode_opt, copies, skip=skipped)
             if persistent and not bool(shared.any()):  # no gradient: the shared ones skip
                 self.optimizer.step()
-            self.loss_scaler.update(skipped)
+            if not defer_shared:
+                self.loss_scaler.update(skipped)
             self.last_loss = losses.mean()
+        return copies, skipped, losses
 
     def run_episodes(self, images: torch.Tensor, inputs: Any) -> torch.Tensor:
         """Logits of the batch's per-sample episodes, run in parallel group by group
@@ -614,37 +623,27 @@ class MultiViewMethod(GradientMethod):
                     return self._predict_chunks(images, inputs, episodes=True)
             finally:
                 self.end_episodes()
-        persistent = self.has_persistent_parameters()
-        if persistent:
+        defer = self.has_persistent_parameters()  # then one step (``episode_groups``)
+        if defer:
             self.optimizer.zero_grad(set_to_none=True)
         out, kept, skips, losses = [], [], [], []
         for rows in groups:
             part = _slice(inputs, rows)  # a LazyViews renders the group's views once
-            g = rows.stop - rows.start
             try:
                 with self.timed("adapt"):
-                    copies = self.begin_episodes(g)
-                    episode_opt = build_optimizer(copies, self.config)
-                    for index in range(self.config.steps):
-                        self.step_index = index
-                        episode_opt.zero_grad(set_to_none=True)
-                        if not persistent:
-                            self.optimizer.zero_grad(set_to_none=True)
-                        group_losses = self._episode_backward(part, g)
-                        skipped = self.loss_scaler.unscale(copies, episodes=g)
-                        _step_rows(episode_opt, copies, skip=skipped)
-                        if not persistent:
-                            self.loss_scaler.update(skipped)
+                    copies, skipped, last = self.adapt_episodes(
+                        part, rows.stop - rows.start, defer_shared=defer
+                    )
+                losses.append(last)
+                if defer:
                     skips.append(skipped)
-                    losses.append(group_losses)  # of the last step
-                    if persistent:
-                        kept.append((rows, [c.detach().clone() for c in copies]))
-                if not persistent:
+                    kept.append((rows, [c.detach().clone() for c in copies]))
+                else:
                     with self.timed("predict"):
                         out.append(self.predict_episode(images[rows], part))
             finally:
                 self.end_episodes()
-        if persistent:
+        if defer:
             with self.timed("adapt"):
                 shared = self.loss_scaler.unscale(self.params)
                 if not bool(shared.any()):
