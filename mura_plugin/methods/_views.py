@@ -610,9 +610,11 @@ class MultiViewMethod(GradientMethod):
         (``episode_groups``): a group adapts, is predicted and drops its copies before the
         next one starts. Shared parameters that persist across episodes (one step per batch
         on the summed per-sample losses) step once all groups have added their gradients;
-        the groups' adapted copies are kept (values only, no gradient or optimiser state)
-        until then, and each group is predicted after that step, as in one whole-batch
-        group. The same computation as ``adapt_episodes`` on the whole batch."""
+        the groups' adapted copies are kept (values only, no gradient or optimiser state,
+        one contiguous block per copy for the batch's rows, so that the many small copies
+        do not scatter over the heap) until then, and each group is predicted after that
+        step, as in one whole-batch group. The same computation as ``adapt_episodes`` on
+        the whole batch."""
         n = images.shape[0]
         groups = self.episode_groups(n)
         if len(groups) == 1:
@@ -626,7 +628,8 @@ class MultiViewMethod(GradientMethod):
         defer = self.has_persistent_parameters()  # then one step (``episode_groups``)
         if defer:
             self.optimizer.zero_grad(set_to_none=True)
-        out, kept, skips, losses = [], [], [], []
+        out, skips, losses = [], [], []
+        kept: list[torch.Tensor] = []  # [n, ...] per copy: every group's adapted values
         for rows in groups:
             part = _slice(inputs, rows)  # a LazyViews renders the group's views once
             try:
@@ -637,7 +640,11 @@ class MultiViewMethod(GradientMethod):
                 losses.append(last)
                 if defer:
                     skips.append(skipped)
-                    kept.append((rows, [c.detach().clone() for c in copies]))
+                    if not kept:  # one block per copy for the batch, not one per group
+                        kept = [c.new_empty((n, *c.shape[1:])) for c in copies]
+                    with torch.no_grad():
+                        for store, copy in zip(kept, copies):
+                            store[rows].copy_(copy)
                 else:
                     with self.timed("predict"):
                         out.append(self.predict_episode(images[rows], part))
@@ -649,14 +656,14 @@ class MultiViewMethod(GradientMethod):
                 if not bool(shared.any()):
                     self.optimizer.step()
                 self.loss_scaler.update(torch.cat(skips) | shared)
-            for rows, values in kept:
+            for rows in groups:
                 try:
                     with self.timed("predict"):
                         copies = self.begin_episodes(rows.stop - rows.start)
                         if not bool(shared.any()):  # a skipped step keeps the copies as set
                             with torch.no_grad():
-                                for copy, value in zip(copies, values):
-                                    copy.copy_(value)
+                                for copy, store in zip(copies, kept):
+                                    copy.copy_(store[rows])
                         part = self._predict_inputs(inputs, rows)
                         out.append(self.predict_episode(images[rows], part))
                 finally:
