@@ -146,6 +146,7 @@ def test_cells_with_a_tiny_budget_equal_the_unbounded_run(tmp_path, method, over
 #: (nothing persists), TPT (a prompt per sample, its confident views kept across steps).
 EPISODES = {
     "mura": {"views": 7},
+    "mura-kept": {"views": 7},
     "mura-no-router": {"views": 7, "router_persist": False, "steps": 2},
     "lora": {"views": 7, "steps": 2},
     "tpt": {"views": 7, "steps": 2},
@@ -163,24 +164,37 @@ def test_episodes_run_group_by_group_with_the_same_output(
     cls = registry("methods").get(key.split("-")[0])
     overrides = EPISODES[key]
     sizes: list[int] = []
-    real_begin = cls.begin_episodes
+    real_begin, real_adapt = cls.begin_episodes, cls.adapt_episodes
+    adapted: list[int] = []
 
     def counting(self, n):
         sizes.append(n)
         return real_begin(self, n)
 
+    def counting_adapt(self, inputs, n, **kwargs):
+        adapted.append(n)
+        return real_adapt(self, inputs, n, **kwargs)
+
     monkeypatch.setattr(cls, "begin_episodes", counting)
+    monkeypatch.setattr(cls, "adapt_episodes", counting_adapt)
+    if key == "mura-kept":  # room for the batch's adapted copies while the router waits
+        monkeypatch.setattr(_views, "KEPT_COPIES_SHARE", 1e12)
     outs, losses = {}, {}
     for mode in ("groups", "whole"):
         if mode == "whole":
             monkeypatch.setattr(cls, "episode_groups", lambda self, n: [slice(0, n)])
         sizes.clear()
+        adapted.clear()
         method = build_method(cls, classifier, **overrides, view_memory_mb=TINY)
         method.reseed(3)
         outs[mode] = torch.cat([method.step(noisy_images), method.step(noisy_images[:4])])
         losses[mode] = method.last_loss
         if mode == "groups":
             assert sizes and max(sizes) == 1, sizes
+            # MuRA's router waits for every group: above the budget's share its groups'
+            # episodes run again after the step (twice each), within it they are kept
+            replays = 2 if key == "mura" else 1
+            assert adapted == [1] * (replays * (noisy_images.shape[0] + 4)), adapted
         else:
             assert sizes == [6, 4], sizes
     torch.testing.assert_close(outs["groups"], outs["whole"], rtol=0, atol=2e-5)
@@ -188,9 +202,15 @@ def test_episodes_run_group_by_group_with_the_same_output(
     torch.testing.assert_close(losses["groups"], losses["whole"], rtol=1e-6, atol=1e-6)
 
 
-def test_a_persistent_router_steps_once_per_batch_over_all_groups(classifier, noisy_images):
+@pytest.mark.parametrize("kept", [False, True], ids=["replayed", "kept"])
+def test_a_persistent_router_steps_once_per_batch_over_all_groups(
+    kept, classifier, noisy_images, monkeypatch
+):
     """MuRA's router (kept across episodes) takes the batch's one step from every group's
-    gradient: its value after a batch run in groups equals the whole-batch run's."""
+    gradient: its value after a batch run in groups equals the whole-batch run's, whether
+    the groups' adapted copies wait for the step or are computed again after it."""
+    if kept:
+        monkeypatch.setattr(_views, "KEPT_COPIES_SHARE", 1e12)
     cls = registry("methods").get("mura")
     routers = []
     for budget in (TINY, UNBOUNDED):

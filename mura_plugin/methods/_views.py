@@ -102,6 +102,10 @@ EPISODIC = ("sample", "batch", "online")
 #: the official code, and the peak does not grow with the batch; at 32 px a chunk holds
 #: 81 images (a whole batch of 64: the views are built exactly as without a budget).
 VIEW_MEMORY_MB = 256.0
+#: The share of ``view_memory_mb`` that the adapted copies of a batch's episodes may take
+#: while a persistent parameter waits for every group (``run_episodes``); above it, each
+#: group's episodes run again after the step instead of being kept.
+KEPT_COPIES_SHARE = 0.25
 
 #: Losses whose value for sample i depends on sample i's views only: batched episodes are
 #: exact for them. Others (info_max's batch marginal, unknown plugin losses) run the
@@ -610,10 +614,12 @@ class MultiViewMethod(GradientMethod):
         (``episode_groups``): a group adapts, is predicted and drops its copies before the
         next one starts. Shared parameters that persist across episodes (one step per batch
         on the summed per-sample losses) step once all groups have added their gradients;
-        the groups' adapted copies are kept (values only, no gradient or optimiser state,
-        one contiguous block per copy for the batch's rows, so that the many small copies
-        do not scatter over the heap) until then, and each group is predicted after that
-        step, as in one whole-batch group. The same computation as ``adapt_episodes`` on
+        the groups' adapted copies are kept until then (values only, ``_kept_copies``),
+        and each group is predicted after that step, as in one whole-batch group. When the
+        batch's copies would take more than ``KEPT_COPIES_SHARE`` of the budget, each
+        group's episodes run again after the step, from the shared values they first saw
+        (``_replay_episodes``), so that memory stays within the budget at any batch size
+        for twice the adaptation's compute. The same computation as ``adapt_episodes`` on
         the whole batch."""
         n = images.shape[0]
         groups = self.episode_groups(n)
@@ -628,9 +634,12 @@ class MultiViewMethod(GradientMethod):
         defer = self.has_persistent_parameters()  # then one step (``episode_groups``)
         if defer:
             self.optimizer.zero_grad(set_to_none=True)
+            episode = set(self._episode_index)
+            shared_params = [p for i, p in enumerate(self.params) if i not in episode]
+            before = [p.detach().clone() for p in shared_params]
         out, skips, losses = [], [], []
-        kept: list[torch.Tensor] = []  # [n, ...] per copy: every group's adapted values
-        for rows in groups:
+        kept: list[torch.Tensor] | None = None  # [n, ...] per copy, when they fit the budget
+        for index, rows in enumerate(groups):
             part = _slice(inputs, rows)  # a LazyViews renders the group's views once
             try:
                 with self.timed("adapt"):
@@ -640,10 +649,10 @@ class MultiViewMethod(GradientMethod):
                 losses.append(last)
                 if defer:
                     skips.append(skipped)
-                    if not kept:  # one block per copy for the batch, not one per group
-                        kept = [c.new_empty((n, *c.shape[1:])) for c in copies]
+                    if index == 0:
+                        kept = self._kept_copies(copies, n)
                     with torch.no_grad():
-                        for store, copy in zip(kept, copies):
+                        for store, copy in zip(kept or [], copies):
                             store[rows].copy_(copy)
                 else:
                     with self.timed("predict"):
@@ -653,23 +662,68 @@ class MultiViewMethod(GradientMethod):
         if defer:
             with self.timed("adapt"):
                 shared = self.loss_scaler.unscale(self.params)
-                if not bool(shared.any()):
+                stepped = not bool(shared.any())  # a skipped step keeps the copies as set
+                if stepped:
                     self.optimizer.step()
                 self.loss_scaler.update(torch.cat(skips) | shared)
+            replay = stepped and kept is None
+            after = [p.detach().clone() for p in shared_params] if replay else []
             for rows in groups:
+                g = rows.stop - rows.start
                 try:
-                    with self.timed("predict"):
-                        copies = self.begin_episodes(rows.stop - rows.start)
-                        if not bool(shared.any()):  # a skipped step keeps the copies as set
-                            with torch.no_grad():
-                                for copy, store in zip(copies, kept):
-                                    copy.copy_(store[rows])
+                    if replay:
+                        part = _slice(inputs, rows)
+                        with self.timed("adapt"):
+                            self._replay_episodes(part, g, shared_params, before, after)
+                    else:
+                        with self.timed("predict"):
+                            copies = self.begin_episodes(g)
+                            if stepped:
+                                with torch.no_grad():
+                                    for copy, store in zip(copies, kept or []):
+                                        copy.copy_(store[rows])
                         part = self._predict_inputs(inputs, rows)
+                    with self.timed("predict"):
                         out.append(self.predict_episode(images[rows], part))
                 finally:
                     self.end_episodes()
         self.last_loss = torch.cat(losses).mean()
         return torch.cat(out, dim=0)
+
+    def _kept_copies(self, copies: list[torch.Tensor], n: int) -> list[torch.Tensor] | None:
+        """Blocks ``[n, ...]`` for every sample's adapted copies (one per copy, so that the
+        many small copies do not scatter over the heap), or None when they would take more
+        than ``KEPT_COPIES_SHARE`` of ``view_memory_mb``: the groups' episodes are then run
+        again after the shared step (``_replay_episodes``) instead of being kept."""
+        per_sample = sum(c[0].numel() * c.element_size() for c in copies if c.dim() > 0)
+        if n * per_sample > self.config.view_memory_mb * 2**20 * KEPT_COPIES_SHARE:
+            return None
+        return [c.new_empty((n, *c.shape[1:])) for c in copies]
+
+    def _replay_episodes(
+        self,
+        inputs: Any,
+        n: int,
+        shared: list[torch.Tensor],
+        before: list[torch.Tensor],
+        after: list[torch.Tensor],
+    ) -> None:
+        """Run a group's episodes again with the shared parameters as they were before the
+        batch's step (``before``: the same computation, so the same adapted copies), then
+        set them back to ``after`` (their stepped values) and leave the copies active for
+        ``predict_episode``. The shared gradients are left as the step saw them."""
+        grads = [p.grad for p in shared]
+        with torch.no_grad():
+            for p, value in zip(shared, before):
+                p.copy_(value)
+                p.grad = None
+        try:
+            self.adapt_episodes(inputs, n, defer_shared=True)
+        finally:
+            with torch.no_grad():
+                for p, value, grad in zip(shared, after, grads):
+                    p.copy_(value)
+                    p.grad = grad
 
     def step(self, images: torch.Tensor) -> torch.Tensor:
         cfg = self.config
