@@ -26,6 +26,10 @@ a second time with glibc told to return freed blocks at once
 the peak of the memory the step holds, without what the allocator keeps for reuse.
 
     python benchmarks/method_cost.py --memory [--live] [--batches 1,8,32,64] [--methods tda,mura]
+        [--view-memory-mb 8]
+
+``--view-memory-mb`` sets the methods' view budget (``view_memory_mb``), which also caps
+what MuRA keeps of a batch's adapted copies for its router's step (a quarter of it).
 
 Compute rate (``--flops``), on the tiny model (batch of 64 at 32 px): the GFLOP/s of a
 plain 2048 x 2048 float32 matmul on the same threads (the machine's compute limit), and
@@ -171,16 +175,20 @@ MEMORY_METHODS = {
 }
 
 
-def memory_cell(name: str, batch: int, classes: int) -> dict[str, float]:
+def memory_cell(
+    name: str, batch: int, classes: int, view_memory_mb: float | None = None
+) -> dict[str, float]:
     """One ``step`` of ``name`` on ``batch`` random 224 px images (ViT-B-32), the first of
     the process (no warm-up: memory freed by an earlier step would be reused unseen): its
     peak RSS growth and time (first-call kernel set-up included, the same at every
-    batch)."""
+    batch). ``view_memory_mb`` overrides the method's default budget."""
     import dataclasses
 
     model, _ = vit_setting(torch.device("cpu"), classes)
     cls = registry("methods").get(name)
     cfg = dataclasses.replace(cls.Config(), **MEMORY_METHODS.get(name, {}))
+    if view_memory_mb is not None:
+        cfg = dataclasses.replace(cfg, view_memory_mb=view_memory_mb)
     torch.manual_seed(0)
     method = cls(model, cfg)
     method.setup()
@@ -197,7 +205,13 @@ def memory_cell(name: str, batch: int, classes: int) -> dict[str, float]:
 RETURN_FREED = {"MALLOC_MMAP_THRESHOLD_": "131072", "MALLOC_TRIM_THRESHOLD_": "131072"}
 
 
-def memory_table(names: list[str], batches: list[int], classes: int, live: bool) -> None:
+def memory_table(
+    names: list[str],
+    batches: list[int],
+    classes: int,
+    live: bool,
+    view_memory_mb: float | None = None,
+) -> None:
     import json
     import os
     import subprocess
@@ -208,7 +222,7 @@ def memory_table(names: list[str], batches: list[int], classes: int, live: bool)
     def cell(name: str, batch: int, env: dict[str, str]) -> dict[str, float]:
         code = (
             "import json, sys; sys.path.insert(0, 'benchmarks'); import method_cost as m; "
-            f"print(json.dumps(m.memory_cell({name!r}, {batch}, {classes})))"
+            f"print(json.dumps(m.memory_cell({name!r}, {batch}, {classes}, {view_memory_mb!r})))"
         )
         out = subprocess.run(
             [sys.executable, "-c", code],
@@ -235,8 +249,9 @@ def memory_table(names: list[str], batches: list[int], classes: int, live: bool)
                 note += f", {held['peak_mb']:.0f} MB returning freed blocks"
             rows.append(row)
             print(note, flush=True)
+    budget = "at its default" if view_memory_mb is None else view_memory_mb
     print(f"\nPeak RSS growth of one step, ViT-B-32 at 224 px, {classes} classes, "
-          f"view_memory_mb at its default")  # fmt: skip
+          f"view_memory_mb {budget}")  # fmt: skip
     headers = ["method", "batch", "peak MB", "vs batch 1", "s/image"]
     if live:
         headers += ["peak MB, freed blocks returned", "vs batch 1"]
@@ -356,8 +371,13 @@ def main() -> None:
     parser.add_argument("--batches", default="1,8,32,64")
     parser.add_argument("--memory-classes", type=int, default=10)
     parser.add_argument("--live", action="store_true", help="--memory: also freeing at once")
+    parser.add_argument(
+        "--view-memory-mb", type=float, help="--memory: the methods' view budget (default theirs)"
+    )
     parser.add_argument("--flops", action="store_true", help="GFLOP/s vs the matmul limit")
     args = parser.parse_args()
+    if args.view_memory_mb is not None and not args.view_memory_mb > 0:
+        parser.error(f"--view-memory-mb must be > 0, got {args.view_memory_mb}")
     if args.flops:
         print(f"torch threads: {torch.get_num_threads()}")
         flops_table(args.repeats)
@@ -366,7 +386,7 @@ def main() -> None:
         names = args.methods.split(",") if args.methods else list(MEMORY_METHODS)
         print(f"torch threads: {torch.get_num_threads()}")
         batches = [int(b) for b in args.batches.split(",")]
-        memory_table(names, batches, args.memory_classes, args.live)
+        memory_table(names, batches, args.memory_classes, args.live, args.view_memory_mb)
         return
     device = torch.device(args.device)
     names = args.methods.split(",") if args.methods else sorted(registry("methods").names())
