@@ -154,13 +154,19 @@ def test_uint8_entry_equals_the_float_kernel(name):
             entry(x, 4, generator=_gen(range(3), name, 4), table="cifar")
 
 
+@pytest.mark.parametrize("images_per_step", [None, 1, 3], ids=["whole", "step1", "step3"])
 @pytest.mark.parametrize("name", ["brightness", "saturate", "pixelate"])
-def test_uint8_entries_equal_the_kernel(name):
-    """Per-pixel kernels take their channel planes from the 8-bit batch and work in place,
-    pixelate takes the bytes as its 8-bit image: the output is still the kernel's on the
-    converted batch, bit for bit, at every table and severity (black and grey pixels in
-    some images only; one channel; a strided batch)."""
+def test_uint8_entries_equal_the_kernel(name, images_per_step, monkeypatch):
+    """Per-pixel kernels convert and finish the 8-bit batch in place a few images at a time
+    (forced here to one and three of four), pixelate takes the bytes as its 8-bit image:
+    the output is still the kernel's on the converted batch, bit for bit, at every table
+    and severity (black and grey pixels in some images only; one channel; a strided
+    batch)."""
+    from mura_plugin.shifts import digital
     from tta_bench.inputs import to_float_images
+
+    if images_per_step is not None:
+        monkeypatch.setattr(digital, "CACHE_STEP_ELEMENTS", images_per_step * 3 * 10 * 12)
 
     kernel = registry("shifts").get(name)
     u8 = torch.randint(0, 256, (4, 10, 12, 3), dtype=torch.uint8)

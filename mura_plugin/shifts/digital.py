@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from functools import lru_cache
 
 import torch
@@ -216,31 +217,49 @@ def _check_uint8(name: str, images: torch.Tensor) -> None:
         )
 
 
-def _float_and_planes(
-    images: torch.Tensor, with_min: bool
-) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """The 8-bit ``[B, H, W, 3]`` batch as float ``[B, 3, H, W]`` (``x / 255``, the harness's
-    conversion), with its channel maximum (and minimum) ``[B, 1, H, W]``, reduced over the
-    contiguous float planes (faster than over the interleaved bytes, and the same values).
-    The float batch is then the only batch-sized tensor the kernel writes."""
-    x = to_float_images(images)
-    v = x.amax(1, keepdim=True)
-    vmin = x.amin(1, keepdim=True) if with_min else None
-    return x, v, vmin
+#: Values of the float batch that the per-pixel ``from_uint8`` entries convert and finish
+#: at a time (1 MiB: one 224 px image, a whole 32 px batch): each step's conversion,
+#: channel reductions and in-place scaling run while its images are in the CPU's cache,
+#: instead of one pass over the whole batch in memory per operation.
+CACHE_STEP_ELEMENTS = 1 << 18
+
+
+def _per_pixel_from_uint8(
+    images: torch.Tensor,
+    with_min: bool,
+    apply: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor],
+) -> torch.Tensor:
+    """The 8-bit ``[B, H, W, 3]`` batch as float ``[B, 3, H, W]`` (``x / 255``, the
+    harness's conversion), finished by ``apply(x, v, vmin)`` in place, a few images at a
+    time (``CACHE_STEP_ELEMENTS``): ``v`` and ``vmin`` are the step's channel maximum and
+    minimum ``[b, 1, H, W]`` (``vmin`` only ``with_min``). Per-pixel kernels give each
+    pixel the same value whatever the step, so the output is the whole batch's."""
+    b, h, w, ch = images.shape
+    out = torch.empty((b, ch, h, w), device=images.device, dtype=torch.float32)
+    step = max(1, CACHE_STEP_ELEMENTS // max(1, ch * h * w))
+    for s in range(0, b, step):
+        x = out[s : s + step]
+        x.copy_(images[s : s + step].permute(0, 3, 1, 2)).div_(255.0)
+        v = x.amax(1, keepdim=True)
+        got = apply(x, v, x.amin(1, keepdim=True) if with_min else None)
+        if got.data_ptr() != x.data_ptr():
+            x.copy_(got)
+    return out
 
 
 def _brightness_from_uint8(
     images: torch.Tensor, severity: int, *, generator: SampleGenerator, table: str = "cifar"
 ) -> torch.Tensor:
     """``brightness`` of an 8-bit ``[B, H, W, C]`` batch: the same values as ``brightness``
-    on the converted batch, with the value plane taken from the bytes and the float batch
-    scaled in place (no batch-sized temporary besides the output)."""
+    on the converted batch, converted and scaled in place a few images at a time
+    (``_per_pixel_from_uint8``)."""
     _check_uint8("brightness", images)
     if images.shape[-1] == 1:
         return brightness(to_float_images(images), severity, generator=generator, table=table)
     c = severity_param("brightness", BRIGHTNESS, table, severity)
-    x, v, _ = _float_and_planes(images, with_min=False)
-    return shift_value(x, c, v=v, inplace=True)
+    return _per_pixel_from_uint8(
+        images, False, lambda x, v, _: shift_value(x, c, v=v, inplace=True)
+    )
 
 
 def _saturate_from_uint8(
@@ -252,8 +271,9 @@ def _saturate_from_uint8(
     if images.shape[-1] == 1:
         return saturate(to_float_images(images), severity, generator=generator, table=table)
     a, b = severity_param("saturate", SATURATE, table, severity)
-    x, v, vmin = _float_and_planes(images, with_min=True)
-    return scale_saturation(x, a, b, v=v, vmin=vmin, inplace=True)
+    return _per_pixel_from_uint8(
+        images, True, lambda x, v, vmin: scale_saturation(x, a, b, v=v, vmin=vmin, inplace=True)
+    )
 
 
 brightness.from_uint8 = _brightness_from_uint8  # type: ignore[attr-defined]
