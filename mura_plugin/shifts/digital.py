@@ -227,10 +227,11 @@ CACHE_STEP_ELEMENTS = 1 << 18
 def _per_pixel_from_uint8(
     images: torch.Tensor,
     with_min: bool,
-    apply: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], torch.Tensor],
+    apply: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], object],
 ) -> torch.Tensor:
     """The 8-bit ``[B, H, W, 3]`` batch as float ``[B, 3, H, W]`` (``x / 255``, the
-    harness's conversion), finished by ``apply(x, v, vmin)`` in place, a few images at a
+    harness's conversion), finished by ``apply(x, v, vmin)`` in ``x`` (it must write
+    there: its return value is not used), a few images at a
     time (``CACHE_STEP_ELEMENTS``): ``v`` and ``vmin`` are the step's channel maximum and
     minimum ``[b, 1, H, W]`` (``vmin`` only ``with_min``). Per-pixel kernels give each
     pixel the same value whatever the step, so the output is the whole batch's."""
@@ -241,9 +242,7 @@ def _per_pixel_from_uint8(
         x = out[s : s + step]
         x.copy_(images[s : s + step].permute(0, 3, 1, 2)).div_(255.0)
         v = x.amax(1, keepdim=True)
-        got = apply(x, v, x.amin(1, keepdim=True) if with_min else None)
-        if got.data_ptr() != x.data_ptr():
-            x.copy_(got)
+        apply(x, v, x.amin(1, keepdim=True) if with_min else None)
     return out
 
 
