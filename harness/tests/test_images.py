@@ -659,3 +659,12 @@ def test_to_float_images_is_the_plain_conversion_bit_for_bit():
         assert got.dtype == torch.float32 and got.is_contiguous()
         assert got.shape == want.shape
         assert torch.equal(got, want)
+    # into a slice of a larger batch (a kernel converting a few images at a time)
+    whole = torch.full((5, 3, 7, 9), -1.0)
+    got = to_float_images(u8[1:], out=whole[2:4])
+    assert got.data_ptr() == whole[2].data_ptr()
+    assert torch.equal(whole[2:4], to_float_images(u8[1:]))
+    assert bool((whole[:2] == -1).all()) and bool((whole[4:] == -1).all())
+    for bad in (torch.empty(2, 3, 7, 8), torch.empty(2, 3, 7, 9, dtype=torch.float64)):
+        with pytest.raises(ValueError, match="to_float_images: out must be"):
+            to_float_images(u8[1:], out=bad)

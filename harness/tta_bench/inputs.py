@@ -39,14 +39,24 @@ def uint8_entry(kernel: Kernel) -> Kernel | None:
     return entry if callable(entry) else None
 
 
-def to_float_images(images: torch.Tensor) -> torch.Tensor:
+def to_float_images(images: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """uint8 ``[B, H, W, C]`` -> contiguous float ``[B, C, H, W]`` in [0, 1].
 
     One cast-and-transpose copy into the float batch, then the division in place: no
     byte-sized or float temporary besides the output (whose first touch is most of the
-    conversion's time at 224 px). The values are those of ``x.float() / 255``."""
+    conversion's time at 224 px). The values are those of ``x.float() / 255``.
+
+    ``out``: a float32 ``[B, C, H, W]`` tensor (a slice of a larger batch, say) to write
+    into and return instead of a new one; a kernel that converts a few images at a time
+    thus gets the same values as the whole batch's conversion."""
     b, h, w, c = images.shape
-    out = torch.empty((b, c, h, w), device=images.device, dtype=torch.float32)
+    if out is None:
+        out = torch.empty((b, c, h, w), device=images.device, dtype=torch.float32)
+    elif out.shape != (b, c, h, w) or out.dtype != torch.float32:
+        raise ValueError(
+            f"to_float_images: out must be float32 of shape {(b, c, h, w)}, "
+            f"got {out.dtype} {tuple(out.shape)}"
+        )
     return out.copy_(images.permute(0, 3, 1, 2)).div_(255.0)
 
 

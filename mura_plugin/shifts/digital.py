@@ -229,18 +229,18 @@ def _per_pixel_from_uint8(
     with_min: bool,
     apply: Callable[[torch.Tensor, torch.Tensor, torch.Tensor | None], object],
 ) -> torch.Tensor:
-    """The 8-bit ``[B, H, W, 3]`` batch as float ``[B, 3, H, W]`` (``x / 255``, the
-    harness's conversion), finished by ``apply(x, v, vmin)`` in ``x`` (it must write
-    there: its return value is not used), a few images at a
-    time (``CACHE_STEP_ELEMENTS``): ``v`` and ``vmin`` are the step's channel maximum and
-    minimum ``[b, 1, H, W]`` (``vmin`` only ``with_min``). Per-pixel kernels give each
-    pixel the same value whatever the step, so the output is the whole batch's."""
+    """The 8-bit ``[B, H, W, 3]`` batch as float ``[B, 3, H, W]`` (the harness's
+    ``to_float_images``, written into the step's slice of the output), finished by
+    ``apply(x, v, vmin)`` in ``x`` (it must write there: its return value is not used), a
+    few images at a time (``CACHE_STEP_ELEMENTS``): ``v`` and ``vmin`` are the step's
+    channel maximum and minimum ``[b, 1, H, W]`` (``vmin`` only ``with_min``). Per-pixel
+    kernels give each pixel the same value whatever the step, so the output is the whole
+    batch's."""
     b, h, w, ch = images.shape
     out = torch.empty((b, ch, h, w), device=images.device, dtype=torch.float32)
     step = max(1, CACHE_STEP_ELEMENTS // max(1, ch * h * w))
     for s in range(0, b, step):
-        x = out[s : s + step]
-        x.copy_(images[s : s + step].permute(0, 3, 1, 2)).div_(255.0)
+        x = to_float_images(images[s : s + step], out=out[s : s + step])
         v = x.amax(1, keepdim=True)
         apply(x, v, x.amin(1, keepdim=True) if with_min else None)
     return out
