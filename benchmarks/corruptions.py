@@ -18,10 +18,12 @@ Thread setting (printed): both sides run with ``--threads`` CPU threads (default
 limit for the reference (numpy, scipy, scikit-image, OpenCV, Pillow), so the comparison is
 per core. The reference is timed on the first ``--ref-images`` images of the batch.
 
-Allocator: both sides run with the default allocator and page size (no tuning on either side).
+Allocator: both sides run in one process under a run's allocator policy
+(``tta_bench.allocator.reuse_large_blocks``, printed: batch-sized blocks are reused from
+the heap instead of mapped afresh; ``TTA_BENCH_MALLOC=system`` measures glibc's default).
 Each size ends with the time of a fresh output batch written once, the floor under any
 batched kernel that returns a new batch (the reference's per-image arrays are small enough
-for the allocator to reuse).
+for the allocator to reuse either way).
 """
 
 from __future__ import annotations
@@ -32,6 +34,8 @@ import time
 
 import numpy as np
 import torch
+
+from tta_bench.allocator import reuse_large_blocks
 
 try:
     from tta_bench.inputs import uint8_entry
@@ -129,6 +133,8 @@ def main() -> None:
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     print(set_threads(args.threads))
+    # the allocator policy of a run (batch-sized blocks reused), for both sides
+    print(f"allocator: {reuse_large_blocks()}")
     print(
         f"batch {args.batch} (ours: whole batch); reference: first {args.ref_images} images "
         f"one by one; {args.repeats} pairs each, back to back; severity 3; CUDA {cuda}"

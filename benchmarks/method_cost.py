@@ -19,8 +19,9 @@ ZERO and MuRA on ViT-B-32 (random weights) at 224 px with their default views (6
 original), batches of 1, 8, 32 and 64 random images (``--batches``), a ``--memory-classes``
 class head (10: TPT re-encodes its prompts per sample, and the head is not what grows).
 Each (method, batch) runs one ``step`` in a fresh process (no allocator reuse between
-cells, no warm-up); it prints the peak RSS growth of the step (MB), seconds per image
-(first-call set-up included), and the growth from batch 1. With ``--live`` each cell runs
+cells, no warm-up; a run's allocator policy, ``tta_bench.allocator``); it prints the peak
+RSS growth of the step (MB), seconds per image (first-call set-up included), and the
+growth from batch 1. With ``--live`` each cell runs
 a second time with glibc told to return freed blocks at once
 (``MALLOC_MMAP_THRESHOLD_=131072 MALLOC_TRIM_THRESHOLD_=131072``, for that process only):
 the peak of the memory the step holds, without what the allocator keeps for reuse.
@@ -181,9 +182,14 @@ def memory_cell(
     """One ``step`` of ``name`` on ``batch`` random 224 px images (ViT-B-32), the first of
     the process (no warm-up: memory freed by an earlier step would be reused unseen): its
     peak RSS growth and time (first-call kernel set-up included, the same at every
-    batch). ``view_memory_mb`` overrides the method's default budget."""
+    batch). ``view_memory_mb`` overrides the method's default budget. The process takes
+    a run's allocator policy (``reuse_large_blocks``) unless its environment sets glibc's
+    (``RETURN_FREED``)."""
     import dataclasses
 
+    from tta_bench.allocator import reuse_large_blocks
+
+    policy = reuse_large_blocks()["policy"]
     model, _ = vit_setting(torch.device("cpu"), classes)
     cls = registry("methods").get(name)
     cfg = dataclasses.replace(cls.Config(), **MEMORY_METHODS.get(name, {}))
@@ -198,7 +204,7 @@ def memory_cell(
         start = time.perf_counter()
         method.step(images)
         seconds = time.perf_counter() - start
-    return {"peak_mb": mem.peak_bytes / 2**20, "s_per_image": seconds / batch}
+    return {"peak_mb": mem.peak_bytes / 2**20, "s_per_image": seconds / batch, "malloc": policy}
 
 
 #: glibc settings under which freed blocks go back to the system at once (``--live``).
@@ -233,11 +239,12 @@ def memory_table(
         )
         return json.loads(out.stdout.strip().splitlines()[-1])
 
-    rows = []
+    rows, policies = [], set()
     for name in names:
         base = base_live = None
         for batch in batches:
             got = cell(name, batch, {})
+            policies.add(got["malloc"])
             base = got["peak_mb"] if base is None else base
             row = [name, batch, f"{got['peak_mb']:.0f}", f"{got['peak_mb'] - base:+.0f}",
                    f"{got['s_per_image']:.2f}"]  # fmt: skip
@@ -251,7 +258,8 @@ def memory_table(
             print(note, flush=True)
     budget = "at its default" if view_memory_mb is None else view_memory_mb
     print(f"\nPeak RSS growth of one step, ViT-B-32 at 224 px, {classes} classes, "
-          f"view_memory_mb {budget}")  # fmt: skip
+          f"view_memory_mb {budget}; 'peak MB' with the allocator policy of a run: "
+          f"{', '.join(sorted(policies))} (tta_bench.allocator)")  # fmt: skip
     headers = ["method", "batch", "peak MB", "vs batch 1", "s/image"]
     if live:
         headers += ["peak MB, freed blocks returned", "vs batch 1"]
@@ -378,6 +386,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.view_memory_mb is not None and not args.view_memory_mb > 0:
         parser.error(f"--view-memory-mb must be > 0, got {args.view_memory_mb}")
+    from tta_bench.allocator import reuse_large_blocks
+
+    print(f"allocator: {reuse_large_blocks()}")  # as in a run
     if args.flops:
         print(f"torch threads: {torch.get_num_threads()}")
         flops_table(args.repeats)

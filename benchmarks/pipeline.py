@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from tta_bench import runner
+from tta_bench.allocator import reuse_large_blocks
 from tta_bench.method import NoConfig
 from tta_bench.protocol import load_protocol
 from tta_bench.registry import registry
@@ -137,7 +138,7 @@ def main() -> None:
     args = ap.parse_args()
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-        f"cuda {torch.cuda.is_available()}"
+        f"cuda {torch.cuda.is_available()}, allocator {reuse_large_blocks()}"  # as in a run
     )
     rows = [
         measure(

@@ -237,6 +237,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from tabulate import tabulate
 
+    from tta_bench.allocator import reuse_large_blocks
+
+    print(f"allocator: {reuse_large_blocks()}")  # a run's policy, for both sides
+
     from tta_bench.paths import cache_dir
 
     print(f"cores {os.cpu_count()}, load average {os.getloadavg()[0]:.2f}")

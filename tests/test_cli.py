@@ -53,6 +53,9 @@ def test_run_writes_the_results_schema(tmp_path, capsys):
     assert record["method"] == "tent" and record["suite"] == "digits-c"
     prov = record["provenance"]
     assert prov["packages"]["torch"] and prov["device"]["type"] == "cpu"
+    malloc = prov["malloc"]  # where batch-sized blocks come from (timings depend on it)
+    assert malloc["policy"] in ("reuse", "system")
+    assert "mmap_threshold" in malloc if malloc["policy"] == "reuse" else malloc["reason"]
     assert {p["group"] for p in prov["plugins"]} >= {"tta_bench.methods", "tta_bench.shifts"}
     assert len(record["cells"]) == 4  # 2 shifts x 1 severity x 2 seeds
     for cell in record["cells"]:
@@ -128,7 +131,8 @@ def test_ls_methods_lists_the_methods(capsys):
 def test_env_reports_versions_device_and_plugins(capsys):
     assert main(["env"]) == 0
     out = capsys.readouterr().out
-    for needle in ("torch", "CUDA available", "cuDNN", "device used", "cache dir", "tta-bench"):
+    for needle in ("torch", "CUDA available", "cuDNN", "device used", "cache dir", "tta-bench",
+                   "allocator (runs)"):  # fmt: skip
         assert needle in out
 
 

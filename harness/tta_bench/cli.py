@@ -255,6 +255,19 @@ def cmd_ls(args: argparse.Namespace) -> int:
     return 0
 
 
+def _malloc_line() -> str:
+    """What a run does with glibc's thresholds (``tta_bench.allocator``), in words."""
+    from tta_bench.allocator import OPT_OUT_ENV, reuse_large_blocks
+
+    state = reuse_large_blocks()
+    if state["policy"] == "reuse":
+        return (
+            f"blocks up to {state['mmap_threshold'] >> 20} MiB reused from the heap, "
+            f"{state['trim_threshold'] >> 20} MiB kept ({OPT_OUT_ENV}=system: glibc's default)"
+        )
+    return f"the C library's default ({state['reason']})"
+
+
 def cmd_env(args: argparse.Namespace) -> int:
     import importlib.metadata as md
 
@@ -284,6 +297,7 @@ def cmd_env(args: argparse.Namespace) -> int:
         ),
         ("CPU threads", str(torch.get_num_threads())),
         ("CPU kernels", str(torch.backends.cpu.get_cpu_capability())),
+        ("allocator (runs)", _malloc_line()),
         ("cache dir", str(cache_dir())),
         (
             "decoded cache",

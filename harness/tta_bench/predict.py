@@ -68,6 +68,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tta_bench.allocator import reuse_large_blocks
 from tta_bench.images import ImageDecodeError, ImageTooLargeError, decode_rgb
 from tta_bench.paths import AtomicLog, atomic_write_text
 from tta_bench.templates import resolve_templates
@@ -855,6 +856,7 @@ def run_job(job: PredictJob, *, adapter: Any = None) -> dict[str, Any]:
     """Run ``job`` (resuming it) and return its summary (also in ``summary.json``).
     ``adapter``: a prebuilt ``Adapter`` instead of the one the job's config describes
     (its method, model and text head are then the adapter's)."""
+    reuse_large_blocks()  # batch-sized blocks stay in the process, as in a run
     return _Job(job, adapter).run()
 
 

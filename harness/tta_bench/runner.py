@@ -22,6 +22,7 @@ import torch
 
 from tta_bench import results, resume, samples, shard
 from tta_bench.accounting import CellBook, CostMeter, log_batch, non_finite
+from tta_bench.allocator import reuse_large_blocks
 from tta_bench.cost import PeakMemory
 from tta_bench.inputs import RunInputs
 from tta_bench.loggers import Trackers
@@ -68,6 +69,8 @@ class Evaluation:
         max_batches: int | None = None,
         on_cells: Callable[[list[dict[str, Any]], dict[str, Any]], None] | None = None,
     ):
+        # batch-sized blocks stay in the process (no page faults per batch); values unchanged
+        reuse_large_blocks()
         self.spec = spec
         self.output = Path(output)
         self.protocol = spec.protocol
