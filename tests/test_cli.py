@@ -132,7 +132,7 @@ def test_env_reports_versions_device_and_plugins(capsys):
     assert main(["env"]) == 0
     out = capsys.readouterr().out
     for needle in ("torch", "CUDA available", "cuDNN", "device used", "cache dir", "tta-bench",
-                   "allocator (runs)"):  # fmt: skip
+                   "allocator (CPU runs)"):  # fmt: skip
         assert needle in out
 
 

@@ -21,8 +21,13 @@ pytestmark = pytest.mark.skipif(
 # in the brk heap, where a freed block is reused instead of unmapped.
 CHILD = r"""
 import json, sys, torch
-from tta_bench.allocator import reuse_large_blocks
-state = reuse_large_blocks() if sys.argv[1] == "tune" else None
+from tta_bench.allocator import current_policy, reuse_large_blocks
+before = current_policy()
+state = reuse_large_blocks() if sys.argv[1] in ("tune", "worker") else None
+if sys.argv[1] == "worker":  # a loader worker's initialiser, after the fork
+    from tta_bench.loader import _worker_init
+    _worker_init(0, 0)
+    state = current_policy()
 def in_heap(ptr):
     for line in open("/proc/self/maps"):
         if line.rstrip().endswith("[heap]"):
@@ -32,8 +37,8 @@ def in_heap(ptr):
     return False
 x = torch.empty(10 << 20, dtype=torch.float32)
 x.fill_(1.0)
-print(json.dumps({"state": state, "in_heap": in_heap(x.data_ptr()),
-                  "again": reuse_large_blocks() if state else None}))
+print(json.dumps({"state": state, "in_heap": in_heap(x.data_ptr()), "before": before,
+                  "again": reuse_large_blocks() if sys.argv[1] == "tune" else None}))
 """
 
 
@@ -60,6 +65,19 @@ def test_large_blocks_come_from_the_heap():
     assert got["state"]["mmap_threshold"] >= 40 << 20
     assert got["in_heap"]
     assert got["again"] == got["state"]  # once per process, the same answer
+    assert got["before"] == {"policy": "system", "reason": "not applied in this process"}
+
+
+def test_a_loader_worker_gets_glibc_bounds_back():
+    """A decoding worker forked from a run does not keep up to 512 MiB: 32 MiB blocks,
+    64 MiB trim, so the 40 MB block is a fresh mapping again."""
+    got = _child("worker")
+    assert got["state"] == {
+        "policy": "worker",
+        "mmap_threshold": 32 << 20,
+        "trim_threshold": 64 << 20,
+    }
+    assert not got["in_heap"]
 
 
 def test_without_the_policy_such_a_block_is_a_fresh_mapping():

@@ -15,6 +15,12 @@ computes do not change (only where the bytes live); the cost is that the process
 resident memory stays at its high-water mark for longer, by at most ``TRIM_THRESHOLD``
 beyond what it holds.
 
+Only where the batches live in ``malloc``'s memory: a run or a ``predict`` job on the CPU
+(on a GPU they live in device memory, and pinned host buffers are not ``malloc``'s). A
+DataLoader worker forked from such a process only decodes (its largest blocks, a batch of
+8-bit images, are below glibc's own bounds), so ``bound_in_worker()`` gives it glibc's
+largest automatic thresholds back (32 MiB, trim 64 MiB) instead of keeping up to 512 MiB.
+
 It is left alone where the user chose: ``MALLOC_MMAP_THRESHOLD_``,
 ``MALLOC_TRIM_THRESHOLD_``, a ``glibc.malloc`` tunable in ``GLIBC_TUNABLES``, or
 ``TTA_BENCH_MALLOC=system``; and it does nothing off glibc (macOS, musl, Windows).
@@ -35,6 +41,10 @@ TRIM_THRESHOLD = 512 << 20
 #: Opt-out: ``TTA_BENCH_MALLOC=system`` leaves the C library's settings as they are.
 OPT_OUT_ENV = "TTA_BENCH_MALLOC"
 
+#: A loader worker's thresholds: glibc's own upper bounds for its automatic ones.
+WORKER_MMAP_THRESHOLD = 32 << 20
+WORKER_TRIM_THRESHOLD = 64 << 20
+
 _M_TRIM_THRESHOLD = -1  # glibc's mallopt parameter numbers (malloc.h)
 _M_MMAP_THRESHOLD = -3
 
@@ -53,6 +63,37 @@ def _user_choice() -> str | None:
     return None
 
 
+def _mallopt(param: int, value: int) -> bool:
+    libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    libc.mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+    libc.mallopt.restype = ctypes.c_int
+    return bool(libc.mallopt(param, value) == 1)
+
+
+def current_policy() -> dict[str, object]:
+    """What this process did (``reuse_large_blocks``), for a run's provenance; applies
+    nothing."""
+    if _state is None:
+        return {"policy": "system", "reason": "not applied in this process"}
+    return dict(_state)
+
+
+def bound_in_worker() -> None:
+    """In a loader worker forked from a process that applied ``reuse_large_blocks``:
+    glibc's largest automatic thresholds instead of the parent's (see the module
+    docstring). A no-op elsewhere."""
+    global _state
+    if _state is None or _state.get("policy") != "reuse":
+        return
+    _mallopt(_M_MMAP_THRESHOLD, WORKER_MMAP_THRESHOLD)
+    _mallopt(_M_TRIM_THRESHOLD, WORKER_TRIM_THRESHOLD)
+    _state = {
+        "policy": "worker",
+        "mmap_threshold": WORKER_MMAP_THRESHOLD,
+        "trim_threshold": WORKER_TRIM_THRESHOLD,
+    }
+
+
 def reuse_large_blocks() -> dict[str, object]:
     """Apply the thresholds once per process (see the module docstring) and return what
     was done, for a run's provenance: ``{"policy": "reuse", "mmap_threshold": ...,
@@ -66,18 +107,13 @@ def reuse_large_blocks() -> dict[str, object]:
         reason = f"not glibc ({libc_name or 'unknown C library'})"
     if reason is None:
         try:
-            libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
-            mallopt = libc.mallopt
+            # some glibc versions cap the mmap threshold at 32 MiB and return 0 above it
+            if not _mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD):
+                reason = "glibc refused the mmap threshold"
+            elif not _mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD):
+                reason = "glibc refused the trim threshold"
         except (OSError, AttributeError) as err:
             reason = f"mallopt unavailable: {err}"
-        else:
-            mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
-            mallopt.restype = ctypes.c_int
-            # some glibc versions cap the mmap threshold at 32 MiB and return 0 above it
-            if mallopt(_M_MMAP_THRESHOLD, MMAP_THRESHOLD) != 1:
-                reason = "glibc refused the mmap threshold"
-            elif mallopt(_M_TRIM_THRESHOLD, TRIM_THRESHOLD) != 1:
-                reason = "glibc refused the trim threshold"
     if reason is None:
         _state = {
             "policy": "reuse",

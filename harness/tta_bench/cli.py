@@ -297,7 +297,7 @@ def cmd_env(args: argparse.Namespace) -> int:
         ),
         ("CPU threads", str(torch.get_num_threads())),
         ("CPU kernels", str(torch.backends.cpu.get_cpu_capability())),
-        ("allocator (runs)", _malloc_line()),
+        ("allocator (CPU runs)", _malloc_line()),
         ("cache dir", str(cache_dir())),
         (
             "decoded cache",

@@ -25,6 +25,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from tta_bench.allocator import bound_in_worker
 from tta_bench.rng import stable_seed
 from tta_bench.stream import Batch
 
@@ -152,6 +153,7 @@ class StreamBatches(torch.utils.data.Dataset):
 
 
 def _worker_init(seed: int, worker_id: int) -> None:
+    bound_in_worker()  # a decoding worker keeps glibc's own bounds, not the run's
     s = stable_seed("loader-worker", seed, worker_id)
     torch.manual_seed(s)
     np.random.seed(s % 2**32)

@@ -856,8 +856,10 @@ def run_job(job: PredictJob, *, adapter: Any = None) -> dict[str, Any]:
     """Run ``job`` (resuming it) and return its summary (also in ``summary.json``).
     ``adapter``: a prebuilt ``Adapter`` instead of the one the job's config describes
     (its method, model and text head are then the adapter's)."""
-    reuse_large_blocks()  # batch-sized blocks stay in the process, as in a run
-    return _Job(job, adapter).run()
+    running = _Job(job, adapter)
+    if running.adapter.device.type == "cpu":  # batch-sized blocks stay, as in a CPU run
+        reuse_large_blocks()
+    return running.run()
 
 
 def job_exit_status(summary: dict[str, Any]) -> int:

@@ -15,7 +15,7 @@ import torch
 
 from tta_bench import results
 from tta_bench._version import SCHEMA_VERSION
-from tta_bench.allocator import reuse_large_blocks
+from tta_bench.allocator import current_policy
 from tta_bench.include import provenance as included_provenance
 from tta_bench.method import config_dict, effective_precision
 from tta_bench.model import state_sha256
@@ -96,7 +96,7 @@ def new_record(spec: Any, bundle: Any, device: torch.device, *, from_registry: b
             "device": results.device_info(device),
             "torch_threads": torch.get_num_threads(),
             # where batch-sized CPU blocks come from (timings, not values, depend on it)
-            "malloc": reuse_large_blocks(),
+            "malloc": current_policy(),
             "torch": torch.__version__,
             "precision": precision_record(spec.method_config, device),
             "plugins": plugins,

@@ -69,12 +69,12 @@ class Evaluation:
         max_batches: int | None = None,
         on_cells: Callable[[list[dict[str, Any]], dict[str, Any]], None] | None = None,
     ):
-        # batch-sized blocks stay in the process (no page faults per batch); values unchanged
-        reuse_large_blocks()
         self.spec = spec
         self.output = Path(output)
         self.protocol = spec.protocol
         self.device = resolve_device(spec.device)
+        if self.device.type == "cpu":  # batch-sized blocks stay: no page faults per batch
+            reuse_large_blocks()
         self.bundle = bundle
         self.observer = observer
         self.max_batches = max_batches
