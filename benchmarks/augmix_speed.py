@@ -42,7 +42,8 @@ Thread setting (printed): 1 CPU thread (``torch.set_num_threads(1)`` and 1 inter
 thread); the official side's PIL operations and numpy draws are single-threaded, its
 ``ToTensor``/``Normalize`` and mixing run in torch with that setting. The official loaders
 run this in ``DataLoader`` workers (several processes); per-core throughput leaves that out
-on both sides.
+on both sides. Allocator (printed): a CPU run's policy (``tta_bench.allocator``), for
+both sides in this process.
 """
 
 from __future__ import annotations
@@ -168,6 +169,9 @@ def span(values: list[float], fmt: str = ".1f") -> str:
 
 
 def set_threads() -> str:
+    from tta_bench.allocator import reuse_large_blocks
+
+    print(f"allocator: {reuse_large_blocks()}")  # as in a CPU run
     torch.set_num_threads(1)
     with contextlib.suppress(RuntimeError):  # already set (parallel work has started)
         torch.set_num_interop_threads(1)
