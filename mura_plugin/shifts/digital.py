@@ -474,14 +474,21 @@ def _pixelate_from_uint8(
     (there the quantisation gives the bytes back exactly). The bytes are transposed into
     planes ``[B * C, W, H]`` as bytes (a quarter of the float copy) and the horizontal BOX
     pass reads them as such: every window sum is of whole 8-bit values, exact in float32,
-    so only the down-sampled image is float until the upsampling writes the output."""
+    so only the down-sampled image is float until the upsampling writes the output. A few
+    images at a time (``CACHE_STEP_ELEMENTS``: one at 224 px, a whole 32 px batch), so
+    that the passes run in cache; each plane is computed alone, so the output is the
+    whole batch's."""
     del generator  # deterministic
     _check_uint8("pixelate", images)
     c = severity_param("pixelate", PIXELATE, table, severity)
     b, h, w, ch = images.shape
-    planes = images.detach().permute(0, 3, 2, 1).contiguous().view(b * ch, w, h)
     out = torch.empty((b, ch, h, w), device=images.device, dtype=torch.float32)
-    return _pixelate_bytes(planes, c, out)
+    step = max(1, CACHE_STEP_ELEMENTS // max(1, ch * h * w))
+    for s in range(0, b, step):
+        part = images[s : s + step].detach()
+        planes = part.permute(0, 3, 2, 1).contiguous().view(part.shape[0] * ch, w, h)
+        _pixelate_bytes(planes, c, out[s : s + step])
+    return out
 
 
 pixelate.from_uint8 = _pixelate_from_uint8  # type: ignore[attr-defined]
