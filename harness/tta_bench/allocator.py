@@ -5,15 +5,17 @@ of its own on the CPU. glibc serves a request above its mmap threshold with a fr
 ``mmap`` and unmaps it on ``free``; the threshold adapts upwards to at most 32 MiB. A batch
 of 64 images at 224 px is 38.5 MB of float32, so every shift kernel's output, every
 conversion and every normalised copy of such a batch is new memory whose pages the kernel
-must fault in on first touch: on this project's 2-core CPU 8-11 ms per batch, more than
-half of what a cheap per-pixel corruption takes for the same 64 images one at a time.
+must fault in on first touch: on this project's 2-core CPU more than half of what a cheap
+per-pixel corruption takes for the same 64 images one at a time (docs/speed.md measures
+it).
 
 ``reuse_large_blocks()`` raises glibc's mmap threshold to ``MMAP_THRESHOLD`` and its trim
 threshold to ``TRIM_THRESHOLD``: blocks up to 256 MiB come from the heap, and up to 512
 MiB of freed memory at the heap's top stays mapped for the next batch. The values a run
-computes do not change (only where the bytes live); the cost is that the process's
-resident memory stays at its high-water mark for longer, by at most ``TRIM_THRESHOLD``
-beyond what it holds.
+computes do not change (only where the bytes live); the cost is resident memory: freed
+blocks at the heap's top (up to ``TRIM_THRESHOLD``) and the holes between live blocks
+stay mapped, so a step's peak RSS is higher than under glibc's default by up to a few
+hundred MB in the multi-view methods' steps on ViT-B-32 (docs/speed.md).
 
 Only where the batches live in ``malloc``'s memory: a run or a ``predict`` job on the CPU
 (on a GPU they live in device memory, and pinned host buffers are not ``malloc``'s). A
@@ -34,7 +36,7 @@ import os
 import platform
 
 #: Blocks up to this size are served from the heap and reused (a 224 px float32 batch of
-#: up to 256 images).
+#: up to 445 images).
 MMAP_THRESHOLD = 256 << 20
 #: Freed memory at the heap's top kept mapped for reuse.
 TRIM_THRESHOLD = 512 << 20
