@@ -224,6 +224,13 @@ def _check_uint8(name: str, images: torch.Tensor) -> None:
 CACHE_STEP_ELEMENTS = 1 << 18
 
 
+def _images_per_step(images: torch.Tensor) -> int:
+    """How many images of the 8-bit ``[B, H, W, C]`` batch one ``CACHE_STEP_ELEMENTS``
+    step holds (at least one)."""
+    _, h, w, ch = images.shape
+    return max(1, CACHE_STEP_ELEMENTS // max(1, ch * h * w))
+
+
 def _per_pixel_from_uint8(
     images: torch.Tensor,
     with_min: bool,
@@ -238,7 +245,7 @@ def _per_pixel_from_uint8(
     batch's."""
     b, h, w, ch = images.shape
     out = torch.empty((b, ch, h, w), device=images.device, dtype=torch.float32)
-    step = max(1, CACHE_STEP_ELEMENTS // max(1, ch * h * w))
+    step = _images_per_step(images)
     for s in range(0, b, step):
         x = to_float_images(images[s : s + step], out=out[s : s + step])
         v = x.amax(1, keepdim=True)
@@ -483,7 +490,7 @@ def _pixelate_from_uint8(
     c = severity_param("pixelate", PIXELATE, table, severity)
     b, h, w, ch = images.shape
     out = torch.empty((b, ch, h, w), device=images.device, dtype=torch.float32)
-    step = max(1, CACHE_STEP_ELEMENTS // max(1, ch * h * w))
+    step = _images_per_step(images)
     for s in range(0, b, step):
         part = images[s : s + step].detach()
         planes = part.permute(0, 3, 2, 1).contiguous().view(part.shape[0] * ch, w, h)
