@@ -87,8 +87,11 @@ def bound_in_worker() -> None:
     global _state
     if _state is None or _state.get("policy") != "reuse":
         return
-    _mallopt(_M_MMAP_THRESHOLD, WORKER_MMAP_THRESHOLD)
-    _mallopt(_M_TRIM_THRESHOLD, WORKER_TRIM_THRESHOLD)
+    if not (
+        _mallopt(_M_MMAP_THRESHOLD, WORKER_MMAP_THRESHOLD)
+        and _mallopt(_M_TRIM_THRESHOLD, WORKER_TRIM_THRESHOLD)
+    ):
+        return  # refused: the parent's settings (and what the state says) stay
     _state = {
         "policy": "worker",
         "mmap_threshold": WORKER_MMAP_THRESHOLD,
