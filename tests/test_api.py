@@ -148,6 +148,13 @@ def test_adapter_adapts_as_the_method_does(
     assert (pred.loss is not None) == registry("methods").get(name).adapts
 
 
+def _shared_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]
+
+
 @pytest.mark.parametrize("name", METHODS)
 def test_reset_and_spawn_are_fresh_and_the_backbone_never_changes(
     name, default_bundle, shifted, source_images
@@ -157,6 +164,10 @@ def test_reset_and_spawn_are_fresh_and_the_backbone_never_changes(
     adapter = _adapter(name, default_bundle, source_images)
     shared = adapter.backbone.model
     shared_state = {k: v.clone() for k, v in shared.state_dict().items()}
+    # Written at all, even with its own values, a shared tensor breaks a concurrent
+    # adapter's backward in another thread (autograd checks the version counter).
+    adapted = set(adapter.backbone.adapted)
+    versions = {k: t._version for k, t in _shared_tensors(shared) if k not in adapted}
     fresh = adapter(x).logits
     for _ in range(2):
         adapter(other)
@@ -168,10 +179,11 @@ def test_reset_and_spawn_are_fresh_and_the_backbone_never_changes(
         assert torch.equal(user_state[key], value), key
     for key, value in shared.state_dict().items():
         assert torch.equal(shared_state[key], value), key
+    written = [k for k, t in _shared_tensors(shared) if k in versions and t._version != versions[k]]
+    assert not written, f"{name} wrote shared tensors in place: {written}"
     # the big frozen tensors are the backbone's own storage; adapted ones are copies
     own = dict(adapter.method.model.named_parameters())
     base = dict(shared.named_parameters())
-    adapted = set(adapter.backbone.adapted)
     assert "clip.token_embedding.weight" not in adapted  # the largest tensor: always shared
     for key in ("clip.token_embedding.weight", "clip.visual.conv1.weight"):
         if key not in adapted:

@@ -312,7 +312,10 @@ class GradientMethod(Method):
             for p, saved in zip(self.params, snap["params"]):
                 p.copy_(saved)
             for k, b in self.model.named_buffers():
-                if k in snap["buffers"]:
+                # Only buffers that moved are written: the frozen ones (an adapter's are
+                # shared with other adapters) must keep their version counter, or a
+                # concurrent backward that saved them fails in another thread.
+                if k in snap["buffers"] and not torch.equal(b, snap["buffers"][k]):
                     b.copy_(snap["buffers"][k])
         self.load_extra_state(_clone(snap["extra"]))
         self.optimizer = build_optimizer(self.param_groups(), self.config)
