@@ -22,8 +22,8 @@ tensor (and the stateless tokenizer) to itself, then ``setup()``. An adapter the
 owns only its module structure, its copies of the adapted tensors, and the method's own
 state (adapters, router, optimiser, snapshot, caches); ``state_bytes()`` measures it.
 Shared tensors keep ``requires_grad=False``, so concurrent adapters in different threads
-never write them (a method's ``reset()`` copies snapshot values into buffers; for a
-shared buffer those are its own, unchanged values).
+never write them: a method's ``reset()`` writes back only the buffers whose values moved,
+never a shared one, whose version counter a concurrent backward may have saved.
 
 Determinism. ``setup()`` runs under a forked, seeded global RNG (the runner's seed
 ``stable_seed(method, "setup", seed)``; a lock serialises setups across threads, and the
