@@ -6,8 +6,6 @@ from __future__ import annotations
 import pytest
 import torch
 
-torch.set_num_threads(max(1, min(2, torch.get_num_threads())))
-
 
 @pytest.fixture(scope="session")
 def digits_stream():

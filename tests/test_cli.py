@@ -68,6 +68,7 @@ def test_run_writes_the_results_schema(tmp_path, capsys):
     assert record["parameters"]["trainable"] > 0
 
 
+@pytest.mark.slow
 def test_same_seed_same_config_gives_identical_accuracies(tmp_path):
     accs = []
     for i in range(2):
@@ -136,6 +137,7 @@ def test_env_reports_versions_device_and_plugins(capsys):
         assert needle in out
 
 
+@pytest.mark.slow
 def test_console_script_end_to_end(tmp_path):
     """The installed `tta-bench` entry point, as a user types it."""
     out = tmp_path / "r.json"
@@ -172,6 +174,7 @@ def test_pass_counts_exclude_the_reference_forward(tmp_path):
         assert cell["backward_passes_per_sample"] == 0.0
 
 
+@pytest.mark.slow
 def test_a_diverging_real_method_is_reported_never_scored(tmp_path):
     """tent with an absurd step produces non-finite logits: the cells say diverged (with
     the batch), the table prints it, the summary has no mean, the file is strict JSON."""

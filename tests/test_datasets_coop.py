@@ -175,6 +175,7 @@ def test_methods_take_the_official_per_dataset_settings():
         assert name in tda.POSITIVE and name in boostadapter.OFFICIAL and name in dpe.SETTINGS
 
 
+@pytest.mark.slow
 def test_cli_cross_domain_10_end_to_end(tmp_path, tmp_cache, capsys):
     """``tta-bench run --suite cross-domain-10 --data-dir D`` on the ten fixtures, a cell per
     set in the table's order; missing data exits 2 before anything is written."""

@@ -85,6 +85,7 @@ def test_shipped_file_round_trips_every_trained_tensor(tmp_path):
     assert save_shippable(model, tmp_path / "again.safetensors", recipe) == digest
 
 
+@pytest.mark.slow
 def test_pretraining_is_deterministic_on_one_thread():
     recipe = TinyClipRecipe(epochs=1, vision_layers=1, text_layers=1)
     threads = torch.get_num_threads()

@@ -26,6 +26,7 @@ def gpu_check():
     sys.modules.pop("gpu_check", None)
 
 
+@pytest.mark.slow
 def test_cpu_smoke_runs_every_check_and_every_method(gpu_check, tmp_path, capsys):
     from tta_bench.registry import registry
 

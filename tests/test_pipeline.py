@@ -151,6 +151,7 @@ def test_profile_reports_the_split_and_a_recommendation(default_bundle):
     assert "nothing to change" in fed.recommendation()
 
 
+@pytest.mark.slow
 def test_profile_command(default_bundle):
     cmd = [sys.executable, "-m", "tta_bench.cli", "profile", "--batches", "2"]
     cmd += ["protocol.shifts=[contrast]", "protocol.max_images=32", "protocol.batch_size=16"]

@@ -11,6 +11,8 @@ import sys
 import textwrap
 from pathlib import Path
 
+import pytest
+
 PLUGIN = textwrap.dedent(
     '''
     """An out-of-tree tta-bench plugin: a flip-averaging method and an inversion shift."""
@@ -74,6 +76,7 @@ def _install(root: Path) -> None:
     )
 
 
+@pytest.mark.slow
 def test_out_of_tree_method_and_shift_run_end_to_end(tmp_path):
     _install(tmp_path)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]))

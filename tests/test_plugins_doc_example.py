@@ -81,6 +81,7 @@ def test_the_doc_gives_one_of_each_kind():
         assert groups.get(f"tta_bench.{kind}"), f"the example registers no {kind}"
 
 
+@pytest.mark.slow
 def test_the_example_runs_end_to_end(example, tmp_path):
     root, groups, cache = example
     method = next(iter(groups["tta_bench.methods"]))

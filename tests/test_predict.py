@@ -269,6 +269,7 @@ def test_other_jobs_results_are_not_mixed_in(tmp_path, flat_dir, capsys):
     assert all(r["method"] == "tent" for r in batch_results(out).values())
 
 
+@pytest.mark.slow
 def test_killed_job_resumes_where_it_stopped(tmp_path, labeled_dir):
     """SIGKILL the job once a batch is written; the rerun skips the finished batches and
     ends with the results of an uninterrupted run."""

@@ -18,6 +18,9 @@ from pathlib import Path
 
 import pytest
 
+#: Long: run first, so that pytest-xdist's workers share them out (tests/conftest.py).
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 COMMITTED = ROOT / "results" / "digits-c"
 

@@ -30,6 +30,7 @@ def _key(c: dict) -> tuple:
     return (c["shift"], c["severity"], c["seed"])
 
 
+@pytest.mark.slow
 def test_sigkill_mid_run_then_resume(tmp_path):
     out = tmp_path / "run.json"
     env = {**os.environ, "OMP_NUM_THREADS": "1"}

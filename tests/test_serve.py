@@ -287,6 +287,7 @@ def _tree(root: Path) -> set[str]:
     return {str(p.relative_to(root)) for p in root.rglob("*")}
 
 
+@pytest.mark.slow
 def test_cli_serves_until_ctrl_c_and_never_writes_uploads(tmp_path):
     """The installed command in a subprocess, with its temporary and cache directories
     pointed at empty folders: a 2.7 MB upload (Starlette would spool it to a temporary file

@@ -316,6 +316,7 @@ def test_token_sources(tmp_path, monkeypatch, capsys):
     assert "chmod 600" in capsys.readouterr().err
 
 
+@pytest.mark.slow
 def test_cli_token_file_guards_the_service_and_stays_out_of_ps(tmp_path):
     """The installed command in a subprocess with --token-file: 401 without the token, 200
     with it, and the token is nowhere in the process's command line."""

@@ -15,6 +15,9 @@ from tta_bench import report, results, runner, samples, shard
 from tta_bench.resolve import UsageError, resolve_run
 from tta_bench.resume import ResumeMismatchError
 
+#: Long: run first, so that pytest-xdist's workers share them out (tests/conftest.py).
+pytestmark = pytest.mark.slow
+
 SCORES = (
     *("shift", "severity", "seed", "n", "accuracy", "nll", "ece", "error"),
     *("reference_accuracy", "forward_passes_per_sample", "backward_passes_per_sample"),

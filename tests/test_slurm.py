@@ -21,6 +21,9 @@ import pytest
 
 from tta_bench import report, results
 
+#: Long: run first, so that pytest-xdist's workers share them out (tests/conftest.py).
+pytestmark = pytest.mark.slow
+
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "tools" / "slurm-cluster.sh"
 #: A task's cells: small, so each array task runs for seconds.

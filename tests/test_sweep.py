@@ -14,6 +14,9 @@ from tta_bench import results
 from tta_bench.rescore import rescore
 from tta_bench.sweep import first_job, split_seed_overrides
 
+#: Long: run first, so that pytest-xdist's workers share them out (tests/conftest.py).
+pytestmark = pytest.mark.slow
+
 SMALL = ["protocol.shifts=[contrast]", "protocol.max_images=24", "protocol.batch_size=24"]
 
 

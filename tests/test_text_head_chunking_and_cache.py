@@ -160,6 +160,7 @@ def test_chunk_size_must_be_a_positive_int(clip, tokenizer, bad):
         text_head.encode_class_embeddings(clip, tokenizer, ["cat"], ["a {}."], chunk_size=bad)
 
 
+@pytest.mark.slow
 def test_imagenet_1000_classes_x_80_templates_in_bounded_memory(tokenizer, imagenet, tmp_cache):
     """The head that could not be built (one 80,000-prompt call): in chunks of 256 prompts
     the process grows by a bounded amount. At this tower's width (32) one call over all

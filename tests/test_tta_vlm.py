@@ -77,6 +77,7 @@ def test_each_tta_vlm_method_runs_under_the_option(name, tmp_path):
     assert cell["n"] == 4 and cell["accuracy"] is not None
 
 
+@pytest.mark.slow
 def test_multi_dataset_suite_sets_augmix_per_dataset(tmp_path, tmp_cache, monkeypatch):
     """vlm-15 mixes ImageNet sets and fine-grained ones: under the option each domain's
     method gets its own dataset's AugMix rule (on for DTD, off for ImageNet-R), the record

@@ -14,6 +14,7 @@ from tta_bench import results, resume
 from .helpers import cli, run, scores, strict_json, subprocess_env, tta_bench_cmd
 
 
+@pytest.mark.slow
 def test_two_concurrent_runs_of_other_seeds_keep_both_seeds(tmp_path):
     out = tmp_path / "shared" / "r.json"
     env = subprocess_env(OMP_NUM_THREADS=str(torch.get_num_threads()))

@@ -38,22 +38,25 @@ OVERRIDE = st.one_of(
     st.builds(lambda k, v: f"{k}={v}", st.sampled_from(KEYS), VALUES),
     st.text(max_size=20),
 )
-tried = {"overrides": 0, "values": 0, "results": 0}
 
 
-@settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
-@given(st.lists(OVERRIDE, max_size=3))
-def test_any_override_resolves_or_is_refused_clearly(overrides):
-    tried["overrides"] += 1
-    try:
-        resolve_run("norm_tent", overrides=["seeds=[0]", *overrides])
-    except (ValueError, RegistryError) as exc:
-        assert str(exc)  # a message, not a bare error
+@pytest.mark.slow
+def test_any_override_resolves_or_is_refused_clearly():
+    tried = 0
 
+    @settings(max_examples=150, deadline=None, suppress_health_check=[HealthCheck.too_slow])
+    @given(st.lists(OVERRIDE, max_size=3))
+    def check(overrides):
+        nonlocal tried
+        tried += 1
+        try:
+            resolve_run("norm_tent", overrides=["seeds=[0]", *overrides])
+        except (ValueError, RegistryError) as exc:
+            assert str(exc)  # a message, not a bare error
 
-def test_print_override_count():
-    print(f"override parser: {tried['overrides']} inputs tried")
-    assert tried["overrides"] > 0
+    check()
+    print(f"override parser: {tried} inputs tried")
+    assert tried > 0
 
 
 @dataclasses.dataclass
@@ -67,28 +70,31 @@ class _Config:
 NUMBER = st.one_of(st.floats(allow_nan=True, allow_infinity=True), st.integers(-5, 5))
 
 
-@settings(max_examples=400, deadline=None)
-@given(NUMBER, st.integers(-5, 5), st.lists(NUMBER, max_size=3), NUMBER)
-def test_check_values_refuses_exactly_what_the_bounds_exclude(rate, count, sizes, free):
-    tried["values"] += 1
-    config = _Config(rate=rate, count=count, sizes=sizes, free=free)
-    numbers = [rate, count, *sizes, free]
-    finite = all(not isinstance(v, float) or math.isfinite(v) for v in numbers)
-    expected = (
-        finite and Bounds(gt=0, le=1).holds(rate) and count >= 1 and all(s >= 0 for s in sizes)
-    )
-    try:
-        check_values(config, "method")
-    except ValueError as exc:
-        assert not expected, exc
-        assert str(exc).startswith("method.")
-    else:
-        assert expected
+def test_check_values_refuses_exactly_what_the_bounds_exclude():
+    tried = 0
 
+    @settings(max_examples=400, deadline=None)
+    @given(NUMBER, st.integers(-5, 5), st.lists(NUMBER, max_size=3), NUMBER)
+    def check(rate, count, sizes, free):
+        nonlocal tried
+        tried += 1
+        config = _Config(rate=rate, count=count, sizes=sizes, free=free)
+        numbers = [rate, count, *sizes, free]
+        finite = all(not isinstance(v, float) or math.isfinite(v) for v in numbers)
+        expected = (
+            finite and Bounds(gt=0, le=1).holds(rate) and count >= 1 and all(s >= 0 for s in sizes)
+        )
+        try:
+            check_values(config, "method")
+        except ValueError as exc:
+            assert not expected, exc
+            assert str(exc).startswith("method.")
+        else:
+            assert expected
 
-def test_print_value_count():
-    print(f"config validation: {tried['values']} inputs tried")
-    assert tried["values"] > 0
+    check()
+    print(f"config validation: {tried} inputs tried")
+    assert tried > 0
 
 
 SCALARS = st.one_of(st.none(), st.booleans(), st.integers(), st.floats(allow_nan=False), st.text())
@@ -106,32 +112,34 @@ def golden() -> dict:
     return json.loads((GOLDEN / "golden_tent.json").read_text(encoding="utf-8"))
 
 
-@settings(
-    max_examples=300, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
-)
-@given(st.data())
-def test_any_results_file_is_read_or_refused_clearly(tmp_path_factory, golden, data):
-    tried["results"] += 1
-    kind = data.draw(st.sampled_from(["bytes", "json", "mutated"]))
-    path = Path(tmp_path_factory.mktemp("fuzz")) / "r.json"
-    if kind == "bytes":
-        path.write_bytes(data.draw(st.binary(max_size=200)))
-    elif kind == "json":
-        path.write_text(json.dumps(data.draw(JSONISH)), encoding="utf-8")
-    else:  # the golden record with one field replaced, at the top or in a cell
-        record = json.loads(json.dumps(golden))
-        target = record if data.draw(st.booleans()) else data.draw(st.sampled_from(record["cells"]))
-        key = data.draw(st.sampled_from(sorted(target)))
-        target[key] = data.draw(JSONISH)
-        path.write_text(json.dumps(record), encoding="utf-8")
-    try:
-        record = load_results(path)
-    except ValueError as exc:
-        assert str(path) in str(exc)
-    else:
-        assert isinstance(record, dict) and isinstance(record["cells"], list)
+def test_any_results_file_is_read_or_refused_clearly(tmp_path_factory, golden):
+    tried = 0
 
+    @settings(max_examples=300, deadline=None)
+    @given(st.data())
+    def check(data):
+        nonlocal tried
+        tried += 1
+        kind = data.draw(st.sampled_from(["bytes", "json", "mutated"]))
+        path = Path(tmp_path_factory.mktemp("fuzz")) / "r.json"
+        if kind == "bytes":
+            path.write_bytes(data.draw(st.binary(max_size=200)))
+        elif kind == "json":
+            path.write_text(json.dumps(data.draw(JSONISH)), encoding="utf-8")
+        else:  # the golden record with one field replaced, at the top or in a cell
+            record = json.loads(json.dumps(golden))
+            cells = record["cells"]
+            target = record if data.draw(st.booleans()) else data.draw(st.sampled_from(cells))
+            key = data.draw(st.sampled_from(sorted(target)))
+            target[key] = data.draw(JSONISH)
+            path.write_text(json.dumps(record), encoding="utf-8")
+        try:
+            record = load_results(path)
+        except ValueError as exc:
+            assert str(path) in str(exc)
+        else:
+            assert isinstance(record, dict) and isinstance(record["cells"], list)
 
-def test_print_results_count():
-    print(f"results reader: {tried['results']} inputs tried")
-    assert tried["results"] > 0
+    check()
+    print(f"results reader: {tried} inputs tried")
+    assert tried > 0

@@ -87,6 +87,7 @@ def test_the_choice_reaches_the_spec_checked_and_once_each():
     assert spec.loggers == []
 
 
+@pytest.mark.slow
 def test_a_run_without_loggers_imports_no_tracker(tmp_path):
     code = (
         "import json, sys, tta_bench\n"

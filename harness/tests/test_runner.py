@@ -176,6 +176,7 @@ def test_resuming_with_other_seeds_lists_every_seed_the_file_holds(tmp_path):
     assert record["seeds"] == held
 
 
+@pytest.mark.slow
 def test_a_killed_run_resumes_where_it_stopped(tmp_path):
     out = tmp_path / "r.json"
     args = ["run", "--method", "sleepy", "--output", str(out), "--quiet", "device=cpu"]
