@@ -193,6 +193,22 @@ def test_reset_and_spawn_are_fresh_and_the_backbone_never_changes(
             assert own[key].data_ptr() != base[key].data_ptr(), key
 
 
+def test_a_reset_in_one_session_never_breaks_a_backward_in_flight_in_another(
+    default_bundle, shifted
+):
+    """The serve race, step by step: session A's forward saved the shared class embeddings
+    for its backward; session B resets; A's backward must still run (it failed with
+    'modified by an inplace operation' when reset wrote every buffer back)."""
+    x, _ = shifted
+    a = Adapter.from_bundle(default_bundle, dataset="digits", method="tent", device="cpu")
+    b = a.spawn()
+    b(x)
+    logits = a.method.model(x)
+    b.reset()
+    logits.softmax(-1).max(-1).values.sum().backward()
+    assert any(p.grad is not None for p in a.method.params)
+
+
 def test_only_what_the_method_adapts_is_copied(default_bundle):
     tent = Adapter.from_bundle(default_bundle, dataset="digits", method="tent", device="cpu")
     assert tent.backbone.adapted and all(".ln" in n or "ln_" in n for n in tent.backbone.adapted), (
