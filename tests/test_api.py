@@ -11,7 +11,7 @@ import pytest
 import torch
 
 import tta_bench
-from tta_bench.adapter import Adapter, method_config
+from tta_bench.adapter import Adapter, _named_tensors, method_config
 from tta_bench.cli import main
 from tta_bench.registry import RegistryError, registry
 from tta_bench.rng import stable_seed
@@ -148,13 +148,6 @@ def test_adapter_adapts_as_the_method_does(
     assert (pred.loss is not None) == registry("methods").get(name).adapts
 
 
-def _shared_tensors(model: torch.nn.Module) -> list[tuple[str, torch.Tensor]]:
-    return [
-        *model.named_parameters(remove_duplicate=False),
-        *model.named_buffers(remove_duplicate=False),
-    ]
-
-
 @pytest.mark.parametrize("name", METHODS)
 def test_reset_and_spawn_are_fresh_and_the_backbone_never_changes(
     name, default_bundle, shifted, source_images
@@ -167,7 +160,7 @@ def test_reset_and_spawn_are_fresh_and_the_backbone_never_changes(
     # Written at all, even with its own values, a shared tensor breaks a concurrent
     # adapter's backward in another thread (autograd checks the version counter).
     adapted = set(adapter.backbone.adapted)
-    versions = {k: t._version for k, t in _shared_tensors(shared) if k not in adapted}
+    versions = {k: t._version for k, t in _named_tensors(shared) if k not in adapted}
     fresh = adapter(x).logits
     for _ in range(2):
         adapter(other)
@@ -179,7 +172,7 @@ def test_reset_and_spawn_are_fresh_and_the_backbone_never_changes(
         assert torch.equal(user_state[key], value), key
     for key, value in shared.state_dict().items():
         assert torch.equal(shared_state[key], value), key
-    written = [k for k, t in _shared_tensors(shared) if k in versions and t._version != versions[k]]
+    written = [k for k, t in _named_tensors(shared) if k in versions and t._version != versions[k]]
     assert not written, f"{name} wrote shared tensors in place: {written}"
     # the big frozen tensors are the backbone's own storage; adapted ones are copies
     own = dict(adapter.method.model.named_parameters())
