@@ -29,8 +29,9 @@ the peak of the memory the step holds, without what the allocator keeps for reus
     python benchmarks/method_cost.py --memory [--live] [--batches 1,8,32,64] [--methods tda,mura]
         [--view-memory-mb 8]
 
-``--view-memory-mb`` sets the methods' view budget (``view_memory_mb``), which also caps
-what MuRA keeps of a batch's adapted copies for its router's step (a quarter of it).
+``--view-memory-mb`` sets the methods' view budget (``view_memory_mb``). MuRA's adapted
+copies wait for its router's step where ``copies_wait`` says (``--copies-wait``, default
+``disk``); the table's last column gives the bytes they took there (on disk: not in RSS).
 
 Compute rate (``--flops``), on the tiny model (batch of 64 at 32 px): the GFLOP/s of a
 plain 2048 x 2048 float32 matmul on the same threads (the machine's compute limit), and
@@ -54,6 +55,7 @@ import time
 
 import torch
 
+from mura_plugin.methods._views import COPIES_WAIT
 from tta_bench.cost import PeakMemory
 from tta_bench.model import ModelBundle, Preprocess, ZeroShotClassifier
 from tta_bench.registry import registry
@@ -177,12 +179,17 @@ MEMORY_METHODS = {
 
 
 def memory_cell(
-    name: str, batch: int, classes: int, view_memory_mb: float | None = None
+    name: str,
+    batch: int,
+    classes: int,
+    view_memory_mb: float | None = None,
+    copies_wait: str | None = None,
 ) -> dict[str, float]:
     """One ``step`` of ``name`` on ``batch`` random 224 px images (ViT-B-32), the first of
     the process (no warm-up: memory freed by an earlier step would be reused unseen): its
     peak RSS growth and time (first-call kernel set-up included, the same at every
-    batch). ``view_memory_mb`` overrides the method's default budget. The process takes
+    batch). ``view_memory_mb`` overrides the method's default budget, ``copies_wait``
+    MuRA's (``waited_mb``: what its copies took there, 0 when none waited). The process takes
     a run's allocator policy (``reuse_large_blocks``) unless its environment sets glibc's
     (``RETURN_FREED``)."""
     import dataclasses
@@ -195,6 +202,8 @@ def memory_cell(
     cfg = dataclasses.replace(cls.Config(), **MEMORY_METHODS.get(name, {}))
     if view_memory_mb is not None:
         cfg = dataclasses.replace(cfg, view_memory_mb=view_memory_mb)
+    if copies_wait is not None and any(f.name == "copies_wait" for f in dataclasses.fields(cfg)):
+        cfg = dataclasses.replace(cfg, copies_wait=copies_wait)
     torch.manual_seed(0)
     method = cls(model, cfg)
     method.setup()
@@ -204,7 +213,13 @@ def memory_cell(
         start = time.perf_counter()
         method.step(images)
         seconds = time.perf_counter() - start
-    return {"peak_mb": mem.peak_bytes / 2**20, "s_per_image": seconds / batch, "malloc": policy}
+    waited = getattr(method, "copies_waited", ("", 0))
+    return {
+        "peak_mb": mem.peak_bytes / 2**20,
+        "s_per_image": seconds / batch,
+        "malloc": policy,
+        "waited": f"{waited[1] / 2**20:.1f} ({waited[0]})" if waited[0] else "-",
+    }
 
 
 #: glibc settings under which freed blocks go back to the system at once (``--live``).
@@ -217,6 +232,7 @@ def memory_table(
     classes: int,
     live: bool,
     view_memory_mb: float | None = None,
+    copies_wait: str | None = None,
 ) -> None:
     import json
     import os
@@ -228,7 +244,8 @@ def memory_table(
     def cell(name: str, batch: int, env: dict[str, str]) -> dict[str, float]:
         code = (
             "import json, sys; sys.path.insert(0, 'benchmarks'); import method_cost as m; "
-            f"print(json.dumps(m.memory_cell({name!r}, {batch}, {classes}, {view_memory_mb!r})))"
+            f"print(json.dumps(m.memory_cell({name!r}, {batch}, {classes}, {view_memory_mb!r}, "
+            f"{copies_wait!r})))"
         )
         out = subprocess.run(
             [sys.executable, "-c", code],
@@ -254,6 +271,7 @@ def memory_table(
                 base_live = held["peak_mb"] if base_live is None else base_live
                 row += [f"{held['peak_mb']:.0f}", f"{held['peak_mb'] - base_live:+.0f}"]
                 note += f", {held['peak_mb']:.0f} MB returning freed blocks"
+            row.append(got["waited"])
             rows.append(row)
             print(note, flush=True)
     budget = "at its default" if view_memory_mb is None else view_memory_mb
@@ -263,6 +281,7 @@ def memory_table(
     headers = ["method", "batch", "peak MB", "vs batch 1", "s/image"]
     if live:
         headers += ["peak MB, freed blocks returned", "vs batch 1"]
+    headers.append("copies waited, MB (where)")
     print(tabulate(rows, headers=headers, tablefmt="github"))
 
 
@@ -382,6 +401,11 @@ def main() -> None:
     parser.add_argument(
         "--view-memory-mb", type=float, help="--memory: the methods' view budget (default theirs)"
     )
+    parser.add_argument(
+        "--copies-wait",
+        choices=COPIES_WAIT,
+        help="--memory: where MuRA's adapted copies wait for its router's step (default disk)",
+    )
     parser.add_argument("--flops", action="store_true", help="GFLOP/s vs the matmul limit")
     args = parser.parse_args()
     if args.view_memory_mb is not None and not args.view_memory_mb > 0:
@@ -397,7 +421,9 @@ def main() -> None:
         names = args.methods.split(",") if args.methods else list(MEMORY_METHODS)
         print(f"torch threads: {torch.get_num_threads()}")
         batches = [int(b) for b in args.batches.split(",")]
-        memory_table(names, batches, args.memory_classes, args.live, args.view_memory_mb)
+        memory_table(
+            names, batches, args.memory_classes, args.live, args.view_memory_mb, args.copies_wait
+        )
         return
     device = torch.device(args.device)
     names = args.methods.split(",") if args.methods else sorted(registry("methods").names())

@@ -145,8 +145,9 @@ def test_cells_with_a_tiny_budget_equal_the_unbounded_run(tmp_path, method, over
 #: Batched per-sample episodes: MuRA (its router persists: one step per batch), TTL's LoRA
 #: (nothing persists), TPT (a prompt per sample, its confident views kept across steps).
 EPISODES = {
-    "mura": {"views": 7},
-    "mura-kept": {"views": 7},
+    "mura": {"views": 7},  # its copies wait on disk (the default)
+    "mura-memory": {"views": 7, "copies_wait": "memory"},
+    "mura-recompute": {"views": 7, "copies_wait": "recompute"},
     "mura-no-router": {"views": 7, "router_persist": False, "steps": 2},
     "lora": {"views": 7, "steps": 2},
     "tpt": {"views": 7, "steps": 2},
@@ -177,8 +178,6 @@ def test_episodes_run_group_by_group_with_the_same_output(
 
     monkeypatch.setattr(cls, "begin_episodes", counting)
     monkeypatch.setattr(cls, "adapt_episodes", counting_adapt)
-    if key == "mura-kept":  # room for the batch's adapted copies while the router waits
-        monkeypatch.setattr(_views, "KEPT_COPIES_SHARE", 1e12)
     outs, losses = {}, {}
     for mode in ("groups", "whole"):
         if mode == "whole":
@@ -191,9 +190,9 @@ def test_episodes_run_group_by_group_with_the_same_output(
         losses[mode] = method.last_loss
         if mode == "groups":
             assert sizes and max(sizes) == 1, sizes
-            # MuRA's router waits for every group: above the budget's share its groups'
-            # episodes run again after the step (twice each), within it they are kept
-            replays = 2 if key == "mura" else 1
+            # MuRA's router waits for every group: with copies_wait=recompute its groups'
+            # episodes run again after the step (twice each), else their copies wait
+            replays = 2 if key == "mura-recompute" else 1
             assert adapted == [1] * (replays * (noisy_images.shape[0] + 4)), adapted
         else:
             assert sizes == [6, 4], sizes
@@ -202,19 +201,16 @@ def test_episodes_run_group_by_group_with_the_same_output(
     torch.testing.assert_close(losses["groups"], losses["whole"], rtol=1e-6, atol=1e-6)
 
 
-@pytest.mark.parametrize("kept", [False, True], ids=["replayed", "kept"])
-def test_a_persistent_router_steps_once_per_batch_over_all_groups(
-    kept, classifier, noisy_images, monkeypatch
-):
+@pytest.mark.parametrize("wait", _views.COPIES_WAIT)
+def test_a_persistent_router_steps_once_per_batch_over_all_groups(wait, classifier, noisy_images):
     """MuRA's router (kept across episodes) takes the batch's one step from every group's
     gradient: its value after a batch run in groups equals the whole-batch run's, whether
-    the groups' adapted copies wait for the step or are computed again after it."""
-    if kept:
-        monkeypatch.setattr(_views, "KEPT_COPIES_SHARE", 1e12)
+    the groups' adapted copies wait for the step on disk or in memory, or are computed
+    again after it."""
     cls = registry("methods").get("mura")
     routers = []
     for budget in (TINY, UNBOUNDED):
-        method = build_method(cls, classifier, views=7, view_memory_mb=budget)
+        method = build_method(cls, classifier, views=7, view_memory_mb=budget, copies_wait=wait)
         episode = {id(p) for p in method.episode_parameters()}
         shared = [p for p in method.params if id(p) not in episode]
         assert shared  # the router
@@ -224,3 +220,44 @@ def test_a_persistent_router_steps_once_per_batch_over_all_groups(
         routers.append(torch.cat([p.detach().flatten() for p in shared]))
         assert not torch.equal(routers[-1], before)  # it took its step
     torch.testing.assert_close(routers[0], routers[1], rtol=0, atol=1e-7)
+
+
+def test_mura_copies_wait_on_disk_in_memory_or_nowhere_with_the_same_logits(
+    classifier, noisy_images, monkeypatch
+):
+    """Where MuRA's adapted copies wait for the router's step (``copies_wait``) changes no
+    logit, bit for bit: on disk they are in an unlinked temporary file (no block of the
+    batch in memory), in memory in one block per copy, and with ``recompute`` nowhere."""
+    cls = registry("methods").get("mura")
+    held: list[tuple[str, int, bool]] = []
+    real_close = _views.WaitingCopies.close
+
+    def spying_close(self):
+        in_memory = self._blocks is not None
+        on_disk = self._file is not None
+        held.append((self.where, self.nbytes, in_memory, on_disk))
+        real_close(self)
+
+    monkeypatch.setattr(_views.WaitingCopies, "close", spying_close)
+    outs = {}
+    for wait in _views.COPIES_WAIT:
+        held.clear()
+        method = build_method(cls, classifier, views=7, view_memory_mb=TINY, copies_wait=wait)
+        method.reseed(3)
+        outs[wait] = method.step(noisy_images)
+        n = noisy_images.shape[0]
+        per_sample = sum(
+            p[0].numel() * p.element_size() for p in method.begin_episodes(1) if p.dim() > 0
+        )
+        method.end_episodes()
+        if wait == "recompute":
+            assert held == []
+        else:
+            assert held == [(wait, n * per_sample, wait == "memory", wait == "disk")], held
+    assert torch.equal(outs["disk"], outs["memory"])
+    assert torch.equal(outs["disk"], outs["recompute"])
+
+
+def test_an_unknown_copies_wait_is_refused_naming_the_options(classifier):
+    with pytest.raises(ValueError, match="copies_wait 'ram'.*disk, memory, recompute"):
+        build_method(registry("methods").get("mura"), classifier, copies_wait="ram")

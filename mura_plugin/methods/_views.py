@@ -18,7 +18,8 @@ original image after the update. Episodic granularity (``episodic``):
   one image at 224 px, a whole batch of 64 at 32 px), so the per-sample copies, their
   gradients and optimiser state do not grow with the batch; persistent parameters then
   collect every group's gradient before their one step, and each group's adapted copies
-  (values only) wait for it to be predicted (``run_episodes``). With fp16 loss scaling a
+  (values only) wait for it to be predicted (``run_episodes``; in a temporary file by
+  default, ``COPIES_WAIT``). With fp16 loss scaling a
   group starts from the scale the groups before it left, as in the sequential loop.
   ``episode_batching=false`` keeps the sequential loop for exactness studies.
 * ``batch``: the whole batch adapts together (one forward of V x B views), then restored.
@@ -51,6 +52,9 @@ others' Adam step count.
 
 from __future__ import annotations
 
+import contextlib
+import os
+import tempfile
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -64,6 +68,7 @@ from tta_bench.method import GradientConfig, GradientMethod, build_optimizer, ef
 from tta_bench.model import ZeroShotClassifier
 
 __all__ = [
+    "COPIES_WAIT",
     "EPISODIC",
     "VIEW_MEMORY_MB",
     "LazyViews",
@@ -71,6 +76,7 @@ __all__ = [
     "SINGLE_PROMPT",
     "TEXT_HEADS",
     "LossScaler",
+    "WaitingCopies",
     "MultiViewConfig",
     "MultiViewMethod",
     "check_text_head",
@@ -102,10 +108,13 @@ EPISODIC = ("sample", "batch", "online")
 #: the official code, and the peak does not grow with the batch; at 32 px a chunk holds
 #: 81 images (a whole batch of 64: the views are built exactly as without a budget).
 VIEW_MEMORY_MB = 256.0
-#: The share of ``view_memory_mb`` that the adapted copies of a batch's episodes may take
-#: while a persistent parameter waits for every group (``run_episodes``); above it, each
-#: group's episodes run again after the step instead of being kept.
-KEPT_COPIES_SHARE = 0.25
+#: Where the adapted copies of a batch's episode groups wait for the one step of the
+#: parameters that persist across episodes (MuRA's router, ``run_episodes``): ``disk``, an
+#: unlinked temporary file (under ``TMPDIR``), so that memory holds one group's copies at
+#: any batch size; ``memory``, blocks ``[batch, ...]`` in memory (for MuRA 0.34 MB an image
+#: on ViT-B-32); ``recompute``, nothing kept: each group's episodes run again after the
+#: step (twice the adaptation's compute). The same predictions whichever (tested).
+COPIES_WAIT = ("disk", "memory", "recompute")
 
 #: Losses whose value for sample i depends on sample i's views only: batched episodes are
 #: exact for them. Others (info_max's batch marginal, unknown plugin losses) run the
@@ -299,18 +308,110 @@ def encode_in_chunks(
     generator: torch.Generator,
     encode: Any,
     budget_mb: float,
+    reduce: Any = None,
+    phase: Any = None,
 ) -> Any:
     """``encode(views)`` of the views ``configured_views(images, cfg, generator)`` would
     give, built and encoded in chunks of whole images within ``budget_mb``
     (``image_chunks``), the chunks' outputs (``[V, b, ...]`` tensors or dicts of them)
     concatenated along the sample dimension. The draws are made for the whole batch
     first, so the views do not depend on the chunking; ``encode`` must treat every view
-    on its own (a frozen tower, per-view features or logits)."""
-    plan = plan_configured(images, cfg, generator)
+    on its own (a frozen tower, per-view features or logits). With ``reduce``, each
+    chunk's encoded views are reduced to per-sample outputs at once (``reduce(encoded)``:
+    a ``[b, ...]`` tensor or a tuple of them, concatenated along dim 0), so that no more
+    than a chunk's encoded views are alive at any batch size; ``reduce`` must treat every
+    sample on its own, or in sample order when it keeps state across samples. ``phase``:
+    a context manager factory the drawing, rendering and encoding run under (a method's
+    ``lambda: self.timed("adapt")``), ``reduce`` outside it."""
+    timed = phase or contextlib.nullcontext
+
+    def encoded(rows: slice | None) -> Any:
+        with timed():
+            if rows is None:
+                return encode(render_views(images, plan))
+            return encode(render_views(images[rows], plan.rows(rows)))
+
+    with timed():
+        plan = plan_configured(images, cfg, generator)
     chunks = image_chunks(images.shape[0], view_bytes_per_image(images, plan), budget_mb)
+    if reduce is None:
+        if len(chunks) == 1:
+            return encoded(None)
+        return _cat([encoded(rows) for rows in chunks])
     if len(chunks) == 1:
-        return encode(render_views(images, plan))
-    return _cat([encode(render_views(images[rows], plan.rows(rows))) for rows in chunks])
+        return reduce(encoded(None))
+    parts = [reduce(encoded(rows)) for rows in chunks]
+    if isinstance(parts[0], torch.Tensor):
+        return torch.cat(parts, dim=0)
+    return tuple(torch.cat(column, dim=0) for column in zip(*parts))
+
+
+class WaitingCopies:
+    """The adapted per-sample copies of a batch's episode groups, from each group's
+    adaptation until it is predicted after the persistent parameters' step
+    (``run_episodes``), kept where ``where`` says (``COPIES_WAIT``: ``disk`` or
+    ``memory``). ``put(rows, copies)`` stores a group's copies ``[g, ...]`` (values only),
+    ``get(rows, copies)`` writes them back into fresh copies of the same shapes; the
+    values come back bit for bit. ``close()`` drops them (the file is unlinked from its
+    creation, so nothing stays on disk even when the process is killed)."""
+
+    def __init__(self, where: str, n: int):
+        if where not in ("disk", "memory"):
+            raise ValueError(f"copies wait on disk or in memory, not {where!r}")
+        self.where, self.n = where, n
+        self._blocks: list[torch.Tensor] | None = None  # memory: [n, ...] per copy
+        self._file: Any = None  # disk: an unlinked temporary file
+        self._spans: dict[int, list[tuple[int, int]]] = {}  # rows.start -> (offset, bytes)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes held: in memory, or in the file."""
+        if self._blocks is not None:
+            return sum(b.numel() * b.element_size() for b in self._blocks)
+        return sum(size for spans in self._spans.values() for _, size in spans)
+
+    @torch.no_grad()
+    def put(self, rows: slice, copies: list[torch.Tensor]) -> None:
+        if self.where == "memory":
+            if self._blocks is None:  # one block per copy: the small copies do not scatter
+                self._blocks = [c.new_empty((self.n, *c.shape[1:])) for c in copies]
+            for store, copy in zip(self._blocks, copies):
+                store[rows].copy_(copy)
+            return
+        if self._file is None:
+            # closed by close(): it lives across calls, so no context manager
+            self._file = tempfile.TemporaryFile(prefix="tta-bench-copies-")  # noqa: SIM115
+        offset = self._file.seek(0, os.SEEK_END)
+        spans = []
+        for copy in copies:
+            data = copy.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8)
+            self._file.write(memoryview(data.numpy()))
+            spans.append((offset, data.numel()))
+            offset += data.numel()
+        self._spans[rows.start] = spans
+
+    @torch.no_grad()
+    def get(self, rows: slice, copies: list[torch.Tensor]) -> None:
+        if self.where == "memory":
+            for copy, store in zip(copies, self._blocks or []):
+                copy.copy_(store[rows])
+            return
+        for copy, (offset, size) in zip(copies, self._spans[rows.start]):
+            if size != copy.numel() * copy.element_size():
+                raise RuntimeError(f"waiting copy of {size} bytes read into {tuple(copy.shape)}")
+            data = torch.empty(size, dtype=torch.uint8)
+            self._file.seek(offset)
+            got = self._file.readinto(memoryview(data.numpy()))
+            if got != size:
+                raise OSError(f"read {got} of {size} bytes of a waiting copy back")
+            copy.copy_(data.view(copy.dtype).view(copy.shape))
+
+    def close(self) -> None:
+        self._blocks = None
+        self._spans.clear()
+        if self._file is not None:
+            self._file.close()
+            self._file = None
 
 
 class LazyViews:
@@ -437,10 +538,12 @@ class MultiViewMethod(GradientMethod):
     def view_inputs(self, images: torch.Tensor) -> Any:
         """``encode_views(make_views(images))``, built within ``config.view_memory_mb``: the
         views are drawn for the whole batch, then rendered and encoded in chunks of whole
-        images (``image_chunks``). When the encoded chunks together would take more than a
-        quarter of the budget (MuRA's tokens at 224 px) and the loss treats samples
-        separately, nothing is kept: a ``LazyViews`` renders and encodes each chunk again
-        when the loop asks for it (the same values)."""
+        images (``image_chunks``). When the loss treats samples separately, the encoded
+        views of a batch of several chunks are not kept (a ``LazyViews`` renders and
+        encodes a group's views when the loop asks for them, the same values each time)
+        if the per-sample episodes ask for each group once (``episodic=sample``: memory
+        then stays flat in the batch) or if the encoded chunks together would take more
+        than a quarter of the budget (MuRA's tokens at 224 px)."""
         cfg = self.config
         plan = self.plan_views(images)
         n = images.shape[0]
@@ -448,6 +551,8 @@ class MultiViewMethod(GradientMethod):
         self._chunk_images = chunks[0].stop - chunks[0].start
         if len(chunks) == 1:
             return self.encode_views(render_views(images, plan))
+        if cfg.episodic == "sample" and cfg.loss in SEPARABLE_LOSSES:
+            return LazyViews(self, images, plan, chunks)
         first = self.encode_views(render_views(images[chunks[0]], plan.rows(chunks[0])))
         per_image = _nbytes(first) / (chunks[0].stop - chunks[0].start)
         if per_image * n > cfg.view_memory_mb * 2**20 / 4 and cfg.loss in SEPARABLE_LOSSES:
@@ -609,18 +714,26 @@ class MultiViewMethod(GradientMethod):
             self.last_loss = losses.mean()
         return copies, skipped, losses
 
+    def copies_wait(self) -> str:
+        """Where the groups' adapted copies wait for the persistent parameters' step
+        (``COPIES_WAIT``): the config's ``copies_wait`` when it has one, else ``disk``."""
+        where = getattr(self.config, "copies_wait", "disk")
+        if where not in COPIES_WAIT:
+            raise ValueError(f"unknown copies_wait {where!r}; available: {', '.join(COPIES_WAIT)}")
+        return where
+
     def run_episodes(self, images: torch.Tensor, inputs: Any) -> torch.Tensor:
         """Logits of the batch's per-sample episodes, run in parallel group by group
         (``episode_groups``): a group adapts, is predicted and drops its copies before the
         next one starts. Shared parameters that persist across episodes (one step per batch
-        on the summed per-sample losses) step once all groups have added their gradients;
-        the groups' adapted copies are kept until then (values only, ``_kept_copies``),
-        and each group is predicted after that step, as in one whole-batch group. When the
-        batch's copies would take more than ``KEPT_COPIES_SHARE`` of the budget, each
-        group's episodes run again after the step, from the shared values they first saw
-        (``_replay_episodes``), so that memory stays within the budget at any batch size
-        for twice the adaptation's compute. The same computation as ``adapt_episodes`` on
-        the whole batch."""
+        on the summed per-sample losses) step once all groups have added their gradients,
+        and each group is predicted after that step, as in one whole-batch group; until
+        then the groups' adapted copies (values only) wait where ``copies_wait()`` says:
+        in a temporary file (the default: memory holds one group's copies at any batch
+        size), in memory, or nowhere, each group's episodes then running again after the
+        step from the shared values they first saw (``_replay_episodes``: twice the
+        adaptation's compute). The same computation as ``adapt_episodes`` on the whole
+        batch, whichever."""
         n = images.shape[0]
         groups = self.episode_groups(n)
         if len(groups) == 1:
@@ -632,14 +745,32 @@ class MultiViewMethod(GradientMethod):
             finally:
                 self.end_episodes()
         defer = self.has_persistent_parameters()  # then one step (``episode_groups``)
+        where = self.copies_wait() if defer else "recompute"
+        waiting = None if where == "recompute" else WaitingCopies(where, n)
+        try:
+            return self._run_groups(images, inputs, groups, defer, waiting)
+        finally:
+            if waiting is not None:
+                #: bytes the last batch's copies took where they waited (benchmarks)
+                self.copies_waited = (where, waiting.nbytes)
+                waiting.close()
+
+    def _run_groups(
+        self,
+        images: torch.Tensor,
+        inputs: Any,
+        groups: list[slice],
+        defer: bool,
+        waiting: WaitingCopies | None,
+    ) -> torch.Tensor:
+        """``run_episodes`` over several groups (see there)."""
         if defer:
             self.optimizer.zero_grad(set_to_none=True)
             episode = set(self._episode_index)
             shared_params = [p for i, p in enumerate(self.params) if i not in episode]
             before = [p.detach().clone() for p in shared_params]
         out, skips, losses = [], [], []
-        kept: list[torch.Tensor] | None = None  # [n, ...] per copy, when they fit the budget
-        for index, rows in enumerate(groups):
+        for rows in groups:
             part = _slice(inputs, rows)  # a LazyViews renders the group's views once
             try:
                 with self.timed("adapt"):
@@ -649,11 +780,8 @@ class MultiViewMethod(GradientMethod):
                 losses.append(last)
                 if defer:
                     skips.append(skipped)
-                    if index == 0:
-                        kept = self._kept_copies(copies, n)
-                    with torch.no_grad():
-                        for store, copy in zip(kept or [], copies):
-                            store[rows].copy_(copy)
+                    if waiting is not None:
+                        waiting.put(rows, copies)
                 else:
                     with self.timed("predict"):
                         out.append(self.predict_episode(images[rows], part))
@@ -666,7 +794,7 @@ class MultiViewMethod(GradientMethod):
                 if stepped:
                     self.optimizer.step()
                 self.loss_scaler.update(torch.cat(skips) | shared)
-            replay = stepped and kept is None
+            replay = stepped and waiting is None
             after = [p.detach().clone() for p in shared_params] if replay else []
             for rows in groups:
                 g = rows.stop - rows.start
@@ -678,10 +806,8 @@ class MultiViewMethod(GradientMethod):
                     else:
                         with self.timed("predict"):
                             copies = self.begin_episodes(g)
-                            if stepped:
-                                with torch.no_grad():
-                                    for copy, store in zip(copies, kept or []):
-                                        copy.copy_(store[rows])
+                            if stepped and waiting is not None:
+                                waiting.get(rows, copies)
                         part = self._predict_inputs(inputs, rows)
                     with self.timed("predict"):
                         out.append(self.predict_episode(images[rows], part))
@@ -689,16 +815,6 @@ class MultiViewMethod(GradientMethod):
                     self.end_episodes()
         self.last_loss = torch.cat(losses).mean()
         return torch.cat(out, dim=0)
-
-    def _kept_copies(self, copies: list[torch.Tensor], n: int) -> list[torch.Tensor] | None:
-        """Blocks ``[n, ...]`` for every sample's adapted copies (one per copy, so that the
-        many small copies do not scatter over the heap), or None when they would take more
-        than ``KEPT_COPIES_SHARE`` of ``view_memory_mb``: the groups' episodes are then run
-        again after the shared step (``_replay_episodes``) instead of being kept."""
-        per_sample = sum(c[0].numel() * c.element_size() for c in copies if c.dim() > 0)
-        if n * per_sample > self.config.view_memory_mb * 2**20 * KEPT_COPIES_SHARE:
-            return None
-        return [c.new_empty((n, *c.shape[1:])) for c in copies]
 
     def _replay_episodes(
         self,

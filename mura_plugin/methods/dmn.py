@@ -346,8 +346,9 @@ class DMN(Method):
         c, d = self.head.shape
         self.memory = DynamicMemory(c, self.config.memory_size, d, self.device)
 
-    def _view_features(self, images: torch.Tensor) -> torch.Tensor:
-        """Normalised features ``[V, B, D]`` of the image (first) and its views."""
+    def _view_features(self, images: torch.Tensor, reduce: Any = None) -> Any:
+        """Normalised features ``[V, B, D]`` of the image (first) and its views, or
+        ``reduce`` of each chunk's (``encode_in_chunks``)."""
         cfg = self.config
         settings = SimpleNamespace(
             views=cfg.n_views,
@@ -362,22 +363,29 @@ class DMN(Method):
                 feats = encode_flat(self.model.encode_image, views, cfg.chunk_views).float()
             return feats / feats.norm(dim=-1, keepdim=True)
 
-        return encode_in_chunks(images, settings, self.generator, encode, cfg.view_memory_mb)
+        return encode_in_chunks(
+            images, settings, self.generator, encode, cfg.view_memory_mb, reduce=reduce
+        )
 
     @torch.no_grad()
     def step(self, images: torch.Tensor) -> torch.Tensor:
+        """Each chunk of images (the view budget's) is read into the memory and predicted
+        in sample order as soon as its views are encoded."""
         cfg = self.config
-        feats = self._view_features(images)
         scale = float(self.model.logit_scale)
-        logits = scale * feats @ self.head.t()  # [V, B, C]
-        k = max(1, int(feats.shape[0] * cfg.selection))
-        out = []
-        for i in range(images.shape[0]):
-            label, ent = confident_label(logits[:, i], k, cfg.confident_mean)
-            query = feats[0, i]
-            self.memory.write(label, query, ent, cfg.replace)
-            p_mem = memory_readout(
-                self.memory.features, self.memory.filled(), self.head, query, cfg.beta, scale
-            )
-            out.append(fuse(logits[0, i].softmax(dim=-1), p_mem, self.fusion_weight))
-        return torch.stack(out)
+
+        def predict(feats: torch.Tensor) -> torch.Tensor:  # [V, b, D] -> [b, C]
+            logits = scale * feats @ self.head.t()  # [V, b, C]
+            k = max(1, int(feats.shape[0] * cfg.selection))
+            out = []
+            for i in range(feats.shape[1]):
+                label, ent = confident_label(logits[:, i], k, cfg.confident_mean)
+                query = feats[0, i]
+                self.memory.write(label, query, ent, cfg.replace)
+                p_mem = memory_readout(
+                    self.memory.features, self.memory.filled(), self.head, query, cfg.beta, scale
+                )
+                out.append(fuse(logits[0, i].softmax(dim=-1), p_mem, self.fusion_weight))
+            return torch.stack(out)
+
+        return self._view_features(images, reduce=predict)

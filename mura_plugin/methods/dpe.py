@@ -293,8 +293,9 @@ class DPE(Method):
         self.updates = 0  # the official ``num_avg``
 
     # -- pieces -------------------------------------------------------------------------
-    def _features(self, images: torch.Tensor) -> torch.Tensor:
-        """Normalised features ``[V, B, D]``: the image (first) and, multi-view, its views."""
+    def _features(self, images: torch.Tensor, reduce: Any = None) -> Any:
+        """Normalised features ``[V, B, D]``: the image (first) and, multi-view, its views;
+        or ``reduce`` of each chunk's (``encode_in_chunks``). Encoding counts as ``adapt``."""
         cfg = self.config
 
         def encode(views: torch.Tensor) -> torch.Tensor:
@@ -303,7 +304,9 @@ class DPE(Method):
             return feats / feats.norm(dim=-1, keepdim=True)
 
         if not self.multi_view:
-            return encode(images.unsqueeze(0))
+            with self.timed("adapt"):
+                feats = encode(images.unsqueeze(0))
+            return feats if reduce is None else reduce(feats)
         settings = SimpleNamespace(
             views=cfg.n_views,
             include_original=True,
@@ -311,7 +314,15 @@ class DPE(Method):
             flip=cfg.flip,
             augmix=self.augmix,
         )
-        return encode_in_chunks(images, settings, self.generator, encode, cfg.view_memory_mb)
+        return encode_in_chunks(
+            images,
+            settings,
+            self.generator,
+            encode,
+            cfg.view_memory_mb,
+            reduce=reduce,
+            phase=lambda: self.timed("adapt"),
+        )
 
     def _clip_logits(
         self, feats: torch.Tensor, weights: torch.Tensor, scale: float
@@ -403,14 +414,20 @@ class DPE(Method):
         return final.detach(), None if loss is None else loss.detach()
 
     def step(self, images: torch.Tensor) -> torch.Tensor:
-        with self.timed("adapt"):
-            feats = self._features(images)
-        out, losses = [], []
-        for i in range(images.shape[0]):
-            with self.timed("adapt"):
-                logits, loss = self.adapt_sample(feats[:, i])
-            out.append(logits)
-            if loss is not None:
-                losses.append(loss)
+        """The samples of each chunk of images (the view budget's) adapt and are predicted
+        in order as soon as the chunk's views are encoded."""
+        losses: list[torch.Tensor] = []
+
+        def adapt(feats: torch.Tensor) -> torch.Tensor:  # [V, b, D] -> [b, C]
+            out = []
+            for i in range(feats.shape[1]):
+                with self.timed("adapt"):
+                    logits, loss = self.adapt_sample(feats[:, i])
+                out.append(logits)
+                if loss is not None:
+                    losses.append(loss)
+            return torch.stack(out)
+
+        logits = self._features(images, reduce=adapt)
         self.last_loss = torch.stack(losses).mean() if losses else None
-        return torch.stack(out).float()
+        return logits.float()

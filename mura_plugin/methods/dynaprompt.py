@@ -316,9 +316,10 @@ class DynaPrompt(Method):
         return feats[torch.tensor(pick, device=feats.device)]
 
     # -- the loop --------------------------------------------------------------------------
-    @torch.no_grad()
-    def encode_views(self, images: torch.Tensor) -> torch.Tensor:
-        """Image features ``[V, B, D]`` of the image and its crops (frozen tower, chunked)."""
+    def encode_views(self, images: torch.Tensor, reduce: Any = None) -> Any:
+        """Image features ``[V, B, D]`` of the image and its crops (frozen tower, chunked),
+        or ``reduce`` of each chunk's (``encode_in_chunks``, with gradients: DynaPrompt's
+        episodes). Encoding counts as ``adapt`` and runs without gradients."""
         cfg = self.config
         settings = SimpleNamespace(
             views=cfg.views,
@@ -328,11 +329,20 @@ class DynaPrompt(Method):
             augmix=cfg.augmix,
         )
 
+        @torch.no_grad()
         def encode(views: torch.Tensor) -> torch.Tensor:
             with self.autocast():
                 return encode_flat(self.model.encode_image, views, cfg.chunk_views).float()
 
-        return encode_in_chunks(images, settings, self.generator, encode, cfg.view_memory_mb)
+        return encode_in_chunks(
+            images,
+            settings,
+            self.generator,
+            encode,
+            cfg.view_memory_mb,
+            reduce=reduce,
+            phase=lambda: self.timed("adapt"),
+        )
 
     def criteria(self, logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Per prompt, from its logits ``[V, P, C]`` (view 0 the original): the mean entropy
@@ -376,12 +386,18 @@ class DynaPrompt(Method):
         return out, loss.detach()
 
     def step(self, images: torch.Tensor) -> torch.Tensor:
-        with self.timed("adapt"):
-            feats = self.encode_views(images)  # [V, B, D]
-        out, losses = [], []
-        for i in range(images.shape[0]):  # online: one sample after the other
-            logits, loss = self._sample(feats[:, i])
-            out.append(logits)
-            losses.append(loss)
+        """Online, one sample after the other: the samples of each chunk of images (the
+        view budget's) as soon as the chunk's views are encoded."""
+        losses: list[torch.Tensor] = []
+
+        def adapt(feats: torch.Tensor) -> torch.Tensor:  # [V, b, D] -> [b, C]
+            out = []
+            for i in range(feats.shape[1]):
+                logits, loss = self._sample(feats[:, i])
+                out.append(logits)
+                losses.append(loss)
+            return torch.stack(out)
+
+        logits = self.encode_views(images, reduce=adapt)
         self.last_loss = torch.stack(losses).mean()
-        return torch.stack(out)
+        return logits

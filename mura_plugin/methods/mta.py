@@ -205,19 +205,25 @@ class MTA(Method):
                 with autocast_context(cfg.precision, self.device):
                     return encode_flat(self.model.encode_image, views, cfg.chunk_views).float()
 
-            feats = encode_in_chunks(images, cfg, self.generator, encode, cfg.view_memory_mb)
-            feats = feats.transpose(0, 1)  # [B, V, D]
             head = self.head.float()
-            logits = self.model.logit_scale * feats @ head.t()
-            mode, _ = mta_solve(
-                feats,
-                logits,
-                lambda_y=cfg.lambda_y,
-                lambda_q=cfg.lambda_q,
-                max_iter=cfg.max_iter,
-                tol=cfg.tol,
-                neighbours=cfg.neighbours,
-                temperature=cfg.temperature,
+
+            def solve(feats: torch.Tensor) -> torch.Tensor:  # [V, b, D] -> modes [b, D]
+                feats = feats.transpose(0, 1)  # [b, V, D]
+                logits = self.model.logit_scale * feats @ head.t()
+                return mta_solve(
+                    feats,
+                    logits,
+                    lambda_y=cfg.lambda_y,
+                    lambda_q=cfg.lambda_q,
+                    max_iter=cfg.max_iter,
+                    tol=cfg.tol,
+                    neighbours=cfg.neighbours,
+                    temperature=cfg.temperature,
+                )[0]
+
+            # each chunk's episodes are solved as soon as its views are encoded
+            mode = encode_in_chunks(
+                images, cfg, self.generator, encode, cfg.view_memory_mb, reduce=solve
             )
         with self.timed("predict"):
             return (self.model.logit_scale * mode @ head.t()).float()

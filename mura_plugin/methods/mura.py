@@ -71,7 +71,10 @@ persistence in batched mode (CRU, ``router_persist=true``): the shared router is
 once per batch, by one optimiser step on the gradient of the *sum* of the batch's
 per-sample losses (its optimiser state persists across batches), instead of once per
 sample: every sample of a batch adapts with the router as it was at the start of the batch
-and is predicted with the router after the batch's step.
+and is predicted with the router after the batch's step. When the batch runs in several
+groups (224 px), each sample's adapted copy waits for that step where ``copies_wait``
+says: on disk by default (memory stays flat in the batch), in memory, or nowhere
+(``recompute``: the episodes run again after the step); the same predictions whichever.
 ``method.episode_batching=false`` restores the sequential per-sample router updates (the
 exact CRU order, slower) for exactness studies.
 """
@@ -93,8 +96,14 @@ from mura_plugin.adapters import (
     split_vision_forward,
     vision_blocks,
 )
-from mura_plugin.methods._views import SINGLE_PROMPT, MultiViewConfig, MultiViewMethod, class_head
-from tta_bench.bounds import bounded
+from mura_plugin.methods._views import (
+    COPIES_WAIT,
+    SINGLE_PROMPT,
+    MultiViewConfig,
+    MultiViewMethod,
+    class_head,
+)
+from tta_bench.bounds import bounded, one_of
 from tta_bench.model import ZeroShotClassifier
 
 __all__ = ["MuRA", "MuRAConfig", "FUSIONS"]
@@ -110,7 +119,13 @@ FUSIONS = ("softmax", "router", "none", "softmax_layer")
 class MuRAConfig(MultiViewConfig):
     #: Options added for the mura-seed preset; at their defaults MuRA computes exactly what
     #: it did before them, so they stay out of the run key (``method_config_hash``) there.
-    hash_omit_at_default = ("scale", "crop_scale_max", "rotate_degrees", "view_memory_mb")
+    hash_omit_at_default = (
+        "scale",
+        "crop_scale_max",
+        "rotate_degrees",
+        "view_memory_mb",
+        "copies_wait",
+    )
 
     ranks: list[int] = bounded(default_factory=lambda: [4, 8, 16], ge=1)
     blocks: int = bounded(1, ge=1)  # adapt the deepest N vision blocks
@@ -135,6 +150,11 @@ class MuRAConfig(MultiViewConfig):
     #: each crop rotated about its centre by an angle uniform in +-rotate_degrees, zero fill
     #: (RandomAffine(degrees) after the crop; 0: no rotation, nothing drawn)
     rotate_degrees: float = bounded(0.0, ge=0, le=180)
+    #: Where each sample's adapted copy waits for the router's step when a batch's episodes
+    #: run in several groups (224 px): disk (a temporary file; memory stays flat in the
+    #: batch), memory (0.34 MB an image on ViT-B-32), recompute (the episodes run again
+    #: after the step: twice the adaptation's compute). Changes no cell (_views.COPIES_WAIT).
+    copies_wait: str = one_of("disk", COPIES_WAIT)
 
 
 def _detach_inputs(_module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
@@ -161,6 +181,7 @@ class MuRA(MultiViewMethod):
             )
         if not 0.0 <= cfg.rotate_degrees <= 180.0:
             raise ValueError(f"rotate_degrees must be in [0, 180], got {cfg.rotate_degrees}")
+        self.copies_wait()  # a ValueError naming the options
         blocks = vision_blocks(model.visual)
         if not 1 <= cfg.blocks <= len(blocks):
             raise ValueError(f"blocks must be in 1..{len(blocks)}, got {cfg.blocks}")

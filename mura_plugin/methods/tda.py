@@ -280,17 +280,21 @@ class TDA(Method):
             with autocast_context(cfg.precision, self.device):
                 return encode_flat(self.model.encode_image, views, cfg.chunk_views).float()
 
+        def reduce(feats: torch.Tensor) -> tuple[torch.Tensor, ...]:  # [V, b, D], per sample
+            v = feats.shape[0]
+            logits = scale * feats @ self.head.t().float()  # [V, b, C]
+            k = max(1, int(v * cfg.selection))
+            chosen = view_entropy(logits).argsort(dim=0)[:k]  # [k, b]
+            kept = logits.gather(0, chosen[..., None].expand(-1, -1, logits.shape[-1]))
+            key = feats.gather(0, chosen[..., None].expand(-1, -1, feats.shape[-1])).mean(dim=0)
+            log_mean = kept.log_softmax(dim=-1).logsumexp(dim=0) - math.log(k)
+            probs = kept.softmax(dim=-1).mean(dim=0)
+            return key, kept.mean(dim=0), -(log_mean.exp() * log_mean).sum(dim=-1), probs
+
         settings = _view_settings(cfg)
-        feats = encode_in_chunks(images, settings, self.generator, encode, cfg.view_memory_mb)
-        v = feats.shape[0]
-        logits = scale * feats @ self.head.t().float()  # [V, B, C]
-        k = max(1, int(v * cfg.selection))
-        chosen = view_entropy(logits).argsort(dim=0)[:k]  # [k, B]
-        kept = logits.gather(0, chosen[..., None].expand(-1, -1, logits.shape[-1]))
-        key = feats.gather(0, chosen[..., None].expand(-1, -1, feats.shape[-1])).mean(dim=0)
-        log_mean = kept.log_softmax(dim=-1).logsumexp(dim=0) - math.log(k)
-        probs = kept.softmax(dim=-1).mean(dim=0)
-        return key, kept.mean(dim=0), -(log_mean.exp() * log_mean).sum(dim=-1), probs
+        return encode_in_chunks(
+            images, settings, self.generator, encode, cfg.view_memory_mb, reduce=reduce
+        )
 
     @torch.no_grad()
     def step(self, images: torch.Tensor) -> torch.Tensor:

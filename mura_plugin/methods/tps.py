@@ -318,29 +318,51 @@ class TPS(Method):
         return shift.detach()
 
     def step(self, images: torch.Tensor) -> torch.Tensor:
+        """The episodes of each chunk of images (the view budget's) adapt, ``chunk_episodes``
+        at a time, and are predicted as soon as the chunk's views are encoded."""
         cfg = self.config
-        with self.timed("adapt"), torch.no_grad():
+        scale = self.model.logit_scale.detach().float()
+        losses: list[torch.Tensor] = []
 
-            def encode(views: torch.Tensor) -> torch.Tensor:
+        def encode(views: torch.Tensor) -> torch.Tensor:
+            with torch.no_grad():
                 return encode_flat(self._encode, views, len(views.flatten(0, 1)))
 
-            feats = encode_in_chunks(images, cfg, self.generator, encode, cfg.view_memory_mb)
-            b = feats.shape[1]
-        if not cfg.include_original:
+        def adapt(feats: torch.Tensor, originals: torch.Tensor) -> torch.Tensor:
+            b, out = feats.shape[1], []
+            for start in range(0, b, cfg.chunk_episodes):
+                rows = slice(start, min(b, start + cfg.chunk_episodes))
+                with self.timed("adapt"):
+                    shift = self.adapt_shifts(feats[:, rows])
+                    if cfg.steps > 0:
+                        losses.append(self.last_loss * (rows.stop - rows.start))
+                with self.timed("predict"), torch.no_grad():
+                    logits = shifted_logits(originals[None, rows], self.prototypes, shift, scale)
+                    out.append(logits[0])
+            return torch.cat(out)
+
+        if cfg.include_original:
+            out = encode_in_chunks(
+                images,
+                cfg,
+                self.generator,
+                encode,
+                cfg.view_memory_mb,
+                reduce=lambda feats: adapt(feats, feats[0]),
+                phase=lambda: self.timed("adapt"),
+            )
+        else:
+            feats = encode_in_chunks(
+                images,
+                cfg,
+                self.generator,
+                encode,
+                cfg.view_memory_mb,
+                phase=lambda: self.timed("adapt"),
+            )
             with self.timed("predict"), torch.no_grad():
                 originals = self._encode(images)
-        else:
-            originals = feats[0]
-        scale = self.model.logit_scale.detach().float()
-        out, losses = [], []
-        for start in range(0, b, cfg.chunk_episodes):
-            rows = slice(start, min(b, start + cfg.chunk_episodes))
-            with self.timed("adapt"):
-                shift = self.adapt_shifts(feats[:, rows])
-                if cfg.steps > 0:
-                    losses.append(self.last_loss * (rows.stop - rows.start))
-            with self.timed("predict"), torch.no_grad():
-                out.append(shifted_logits(originals[None, rows], self.prototypes, shift, scale)[0])
+            out = adapt(feats, originals)
         if losses:
-            self.last_loss = torch.stack(losses).sum() / b
-        return torch.cat(out).float()
+            self.last_loss = torch.stack(losses).sum() / images.shape[0]
+        return out.float()

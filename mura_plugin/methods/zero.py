@@ -153,15 +153,19 @@ class Zero(Method):
                     lambda x: self.model.encode_image(x) @ self.head.t(), views, cfg.chunk_views
                 )
 
-        cos = encode_in_chunks(images, cfg, self.generator, encode, cfg.view_memory_mb)
-        v = cos.shape[0]
         scale = float(self.model.logit_scale)
-        votes = zero_votes(cos, scale, cfg.selection)
-        k = max(1, int(v * cfg.selection))
-        logits = scale * cos.float()
-        kept = logits.gather(
-            0, view_entropy(logits).argsort(dim=0)[:k, :, None].expand(-1, -1, logits.shape[-1])
+
+        def reduce(cos: torch.Tensor) -> torch.Tensor:  # [V, b, C] -> [b, C], per sample
+            v = cos.shape[0]
+            votes = zero_votes(cos, scale, cfg.selection)
+            k = max(1, int(v * cfg.selection))
+            logits = scale * cos.float()
+            order = view_entropy(logits).argsort(dim=0)[:k, :, None]
+            kept = logits.gather(0, order.expand(-1, -1, logits.shape[-1]))
+            mean_probs = kept.softmax(dim=-1).mean(dim=0)
+            votes = votes / votes.sum(dim=-1, keepdim=True)
+            return torch.log((1 - cfg.tie_eps) * votes + cfg.tie_eps * mean_probs)
+
+        return encode_in_chunks(
+            images, cfg, self.generator, encode, cfg.view_memory_mb, reduce=reduce
         )
-        mean_probs = kept.softmax(dim=-1).mean(dim=0)
-        votes = votes / votes.sum(dim=-1, keepdim=True)
-        return torch.log((1 - cfg.tie_eps) * votes + cfg.tie_eps * mean_probs)
