@@ -24,7 +24,10 @@ RSS growth of the step (MB), seconds per image (first-call set-up included), and
 growth from batch 1. With ``--live`` each cell runs
 a second time with glibc told to return freed blocks at once
 (``MALLOC_MMAP_THRESHOLD_=131072 MALLOC_TRIM_THRESHOLD_=131072``, for that process only):
-the peak of the memory the step holds, without what the allocator keeps for reuse.
+the peak of the memory the step holds, without what the allocator keeps for reuse;
+``--only-live`` runs those cells only, and ``--warm`` first takes one step on another
+image in each of them, then ``reset()``, so that first-call state (kernel caches, the
+first backward's buffers) is in the base rather than in the growth.
 
     python benchmarks/method_cost.py --memory [--live] [--batches 1,8,32,64] [--methods tda,mura]
         [--view-memory-mb 8]
@@ -184,12 +187,16 @@ def memory_cell(
     classes: int,
     view_memory_mb: float | None = None,
     copies_wait: str | None = None,
+    warm: bool = False,
 ) -> dict[str, float]:
     """One ``step`` of ``name`` on ``batch`` random 224 px images (ViT-B-32), the first of
     the process (no warm-up: memory freed by an earlier step would be reused unseen): its
     peak RSS growth and time (first-call kernel set-up included, the same at every
     batch). ``view_memory_mb`` overrides the method's default budget, ``copies_wait``
-    MuRA's (``waited_mb``: what its copies took there, 0 when none waited). The process takes
+    MuRA's (``waited_mb``: what its copies took there, 0 when none waited). ``warm``: one
+    step on one other image first, then ``reset()``, so that first-call state (kernel
+    caches, the first backward's buffers) is in the base, not in the step's growth: only
+    meaningful where freed blocks go back to the system. The process takes
     a run's allocator policy (``reuse_large_blocks``) unless its environment sets glibc's
     (``RETURN_FREED``)."""
     import dataclasses
@@ -208,6 +215,10 @@ def memory_cell(
     method = cls(model, cfg)
     method.setup()
     images = torch.rand(batch, 3, 224, 224, generator=torch.Generator().manual_seed(0))
+    if warm:
+        method.reseed(2)
+        method.step(torch.rand(1, 3, 224, 224, generator=torch.Generator().manual_seed(1)))
+        method.reset()
     method.reseed(1)
     with PeakMemory(torch.device("cpu")) as mem:
         start = time.perf_counter()
@@ -233,6 +244,8 @@ def memory_table(
     live: bool,
     view_memory_mb: float | None = None,
     copies_wait: str | None = None,
+    warm: bool = False,
+    only_live: bool = False,
 ) -> None:
     import json
     import os
@@ -241,11 +254,11 @@ def memory_table(
 
     from tabulate import tabulate
 
-    def cell(name: str, batch: int, env: dict[str, str]) -> dict[str, float]:
+    def cell(name: str, batch: int, env: dict[str, str], warm: bool = False) -> dict[str, float]:
         code = (
             "import json, sys; sys.path.insert(0, 'benchmarks'); import method_cost as m; "
             f"print(json.dumps(m.memory_cell({name!r}, {batch}, {classes}, {view_memory_mb!r}, "
-            f"{copies_wait!r})))"
+            f"{copies_wait!r}, {warm!r})))"
         )
         out = subprocess.run(
             [sys.executable, "-c", code],
@@ -257,30 +270,43 @@ def memory_table(
         return json.loads(out.stdout.strip().splitlines()[-1])
 
     rows, policies = [], set()
+    live = live or only_live
     for name in names:
         base = base_live = None
         for batch in batches:
-            got = cell(name, batch, {})
-            policies.add(got["malloc"])
-            base = got["peak_mb"] if base is None else base
-            row = [name, batch, f"{got['peak_mb']:.0f}", f"{got['peak_mb'] - base:+.0f}",
-                   f"{got['s_per_image']:.2f}"]  # fmt: skip
-            note = f"  {name} batch {batch}: {got['peak_mb']:.0f} MB"
+            row, note, waited = [name, batch], f"  {name} batch {batch}:", "-"
+            if not only_live:
+                got = cell(name, batch, {})
+                policies.add(got["malloc"])
+                base = got["peak_mb"] if base is None else base
+                row += [f"{got['peak_mb']:.0f}", f"{got['peak_mb'] - base:+.0f}",
+                        f"{got['s_per_image']:.2f}"]  # fmt: skip
+                note += f" {got['peak_mb']:.0f} MB"
+                waited = got["waited"]
             if live:
-                held = cell(name, batch, RETURN_FREED)
+                held = cell(name, batch, RETURN_FREED, warm)
                 base_live = held["peak_mb"] if base_live is None else base_live
                 row += [f"{held['peak_mb']:.0f}", f"{held['peak_mb'] - base_live:+.0f}"]
-                note += f", {held['peak_mb']:.0f} MB returning freed blocks"
-            row.append(got["waited"])
+                note += f" {held['peak_mb']:.0f} MB returning freed blocks"
+                if only_live:
+                    row.append(f"{held['s_per_image']:.2f}")
+                waited = held["waited"]
+            row.append(waited)
             rows.append(row)
             print(note, flush=True)
     budget = "at its default" if view_memory_mb is None else view_memory_mb
     print(f"\nPeak RSS growth of one step, ViT-B-32 at 224 px, {classes} classes, "
-          f"view_memory_mb {budget}; 'peak MB' with the allocator policy of a run: "
-          f"{', '.join(sorted(policies))} (tta_bench.allocator)")  # fmt: skip
-    headers = ["method", "batch", "peak MB", "vs batch 1", "s/image"]
+          f"view_memory_mb {budget}")  # fmt: skip
+    headers = ["method", "batch"]
+    if not only_live:
+        print(f"'peak MB' with the allocator policy of a run: {', '.join(sorted(policies))} "
+              "(tta_bench.allocator)")  # fmt: skip
+        headers += ["peak MB", "vs batch 1", "s/image"]
     if live:
-        headers += ["peak MB, freed blocks returned", "vs batch 1"]
+        warmed = ", after a warm-up step" if warm else ""
+        headers += [f"peak MB, freed blocks returned{warmed}", "vs batch 1"]
+        if only_live:
+            headers.append("s/image")
     headers.append("copies waited, MB (where)")
     print(tabulate(rows, headers=headers, tablefmt="github"))
 
@@ -399,6 +425,14 @@ def main() -> None:
     parser.add_argument("--memory-classes", type=int, default=10)
     parser.add_argument("--live", action="store_true", help="--memory: also freeing at once")
     parser.add_argument(
+        "--only-live", action="store_true", help="--memory: only the cells freeing at once"
+    )
+    parser.add_argument(
+        "--warm",
+        action="store_true",
+        help="--memory: the cells freeing at once first take one step on another image",
+    )
+    parser.add_argument(
         "--view-memory-mb", type=float, help="--memory: the methods' view budget (default theirs)"
     )
     parser.add_argument(
@@ -422,7 +456,14 @@ def main() -> None:
         print(f"torch threads: {torch.get_num_threads()}")
         batches = [int(b) for b in args.batches.split(",")]
         memory_table(
-            names, batches, args.memory_classes, args.live, args.view_memory_mb, args.copies_wait
+            names,
+            batches,
+            args.memory_classes,
+            args.live,
+            args.view_memory_mb,
+            args.copies_wait,
+            warm=args.warm,
+            only_live=args.only_live,
         )
         return
     device = torch.device(args.device)

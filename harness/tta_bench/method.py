@@ -190,6 +190,16 @@ class Method(abc.ABC):
             active.discard(phase)
 
 
+def release_optimizer(optimizer: torch.optim.Optimizer) -> None:
+    """Drop ``optimizer``'s state (its moment buffers) and its references to the parameters
+    now. A torch optimiser sits in a reference cycle from its construction (frames of its
+    constructor's wrappers refer to it), so one that is only dropped lives, with its state,
+    until Python's cyclic collector runs: per-episode optimisers would pile up between
+    collections (seen as peak memory creeping over a batch's episodes)."""
+    optimizer.state.clear()
+    optimizer.param_groups.clear()
+
+
 def build_optimizer(params: list[Any], config: GradientConfig) -> torch.optim.Optimizer:
     """The config's optimiser over ``params``: tensors, or torch parameter groups (dicts with
     ``params`` and per-group settings such as ``lr``, which override the config's)."""
@@ -318,6 +328,7 @@ class GradientMethod(Method):
                 if k in snap["buffers"] and not torch.equal(b, snap["buffers"][k]):
                     b.copy_(snap["buffers"][k])
         self.load_extra_state(_clone(snap["extra"]))
+        release_optimizer(self.optimizer)
         self.optimizer = build_optimizer(self.param_groups(), self.config)
         self.scaler = self._new_scaler()
 

@@ -64,7 +64,13 @@ from torch import nn
 
 from mura_plugin.augment import ViewPlan, make_views, plan_views, render_views
 from tta_bench.bounds import bounded
-from tta_bench.method import GradientConfig, GradientMethod, build_optimizer, effective_precision
+from tta_bench.method import (
+    GradientConfig,
+    GradientMethod,
+    build_optimizer,
+    effective_precision,
+    release_optimizer,
+)
 from tta_bench.model import ZeroShotClassifier
 
 __all__ = [
@@ -712,6 +718,7 @@ class MultiViewMethod(GradientMethod):
             if not defer_shared:
                 self.loss_scaler.update(skipped)
             self.last_loss = losses.mean()
+        release_optimizer(episode_opt)
         return copies, skipped, losses
 
     def copies_wait(self) -> str:
@@ -787,6 +794,8 @@ class MultiViewMethod(GradientMethod):
                         out.append(self.predict_episode(images[rows], part))
             finally:
                 self.end_episodes()
+                # nothing of this group is alive while the next one's views are built
+                part = copies = None
         if defer:
             with self.timed("adapt"):
                 shared = self.loss_scaler.unscale(self.params)
@@ -813,6 +822,7 @@ class MultiViewMethod(GradientMethod):
                         out.append(self.predict_episode(images[rows], part))
                 finally:
                     self.end_episodes()
+                    part = copies = None
         self.last_loss = torch.cat(losses).mean()
         return torch.cat(out, dim=0)
 

@@ -115,7 +115,13 @@ from mura_plugin.methods._views import (
 )
 from mura_plugin.methods.tda import MULTI_VIEW_SETS, VIEWS, _Cache, official_templates
 from tta_bench.bounds import bounded, one_of
-from tta_bench.method import PRECISIONS, Method, autocast_context, check_precision
+from tta_bench.method import (
+    PRECISIONS,
+    Method,
+    autocast_context,
+    check_precision,
+    release_optimizer,
+)
 
 __all__ = ["DPE", "DPEConfig", "MULTI_VIEW", "SETTINGS", "info_nce", "prototypes"]
 
@@ -398,6 +404,7 @@ class DPE(Method):
             optimizer.zero_grad()
             loss.backward()
             optimizer.step()
+            release_optimizer(optimizer)
         with torch.no_grad():
             weights = text(text_res)
             keys = F.normalize(means + vis_res, dim=-1)

@@ -98,7 +98,13 @@ from mura_plugin.methods._views import (
 )
 from mura_plugin.methods.tpt import PromptTextEncoder
 from tta_bench.bounds import bounded, one_of
-from tta_bench.method import Method, autocast_context, check_precision, effective_precision
+from tta_bench.method import (
+    Method,
+    autocast_context,
+    check_precision,
+    effective_precision,
+    release_optimizer,
+)
 
 __all__ = [
     "PROMPT_RULES",
@@ -275,6 +281,10 @@ class DynaPrompt(Method):
         self.optimizer = self._new_optimizer()
 
     def _new_optimizer(self) -> torch.optim.Optimizer:
+        """A fresh AdamW over the prompt deltas; the one it replaces is released now."""
+        old = getattr(self, "optimizer", None)
+        if old is not None:
+            release_optimizer(old)
         return torch.optim.AdamW([self.delta], lr=self.lr, weight_decay=self.config.weight_decay)
 
     def trainable_parameters(self) -> list[nn.Parameter]:

@@ -101,7 +101,13 @@ from mura_plugin.methods._views import (
 )
 from tta_bench.bounds import bounded, one_of
 from tta_bench.catalog import fine_grained
-from tta_bench.method import PRECISIONS, Method, autocast_context, check_precision
+from tta_bench.method import (
+    PRECISIONS,
+    Method,
+    autocast_context,
+    check_precision,
+    release_optimizer,
+)
 from tta_bench.model import ZeroShotClassifier
 from tta_bench.templates import resolve_templates
 
@@ -315,6 +321,7 @@ class TPS(Method):
             loss.sum().backward()
             optimizer.step()
             self.last_loss = loss.detach().mean()
+        release_optimizer(optimizer)
         return shift.detach()
 
     def step(self, images: torch.Tensor) -> torch.Tensor:
