@@ -776,7 +776,13 @@ class MultiViewMethod(GradientMethod):
             episode = set(self._episode_index)
             shared_params = [p for i, p in enumerate(self.params) if i not in episode]
             before = [p.detach().clone() for p in shared_params]
-        out, skips, losses = [], [], []
+        # per-sample results in blocks allocated once, not a small tensor per group: the
+        # small blocks that outlive a group would otherwise pin the heap above the next
+        # group's transient memory, and the step's peak would creep with the batch
+        n = images.shape[0]
+        out: torch.Tensor | None = None
+        losses: torch.Tensor | None = None
+        skips = torch.zeros(n, dtype=torch.bool, device=self.device)
         for rows in groups:
             part = _slice(inputs, rows)  # a LazyViews renders the group's views once
             try:
@@ -784,14 +790,16 @@ class MultiViewMethod(GradientMethod):
                     copies, skipped, last = self.adapt_episodes(
                         part, rows.stop - rows.start, defer_shared=defer
                     )
-                losses.append(last)
+                if losses is None:
+                    losses = last.new_empty(n)
+                losses[rows] = last
                 if defer:
-                    skips.append(skipped)
+                    skips[rows] = skipped
                     if waiting is not None:
                         waiting.put(rows, copies)
                 else:
                     with self.timed("predict"):
-                        out.append(self.predict_episode(images[rows], part))
+                        out = _into(out, rows, n, self.predict_episode(images[rows], part))
             finally:
                 self.end_episodes()
                 # nothing of this group is alive while the next one's views are built
@@ -802,7 +810,7 @@ class MultiViewMethod(GradientMethod):
                 stepped = not bool(shared.any())  # a skipped step keeps the copies as set
                 if stepped:
                     self.optimizer.step()
-                self.loss_scaler.update(torch.cat(skips) | shared)
+                self.loss_scaler.update(skips | shared)
             replay = stepped and waiting is None
             after = [p.detach().clone() for p in shared_params] if replay else []
             for rows in groups:
@@ -819,12 +827,13 @@ class MultiViewMethod(GradientMethod):
                                 waiting.get(rows, copies)
                         part = self._predict_inputs(inputs, rows)
                     with self.timed("predict"):
-                        out.append(self.predict_episode(images[rows], part))
+                        out = _into(out, rows, n, self.predict_episode(images[rows], part))
                 finally:
                     self.end_episodes()
                     part = copies = None
-        self.last_loss = torch.cat(losses).mean()
-        return torch.cat(out, dim=0)
+        self.last_loss = None if losses is None else losses.mean()
+        assert out is not None  # groups is never empty
+        return out
 
     def _replay_episodes(
         self,
@@ -914,6 +923,14 @@ def _row_state(optimizer: torch.optim.Optimizer, p: torch.Tensor):
         for k, v in optimizer.state.get(p, {}).items()
         if isinstance(v, torch.Tensor) and v.shape == p.shape
     ]
+
+
+def _into(block: torch.Tensor | None, rows: slice, n: int, part: torch.Tensor) -> torch.Tensor:
+    """``part`` written into rows ``rows`` of a ``[n, ...]`` block (made on first use)."""
+    if block is None:
+        block = part.new_empty((n, *part.shape[1:]))
+    block[rows] = part
+    return block
 
 
 def _batch_size(inputs: Any) -> int:
