@@ -340,12 +340,11 @@ def encode_in_chunks(
     with timed():
         plan = plan_configured(images, cfg, generator)
     chunks = image_chunks(images.shape[0], view_bytes_per_image(images, plan), budget_mb)
-    if reduce is None:
-        if len(chunks) == 1:
-            return encoded(None)
-        return _cat([encoded(rows) for rows in chunks])
     if len(chunks) == 1:
-        return reduce(encoded(None))
+        whole = encoded(None)
+        return whole if reduce is None else reduce(whole)
+    if reduce is None:
+        return _cat([encoded(rows) for rows in chunks])
     parts = [reduce(encoded(rows)) for rows in chunks]
     if isinstance(parts[0], torch.Tensor):
         return torch.cat(parts, dim=0)
@@ -790,9 +789,7 @@ class MultiViewMethod(GradientMethod):
                     copies, skipped, last = self.adapt_episodes(
                         part, rows.stop - rows.start, defer_shared=defer
                     )
-                if losses is None:
-                    losses = last.new_empty(n)
-                losses[rows] = last
+                losses = _into(losses, rows, n, last)
                 if defer:
                     skips[rows] = skipped
                     if waiting is not None:
