@@ -42,7 +42,7 @@ Thread setting (printed): 1 CPU thread (``torch.set_num_threads(1)`` and 1 inter
 thread); the official side's PIL operations and numpy draws are single-threaded, its
 ``ToTensor``/``Normalize`` and mixing run in torch with that setting. The official loaders
 run this in ``DataLoader`` workers (several processes); per-core throughput leaves that out
-on both sides. Allocator (printed): a CPU run's policy (``tta_bench.allocator``), for
+on both sides. Allocator (printed): a CPU run's policy (``tta_bench.run.allocator``), for
 both sides in this process.
 """
 
@@ -169,7 +169,7 @@ def span(values: list[float], fmt: str = ".1f") -> str:
 
 
 def set_threads() -> str:
-    from tta_bench.allocator import reuse_large_blocks
+    from tta_bench.run.allocator import reuse_large_blocks
 
     print(f"allocator: {reuse_large_blocks()}")  # as in a CPU run
     torch.set_num_threads(1)

@@ -98,9 +98,9 @@ class Evaluator:
     seeds: tuple[int, ...]
 
     def accuracy(self, shift: str, severity: int, params: object) -> float:
-        from tta_bench.inputs import apply_shift
         from tta_bench.registry import registry
         from tta_bench.rng import SampleGenerator
+        from tta_bench.run.inputs import apply_shift
 
         module, name, _, _ = SPEC[shift]
         table = getattr(module, name)
@@ -209,8 +209,8 @@ def main(argv: list[str] | None = None) -> int:
 
     from mura_plugin.datasets.digits import digits_arrays
     from tta_bench.model import ZeroShotClassifier
-    from tta_bench.protocol import load_protocol
     from tta_bench.registry import registry
+    from tta_bench.run.protocol import load_protocol
 
     torch.set_num_threads(1)
     bundle = registry("models").get("tiny-clip-digits")()

@@ -19,7 +19,7 @@ limit for the reference (numpy, scipy, scikit-image, OpenCV, Pillow), so the com
 per core. The reference is timed on the first ``--ref-images`` images of the batch.
 
 Allocator: both sides run in one process under a run's allocator policy
-(``tta_bench.allocator.reuse_large_blocks``, printed: batch-sized blocks are reused from
+(``tta_bench.run.allocator.reuse_large_blocks``, printed: batch-sized blocks are reused from
 the heap instead of mapped afresh; ``TTA_BENCH_MALLOC=system`` measures glibc's default).
 Each size ends with the time of a fresh output batch written once, the floor under any
 batched kernel that returns a new batch (the reference's per-image arrays are small enough
@@ -35,12 +35,12 @@ import time
 import numpy as np
 import torch
 
-from tta_bench.allocator import reuse_large_blocks
+from tta_bench.run.allocator import reuse_large_blocks
 
 try:
-    from tta_bench.inputs import uint8_entry
+    from tta_bench.run.inputs import uint8_entry
 except ImportError:  # an older tree (before/after comparisons): it lived in the runner
-    from tta_bench.inputs import uint8_entry
+    from tta_bench.run.inputs import uint8_entry
 from tta_bench.registry import registry
 from tta_bench.rng import SampleGenerator
 

@@ -78,15 +78,15 @@ def run(method: str, output: Path, *overrides: str, suite: str = "digits-c") -> 
 
 
 def tables(paths: list[Path], baseline: str, by_file: bool = False) -> str:
-    from tta_bench.report import render_tables
+    from tta_bench.report.leaderboard import render_tables
 
     labels = [p.stem for p in paths] if by_file else None
     return render_tables(paths, fmt="github", baseline=baseline, labels=labels)
 
 
 def mura_vs_lora(mura: Path, lora: Path) -> str:
-    from tta_bench import stats
-    from tta_bench.results import load_results
+    from tta_bench.report import stats
+    from tta_bench.run.results import load_results
 
     a, b = load_results(mura), load_results(lora)
     cmp = stats.paired_comparison(a, b)
@@ -107,8 +107,8 @@ def mura_vs_lora(mura: Path, lora: Path) -> str:
 
 def ablation_deltas(paths: list[Path], reference: Path) -> list[str]:
     """Each ablation row minus the matched LoRA row, paired over (corruption, seed) cells."""
-    from tta_bench import stats
-    from tta_bench.results import load_results
+    from tta_bench.report import stats
+    from tta_bench.run.results import load_results
 
     if not reference.exists():
         return []
@@ -140,8 +140,8 @@ def clean_accuracy() -> float:
 
     from mura_plugin.datasets.digits import digits_arrays
     from tta_bench.model import ZeroShotClassifier
-    from tta_bench.protocol import load_protocol
     from tta_bench.registry import registry
+    from tta_bench.run.protocol import load_protocol
 
     bundle = registry("models").get("tiny-clip-digits")()
     stream = registry("datasets").get("digits")(split="test")

@@ -26,7 +26,7 @@ Checks (each gets a status; the command exits 1 unless every one passes):
   official TDA README's figures (the catalogue's ``published: tda-readme-rn50``); skipped,
   not failed, without the data or the weights.
 * ``methods``: every registered method runs one short cell (gaussian_noise, severity 5)
-  through the harness's real runner (``tta_bench.runner.run`` with a prebuilt open_clip
+  through the harness's real runner (``tta_bench.run.runner.run`` with a prebuilt open_clip
   ViT-B-16 bundle, random weights, 224 px, 1,000 ImageNet classes): images/s (over the
   whole cell, and from its second batch on), peak CUDA memory, data-wait share.
 
@@ -201,8 +201,8 @@ def _shift_case(
 ) -> dict[str, Any]:
     """One (table, severity, input) case: the kernel through the runner's ``apply_shift``
     on the CPU input and on the device input, with the same per-sample generators."""
-    from tta_bench.inputs import apply_shift
     from tta_bench.rng import SampleGenerator
+    from tta_bench.run.inputs import apply_shift
 
     outs = []
     try:
@@ -231,8 +231,9 @@ def check_shifts(
 ) -> dict[str, Any]:
     """Every kernel (``kernels``, default: the registered ones, filtered by ``names``) on
     ``device`` against the CPU for each table and severity; see the module docstring."""
-    from tta_bench.inputs import to_float_images, uint8_entry
+    from tta_bench.data import to_float_images
     from tta_bench.registry import registry
+    from tta_bench.run.inputs import uint8_entry
 
     if kernels is None:
         reg = registry("shifts")
@@ -327,11 +328,11 @@ def check_text_head(bundle: Any, device: torch.device, settings: Settings) -> di
     """Build the classifier's head on ``device`` (time, peak memory), rebuild it from the
     cache (bit-equal), and compare a subset of classes with the CPU's computation."""
     from tta_bench import text_head
-    from tta_bench.cost import PeakMemory
     from tta_bench.model import ZeroShotClassifier
+    from tta_bench.run.cost import PeakMemory
 
     names = imagenet_classnames(settings.classes)
-    from tta_bench.templates import resolve_templates
+    from tta_bench.text_head import resolve_templates
 
     templates = resolve_templates(settings.templates)
     key = text_head.head_key(bundle.clip, bundle.tokenizer, names, templates)
@@ -426,7 +427,7 @@ def check_protocol(settings: Settings, data: Path, source: Path | None) -> Any:
     ``settings.templates``; ``source`` is the declared clean source split."""
     from dataclasses import fields
 
-    from tta_bench.protocol import Protocol
+    from tta_bench.run.protocol import Protocol
 
     classnames = imagenet_classnames(settings.classes)
     templates = settings.templates
@@ -470,10 +471,10 @@ def steady_images_per_s(batch_log: Path) -> float | None:
 def run_method(
     name: str, bundle: Any, protocol: Any, device: torch.device, workdir: Path
 ) -> dict[str, Any]:
-    from tta_bench import runner
     from tta_bench.method import config_dict
     from tta_bench.registry import registry
-    from tta_bench.spec import RunSpec
+    from tta_bench.run import runner
+    from tta_bench.run.spec import RunSpec
 
     method_cls = registry("methods").get(name)
     config = method_cls.Config()
@@ -607,7 +608,7 @@ def _tf32_flags() -> dict[str, bool]:
 
 
 def environment(device: torch.device) -> dict[str, Any]:
-    from tta_bench import results
+    from tta_bench.run import results
 
     env: dict[str, Any] = {
         "device": str(device),
@@ -878,7 +879,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse_args(argv)
     from tta_bench.paths import atomic_write_text
     from tta_bench.registry import registry
-    from tta_bench.spec import resolve_device
+    from tta_bench.run.spec import resolve_device
 
     checks_wanted = _subset(args.checks, CHECKS, "checks") or list(CHECKS)
     methods = _subset(args.methods, sorted(registry("methods").names()), "methods")

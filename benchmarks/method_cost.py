@@ -19,7 +19,7 @@ ZERO and MuRA on ViT-B-32 (random weights) at 224 px with their default views (6
 original), batches of 1, 8, 32 and 64 random images (``--batches``), a ``--memory-classes``
 class head (10: TPT re-encodes its prompts per sample, and the head is not what grows).
 Each (method, batch) runs one ``step`` in a fresh process (no allocator reuse between
-cells, no warm-up; a run's allocator policy, ``tta_bench.allocator``); it prints the peak
+cells, no warm-up; a run's allocator policy, ``tta_bench.run.allocator``); it prints the peak
 RSS growth of the step (MB), seconds per image (first-call set-up included), and the
 growth from batch 1. With ``--live`` each cell runs
 a second time with glibc told to return freed blocks at once
@@ -59,9 +59,9 @@ import time
 import torch
 
 from mura_plugin.methods._views import COPIES_WAIT
-from tta_bench.cost import PeakMemory
 from tta_bench.model import ModelBundle, Preprocess, ZeroShotClassifier
 from tta_bench.registry import registry
+from tta_bench.run.cost import PeakMemory
 
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -72,7 +72,7 @@ def tiny_setting(device: torch.device) -> tuple[ZeroShotClassifier, torch.Tensor
 
     bundle = registry("models").get("tiny-clip-digits")()
     stream = registry("datasets").get("digits")(split="test")
-    from tta_bench.protocol import load_protocol
+    from tta_bench.run.protocol import load_protocol
 
     templates = list(load_protocol("digits-c").templates)
     model = ZeroShotClassifier(bundle, stream.classnames, templates).to(device)
@@ -201,7 +201,7 @@ def memory_cell(
     (``RETURN_FREED``)."""
     import dataclasses
 
-    from tta_bench.allocator import reuse_large_blocks
+    from tta_bench.run.allocator import reuse_large_blocks
 
     policy = reuse_large_blocks()["policy"]
     model, _ = vit_setting(torch.device("cpu"), classes)
@@ -300,7 +300,7 @@ def memory_table(
     headers = ["method", "batch"]
     if not only_live:
         print(f"'peak MB' with the allocator policy of a run: {', '.join(sorted(policies))} "
-              "(tta_bench.allocator)")  # fmt: skip
+              "(tta_bench.run.allocator)")  # fmt: skip
         headers += ["peak MB", "vs batch 1", "s/image"]
     if live:
         warmed = ", after a warm-up step" if warm else ""
@@ -444,7 +444,7 @@ def main() -> None:
     args = parser.parse_args()
     if args.view_memory_mb is not None and not args.view_memory_mb > 0:
         parser.error(f"--view-memory-mb must be > 0, got {args.view_memory_mb}")
-    from tta_bench.allocator import reuse_large_blocks
+    from tta_bench.run.allocator import reuse_large_blocks
 
     print(f"allocator: {reuse_large_blocks()}")  # as in a run
     if args.flops:

@@ -40,11 +40,11 @@ SEEDS = (0, 1, 2)
 def first_step_sizes() -> list[list[object]]:
     """Relative feature change of one step, per configuration (part 1)."""
     from mura_plugin.datasets.digits import digits_arrays
-    from tta_bench.inputs import apply_shift
     from tta_bench.model import ZeroShotClassifier
-    from tta_bench.protocol import load_protocol
     from tta_bench.registry import registry
     from tta_bench.rng import SampleGenerator
+    from tta_bench.run.inputs import apply_shift
+    from tta_bench.run.protocol import load_protocol
 
     torch.set_num_threads(1)
     bundle = registry("models").get("tiny-clip-digits")()
@@ -87,7 +87,7 @@ def first_step_sizes() -> list[list[object]]:
 
 
 def run_cell(out_dir: Path, name: str, method: str, overrides: list[str]) -> dict:
-    from tta_bench.results import load_results
+    from tta_bench.run.results import load_results
 
     out = out_dir / f"{name}.json"
     cmd = [sys.executable, "-m", "tta_bench.cli", "run", "--method", method, "--quiet"]
@@ -99,7 +99,7 @@ def run_cell(out_dir: Path, name: str, method: str, overrides: list[str]) -> dic
 
 
 def estimate(record: dict) -> tuple[float, float, float]:
-    from tta_bench import stats
+    from tta_bench.report import stats
 
     est = stats.suite_estimate(record)
     return 100 * est.mean, 100 * est.ci_low, 100 * est.ci_high

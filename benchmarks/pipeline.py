@@ -30,12 +30,12 @@ from typing import Any
 
 import torch
 
-from tta_bench import runner
-from tta_bench.allocator import reuse_large_blocks
 from tta_bench.method import NoConfig
-from tta_bench.protocol import load_protocol
 from tta_bench.registry import registry
-from tta_bench.spec import RunSpec
+from tta_bench.run import runner
+from tta_bench.run.allocator import reuse_large_blocks
+from tta_bench.run.protocol import load_protocol
+from tta_bench.run.spec import RunSpec
 
 
 def forward_seconds(model: torch.nn.Module, x: torch.Tensor) -> float:

@@ -83,7 +83,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from tabulate import tabulate
 
-    from tta_bench.results import load_results
+    from tta_bench.run.results import load_results
 
     files = [Path(f) for f in args.files] or sorted((ROOT / "results" / "digits-c").glob("*.json"))
     rows = []

@@ -11,7 +11,7 @@ Builds (once, under the cache dir) a synthetic folder in the published ImageNet-
   empty (the text head, 1,000 classes x one template, is encoded and written), with the
   text head cached and no decoded image, and with both warm;
 * **steady decode throughput** vs loader workers: the harness's streaming source
-  (``tta_bench.data.DecodingSource`` through ``tta_bench.loader``) against a plain
+  (``tta_bench.run.sources.DecodingSource`` through ``tta_bench.run.loader``) against a plain
   ``torch.utils.data.DataLoader`` whose workers read the same files and decode them with
   ``torchvision.io.decode_jpeg`` (the reference), median and range over ``--repeats``;
 * **disk used** by the decoded cache during the run, and **peak RSS**;
@@ -42,7 +42,7 @@ import numpy as np
 
 def corruptions() -> tuple[str, ...]:
     """The ImageNet-C corruptions in their pinned order (the suite's own list)."""
-    from tta_bench.protocol import load_protocol
+    from tta_bench.run.protocol import load_protocol
 
     return load_protocol("imagenet-c-50k").shifts
 
@@ -87,9 +87,10 @@ def time_to_first_batch(root: Path, arch: str) -> dict[str, float]:
     warm; and the decoded cache's growth over each (one batch: only what it reads)."""
     import torch
 
-    from tta_bench import data, runner
     from tta_bench.config import compose
-    from tta_bench.spec import spec_from_config
+    from tta_bench.run import cache as decoded_cache
+    from tta_bench.run import runner
+    from tta_bench.run.spec import spec_from_config
 
     cfg = compose(
         [
@@ -120,7 +121,7 @@ def time_to_first_batch(root: Path, arch: str) -> dict[str, float]:
                 ("both caches warm", False),
             ):
                 if clear_decoded:
-                    data.clear_cache()
+                    decoded_cache.clear_cache()
                 first: list[float] = []
                 disk_before = _dir_bytes(decoded) if decoded.exists() else 0
                 start = time.perf_counter()
@@ -177,10 +178,10 @@ def decode_throughput(
     """img/s of the harness's streaming source and of the plain reference, per worker count."""
     import torch
 
-    from tta_bench.data import DecodingSource
-    from tta_bench.loader import LoaderSettings, StreamBatches, make_loader
     from tta_bench.registry import registry
-    from tta_bench.stream import Batch
+    from tta_bench.run.loader import LoaderSettings, StreamBatches, make_loader
+    from tta_bench.run.sources import DecodingSource
+    from tta_bench.run.stream import Batch
 
     stream = registry("datasets").get("imagenet_c")(
         shift="gaussian_noise", severity=5, data_dir=str(root)
@@ -237,7 +238,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from tabulate import tabulate
 
-    from tta_bench.allocator import reuse_large_blocks
+    from tta_bench.run.allocator import reuse_large_blocks
 
     print(f"allocator: {reuse_large_blocks()}")  # a run's policy, for both sides
 

@@ -72,7 +72,7 @@ class SplitAttention(nn.Module):
         self.batch_first = mha.batch_first
         bias = mha.in_proj_bias is not None
         # Views of the frozen fused weights, not copies: the split costs no memory, and
-        # adapters built over a shared backbone (tta_bench.adapter) keep sharing it.
+        # adapters built over a shared backbone (tta_bench.deploy.adapter) keep sharing it.
         weight = mha.in_proj_weight.detach()
         self.q_proj, self.k_proj, self.v_proj = (
             _frozen_linear(

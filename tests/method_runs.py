@@ -34,8 +34,8 @@ def run_method(
     """The results record of ``method`` on ``max_images`` images of digits-c's contrast
     cell; ``overrides``: CLI overrides (``method.views=3``, ``protocol.batch_size=1``);
     ``tta_vlm``: under ``tta_vlm=true``."""
-    from tta_bench import runner
-    from tta_bench.resolve import resolve_run
+    from tta_bench.run import runner
+    from tta_bench.run.resolve import resolve_run
 
     args = [*CELL, f"protocol.max_images={max_images}", *overrides]
     if tta_vlm:

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 import tta_bench
-from tta_bench.adapter import Adapter, _named_tensors, method_config
 from tta_bench.cli import main
+from tta_bench.deploy.adapter import Adapter, _named_tensors, method_config
 from tta_bench.registry import RegistryError, registry
 from tta_bench.rng import stable_seed
 
@@ -243,7 +243,7 @@ def test_from_open_clip_equals_the_bundle_path(default_bundle, digits_stream, sh
 def test_preprocess_resizes_and_crops_as_the_harness_decodes(tmp_path, default_bundle):
     from PIL import Image
 
-    from tta_bench.data import to_rgb_array
+    from tta_bench.run.cache import to_rgb_array
 
     adapter = Adapter.from_bundle(default_bundle, dataset="digits", device="cpu")
     rng = np.random.default_rng(0)

@@ -10,8 +10,9 @@ import fixtures_data as fx
 import numpy as np
 import pytest
 
-from tta_bench.data import BadImageError, DataUnavailableError, cache_path, decode
+from tta_bench.data import BadImageError, DataUnavailableError
 from tta_bench.registry import registry
+from tta_bench.run.cache import cache_path, decode
 
 
 @pytest.fixture(autouse=True)
@@ -495,7 +496,7 @@ def test_decode_cache_reuse_and_bad_images(tmp_path, tmp_cache):
 
 # -- suites through the CLI ----------------------------------------------------------------
 def test_suites_pinned():
-    from tta_bench.protocol import load_protocol
+    from tta_bench.run.protocol import load_protocol
 
     for name in ("cifar10-c", "cifar100-c", "imagenet-c-5k", "imagenet-c-50k"):
         p = load_protocol(name)

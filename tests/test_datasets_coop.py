@@ -147,7 +147,7 @@ def test_imagenet_ood_domains_name_their_dataset(tmp_path):
 
 
 def test_suites_pin_the_tables():
-    from tta_bench.protocol import load_protocol
+    from tta_bench.run.protocol import load_protocol
 
     xd = load_protocol("cross-domain-10")
     assert xd.shifts == COOP_SETS and xd.severities == (1,) and xd.shift_source == "dataset"
@@ -207,7 +207,7 @@ def test_cli_cross_domain_10_end_to_end(tmp_path, tmp_cache, capsys):
 def test_validate_checks_a_dispatcher_on_its_first_domain(tmp_path):
     """``tta-bench validate dataset cross_domain`` builds its first domain (it must be given a
     shift), instead of failing on the missing argument."""
-    from tta_bench.validate import validate
+    from tta_bench.cli.validate import validate
 
     fx.coop_layout(tmp_path, "fgvc_aircraft", LABELS)
     report = validate("dataset", "cross_domain", data_dir=str(tmp_path))
@@ -218,9 +218,9 @@ def test_validate_checks_a_dispatcher_on_its_first_domain(tmp_path):
 def test_tpt_family_takes_its_official_augmix_rule_per_dataset(tmp_path, method):
     """TPT's ``augmix=len(set_id) > 1`` and the codes built on it: AugMix on a fine-grained
     domain, not on digits, where the run key of the committed results stays as it was."""
-    from tta_bench.resolve import resolve_run
-    from tta_bench.results import load_results
-    from tta_bench.resume import spec_key
+    from tta_bench.run.resolve import resolve_run
+    from tta_bench.run.results import load_results
+    from tta_bench.run.resume import spec_key
 
     fx.coop_layout(tmp_path, "dtd", LABELS)
     fx.tree(tmp_path / "imagenet-r", entry("datasets", "imagenet_r")["wnids"][:2], per_folder=1)

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from tta_bench import report
+from tta_bench.report import leaderboard as report
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = sorted(ROOT.glob(f"results/*/{report.LEADERBOARD_HTML}"))

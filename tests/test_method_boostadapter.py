@@ -213,7 +213,7 @@ def test_rules_follow_the_dataset(classifier, test_images, dataset, input_, per_
 
 
 def test_tta_vlm_settings(classifier):
-    from tta_bench import tta_vlm
+    from tta_bench.run import profiles as tta_vlm
 
     config, applied = tta_vlm.method_config(BoostAdapter, BoostAdapter.Config(), True)
     assert applied == {**BoostAdapter.tta_vlm, "augmix": True}  # AugMix: fine-grained sets

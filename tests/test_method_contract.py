@@ -130,9 +130,9 @@ def test_parameter_free_method_declares_nothing(classifier):
 def test_methods_never_receive_labels(classifier, digits_stream):
     """A method sees only what the runner hands it: its step() arguments are images only,
     and nothing reachable from the method holds the labels."""
-    from tta_bench import runner
-    from tta_bench.protocol import load_protocol
-    from tta_bench.spec import RunSpec
+    from tta_bench.run import runner
+    from tta_bench.run.protocol import load_protocol
+    from tta_bench.run.spec import RunSpec
 
     seen: list[tuple] = []
 
@@ -212,9 +212,9 @@ def test_the_light_methods_are_the_ones_sweeps_pack():
 def test_a_light_method_runs_one_forward_per_sample_and_no_backward(name, tmp_path):
     """What ``Method.light`` promises (``tta-bench sweep`` packs such jobs several to a
     task), measured by the runner's own pass counters on a short run with the defaults."""
-    from tta_bench import runner
-    from tta_bench.protocol import load_protocol
-    from tta_bench.spec import RunSpec
+    from tta_bench.run import runner
+    from tta_bench.run.protocol import load_protocol
+    from tta_bench.run.spec import RunSpec
 
     cls = registry("methods").get(name)
     spec = RunSpec(

@@ -15,7 +15,7 @@ from mura_plugin.methods.tda import IMAGENET_7, TDA
 from mura_plugin.methods.tpt import TPT, PromptTextEncoder
 from mura_plugin.methods.zero import Zero
 from mura_plugin.methods.zeroshot import ZeroShot
-from tta_bench.templates import resolve_templates
+from tta_bench.text_head import resolve_templates
 
 METHODS = [LoRA, MuRA, TPT, Zero, TDA]
 # TPT encodes its prompts itself (sequence cut after the end token, its own template

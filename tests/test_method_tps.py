@@ -20,7 +20,7 @@ from mura_plugin.methods.tps import (
     shifted_logits,
     tta_vlm_lr,
 )
-from tta_bench.templates import resolve_templates
+from tta_bench.text_head import resolve_templates
 
 FAST = {"views": 7}  # fewer views keep the tests fast; the defaults are checked separately
 

@@ -20,7 +20,7 @@ from mura_plugin.adapters import MultiRankLinear, attach_adapters, vision_blocks
 from mura_plugin.augment import make_views, random_rotations, rotate
 from mura_plugin.methods._views import configured_views
 from mura_plugin.methods.mura import MuRA
-from tta_bench.resolve import resolve_run
+from tta_bench.run.resolve import resolve_run
 
 _build = functools.partial(build_method, MuRA)
 

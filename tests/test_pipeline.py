@@ -11,12 +11,13 @@ import numpy as np
 import pytest
 import torch
 
-from tta_bench import profile, runner
-from tta_bench.loader import StreamBatches, make_loader, resolve_settings
-from tta_bench.protocol import load_protocol
 from tta_bench.registry import registry
-from tta_bench.spec import RunSpec
-from tta_bench.stream import build_stream
+from tta_bench.run import profiler as profile
+from tta_bench.run import runner
+from tta_bench.run.loader import StreamBatches, make_loader, resolve_settings
+from tta_bench.run.protocol import load_protocol
+from tta_bench.run.spec import RunSpec
+from tta_bench.run.stream import build_stream
 
 
 def _spec(loader=None, method: str = "tent", reset: str = "reset_each_shift") -> RunSpec:
@@ -66,7 +67,7 @@ def test_same_results_with_0_and_2_workers(tmp_path, default_bundle, reset):
 
 
 def test_loader_yields_the_stream_in_order_and_memmaps_travel_as_paths(tmp_path, digits_stream):
-    from tta_bench.data import ArraySource
+    from tta_bench.run.sources import ArraySource
 
     images = np.lib.format.open_memmap(
         tmp_path / "x.npy", mode="w+", dtype=np.uint8, shape=(len(digits_stream), 4, 4, 3)
@@ -171,7 +172,7 @@ def test_peak_memory_sees_a_transient_allocation(high_water_mark):
 import time
 import numpy as np
 import torch
-from tta_bench import cost
+from tta_bench.run import cost
 if not {high_water_mark!r}:
     cost._reset_high_water_mark = lambda: False
 with cost.PeakMemory(torch.device("cpu"), interval_s=0.01) as mem:
@@ -196,7 +197,7 @@ def test_jpeg_fast_decoder_gives_pils_pixels(tmp_path, mode):
 
     from PIL import Image
 
-    from tta_bench.data import _decode_jpeg, _open_raw, decode_one, to_rgb_array
+    from tta_bench.run.cache import _decode_jpeg, _open_raw, decode_one, to_rgb_array
 
     rng = np.random.default_rng(0)
     for w, h in ((224, 224), (300, 200), (57, 91)):

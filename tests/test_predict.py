@@ -80,7 +80,7 @@ def flat_dir(tmp_path_factory, classnames):
 def _adapter_replay(bundle, input_dir: Path, results: dict, method: str, reset: str, **kw):
     """What the standalone adapter predicts for the batches the job formed (same files in
     the same order, the same resets)."""
-    from tta_bench.adapter import Adapter
+    from tta_bench.deploy.adapter import Adapter
 
     adapter = Adapter.from_bundle(bundle, dataset="digits", method=method, device="cpu", **kw)
     out = {}

@@ -7,11 +7,11 @@ import hashlib
 import numpy as np
 import pytest
 
-from tta_bench import runner
-from tta_bench.protocol import RESET_POLICIES, STATEFUL, load_protocol
 from tta_bench.registry import registry
-from tta_bench.spec import RunSpec
-from tta_bench.stream import build_stream, dirichlet_order
+from tta_bench.run import runner
+from tta_bench.run.protocol import RESET_POLICIES, STATEFUL, load_protocol
+from tta_bench.run.spec import RunSpec
+from tta_bench.run.stream import build_stream, dirichlet_order
 
 POLICIES = sorted(RESET_POLICIES)
 

@@ -9,8 +9,8 @@ import json
 
 import pytest
 
-from tta_bench import report
 from tta_bench.cli import main
+from tta_bench.report import leaderboard as report
 
 
 # -- a real run, end to end --------------------------------------------------------------

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from tta_bench.rescore import recompute
+from tta_bench.run.rescore import recompute
 
 ROOT = Path(__file__).resolve().parents[1]
 

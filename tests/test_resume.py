@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from tta_bench import results, runner
-from tta_bench.protocol import load_protocol
 from tta_bench.registry import registry
-from tta_bench.resume import ResumeMismatchError
-from tta_bench.spec import RunSpec
+from tta_bench.run import results, runner
+from tta_bench.run.protocol import load_protocol
+from tta_bench.run.resume import ResumeMismatchError
+from tta_bench.run.spec import RunSpec
 
 SMALL = ["protocol.max_images=24", "protocol.batch_size=24"]
 

@@ -21,8 +21,8 @@ import numpy as np
 import pytest
 import torch
 
-from tta_bench.adapter import Adapter
-from tta_bench.serve import Limits, Service, running
+from tta_bench.deploy.adapter import Adapter
+from tta_bench.deploy.serve import Limits, Service, running
 
 pytest.importorskip("fastapi")
 

@@ -21,8 +21,8 @@ import httpx
 import numpy as np
 import pytest
 
-from tta_bench.adapter import Adapter
-from tta_bench.serve import Limits, Service, running
+from tta_bench.deploy.adapter import Adapter
+from tta_bench.deploy.serve import Limits, Service, running
 
 pytest.importorskip("fastapi")
 
@@ -295,7 +295,7 @@ def test_unreadable_token_file_exits_2(tmp_path, capsys):
 def test_token_sources(tmp_path, monkeypatch, capsys):
     """--token-file (first line, stripped) beats $TTA_BENCH_SERVE_TOKEN; --token still works
     but warns that it is visible in ps; --token with --token-file is an error."""
-    from tta_bench.serve import TOKEN_ENV, resolve_token
+    from tta_bench.deploy.serve import TOKEN_ENV, resolve_token
 
     path = tmp_path / "token"
     path.write_text("  from-file \nignored\n")
@@ -457,7 +457,7 @@ def test_multipart_parser_gives_parts_or_its_own_error_on_any_input():
     from hypothesis import HealthCheck, given, settings
     from hypothesis import strategies as st
 
-    from tta_bench.uploads import ClientError, _parse_multipart, split_uploads
+    from tta_bench.deploy.uploads import ClientError, _parse_multipart, split_uploads
 
     @settings(
         max_examples=300,

@@ -11,9 +11,10 @@ import sys
 import numpy as np
 import pytest
 
-from tta_bench import report, results, runner, samples, shard
-from tta_bench.resolve import UsageError, resolve_run
-from tta_bench.resume import ResumeMismatchError
+from tta_bench.report import leaderboard as report
+from tta_bench.run import results, runner, samples, shard
+from tta_bench.run.resolve import UsageError, resolve_run
+from tta_bench.run.resume import ResumeMismatchError
 
 #: Long: run first, so that pytest-xdist's workers share them out (tests/conftest.py).
 pytestmark = pytest.mark.slow
@@ -159,8 +160,8 @@ def test_online_and_continual_protocols_cannot_be_sharded():
 
 
 def test_the_method_seed_of_a_batch_does_not_depend_on_the_split():
-    from tta_bench.protocol import load_protocol
-    from tta_bench.stream import build_stream
+    from tta_bench.run.protocol import load_protocol
+    from tta_bench.run.stream import build_stream
 
     p = load_protocol("digits-c", reset="episodic_batch", shifts=["contrast", "fog"],
                       batch_size=7)  # fmt: skip

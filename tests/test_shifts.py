@@ -135,7 +135,8 @@ def test_uint8_entry_equals_the_float_kernel(name):
     """A kernel's optional ``from_uint8`` entry (the decoded cache's NHWC batch, no float
     pass) returns exactly what the kernel returns for ``u8 / 255``; ``apply_shift`` routes
     uint8 batches to it, or converts them for kernels without one."""
-    from tta_bench.inputs import apply_shift, to_float_images, uint8_entry
+    from tta_bench.data import to_float_images
+    from tta_bench.run.inputs import apply_shift, uint8_entry
 
     kernel = registry("shifts").get(name)
     u8 = torch.randint(0, 256, (3, 20, 24, 3), dtype=torch.uint8)
@@ -163,7 +164,7 @@ def test_uint8_entries_equal_the_kernel(name, images_per_step, monkeypatch):
     and severity (black and grey pixels in some images only; one channel; a strided
     batch)."""
     from mura_plugin.shifts import digital
-    from tta_bench.inputs import to_float_images
+    from tta_bench.data import to_float_images
 
     if images_per_step is not None:
         monkeypatch.setattr(digital, "CACHE_STEP_ELEMENTS", images_per_step * 3 * 10 * 12)
@@ -219,7 +220,7 @@ def test_generator_subset_draws_what_the_batch_draws():
 
 
 def test_jpeg_offers_the_uint8_entry():
-    from tta_bench.inputs import uint8_entry
+    from tta_bench.run.inputs import uint8_entry
 
     assert uint8_entry(registry("shifts").get("jpeg_compression")) is not None
     assert uint8_entry(registry("shifts").get("contrast")) is None

@@ -19,7 +19,8 @@ from pathlib import Path
 
 import pytest
 
-from tta_bench import report, results
+from tta_bench.report import leaderboard as report
+from tta_bench.run import results
 
 #: Long: run first, so that pytest-xdist's workers share them out (tests/conftest.py).
 pytestmark = pytest.mark.slow

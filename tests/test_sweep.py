@@ -10,9 +10,9 @@ import sys
 
 import pytest
 
-from tta_bench import results
-from tta_bench.rescore import rescore
-from tta_bench.sweep import first_job, split_seed_overrides
+from tta_bench.run import results
+from tta_bench.run.rescore import rescore
+from tta_bench.run.sweep import first_job, split_seed_overrides
 
 #: Long: run first, so that pytest-xdist's workers share them out (tests/conftest.py).
 pytestmark = pytest.mark.slow
@@ -159,7 +159,7 @@ def test_a_cluster_launcher_without_sbatch_or_an_unknown_one_exits_2(tmp_path):
 def test_a_launcher_whose_extra_is_missing_says_how_to_install_it(monkeypatch):
     import importlib.util
 
-    from tta_bench import sweep
+    from tta_bench.run import sweep
 
     real = importlib.util.find_spec
 
@@ -174,7 +174,7 @@ def test_a_launcher_whose_extra_is_missing_says_how_to_install_it(monkeypatch):
 
 
 def test_slurm_sweeps_requeue_after_a_timeout_unless_told_otherwise():
-    from tta_bench import sweep
+    from tta_bench.run import sweep
 
     assert sweep.launcher_defaults(["hydra/launcher=submitit_slurm"]) == [
         "hydra.launcher.max_num_timeout=3"

@@ -18,8 +18,8 @@ import torch
 
 from tta_bench import text_head
 from tta_bench.catalog import catalog
-from tta_bench.cost import PeakMemory
 from tta_bench.model import ModelBundle, Preprocess, ZeroShotClassifier
+from tta_bench.run.cost import PeakMemory
 
 U = 2.0**-24  # float32 unit roundoff
 

@@ -1,4 +1,4 @@
-"""The TTA-VLM option (tta_vlm=true; tta_bench.tta_vlm): TTA-VLM's single prompt, episodic
+"""The TTA-VLM option (tta_vlm=true; tta_bench.run.profiles): TTA-VLM's single prompt, episodic
 methods per image, online methods on a stream of batch size 1, and each method's own
 TTA-VLM settings, each only where the run does not set it."""
 
@@ -6,9 +6,9 @@ from __future__ import annotations
 
 import pytest
 
-from tta_bench import runner
-from tta_bench.resolve import resolve_run
-from tta_bench.tta_vlm import PROMPT
+from tta_bench.run import runner
+from tta_bench.run.profiles import PROMPT
+from tta_bench.run.resolve import resolve_run
 
 SMALL = ["protocol.shifts=[contrast]", "protocol.max_images=12", "seeds=[0]", "progress=false"]
 
@@ -111,7 +111,7 @@ def test_multi_dataset_suite_sets_augmix_per_dataset(tmp_path, tmp_cache, monkey
     _, plain = resolve_run("tpt", "vlm-15", "openclip", args, data_dir=str(data))
     # without the option TPT's own official rule gives the same per-dataset AugMix ...
     assert {d: c.augmix for d, c in plain.method_configs.items()} == {"dtd": True}
-    from tta_bench.resume import spec_key
+    from tta_bench.run.resume import spec_key
 
     # ... but the option's stream (per image, its prompt) is another protocol: another run
     assert spec_key(spec)["protocol_id"] != spec_key(plain)["protocol_id"]

@@ -64,7 +64,7 @@ def test_image_chunks_follow_the_budget():
 def test_every_view_method_has_the_budget_option():
     """Each method above exposes ``view_memory_mb``, left out of the run key at its default
     (committed cells keep their key); the list covers every method that builds views."""
-    from tta_bench.resume import method_config_hash
+    from tta_bench.run.resume import method_config_hash
 
     methods = registry("methods")
     for name in MULTI_VIEW:

@@ -70,9 +70,9 @@ def spec(
     import dataclasses
     import inspect
 
-    from tta_bench.protocol import load_protocol
     from tta_bench.registry import registry
-    from tta_bench.spec import RunSpec
+    from tta_bench.run.protocol import load_protocol
+    from tta_bench.run.spec import RunSpec
 
     config = registry("methods").get(method).Config(**(method_args or {}))
     factory = registry("models").get("tiny-clip")
@@ -99,7 +99,7 @@ def spec(
 
 def run(output: Path, *args: Any, **kwargs: Any) -> dict[str, Any]:
     """``runner.run(spec(*args, **kwargs), output)``."""
-    from tta_bench import runner
+    from tta_bench.run import runner
 
     return runner.run(spec(*args, **kwargs), Path(output))
 

@@ -11,9 +11,9 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from tta_bench.accounting import BatchCost, CellBook, non_finite
-from tta_bench.cost import PeakMemory
-from tta_bench.stream import Batch, Stream
+from tta_bench.run.accounting import BatchCost, CellBook, non_finite
+from tta_bench.run.cost import PeakMemory
+from tta_bench.run.stream import Batch, Stream
 
 DOMAINS = (("a", 1), ("b", 1))
 

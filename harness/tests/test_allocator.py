@@ -21,11 +21,11 @@ pytestmark = pytest.mark.skipif(
 # in the brk heap, where a freed block is reused instead of unmapped.
 CHILD = r"""
 import json, sys, torch
-from tta_bench.allocator import current_policy, reuse_large_blocks
+from tta_bench.run.allocator import current_policy, reuse_large_blocks
 before = current_policy()
 state = reuse_large_blocks() if sys.argv[1] in ("tune", "worker") else None
 if sys.argv[1] == "worker":  # a loader worker's initialiser, after the fork
-    from tta_bench.loader import _worker_init
+    from tta_bench.run.loader import _worker_init
     _worker_init(0, 0)
     state = current_policy()
 def in_heap(ptr):

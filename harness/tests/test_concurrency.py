@@ -9,7 +9,7 @@ import pytest
 import torch
 from filelock import FileLock
 
-from tta_bench import results, resume
+from tta_bench.run import results, resume
 
 from .helpers import cli, run, scores, strict_json, subprocess_env, tta_bench_cmd
 

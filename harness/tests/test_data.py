@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from filelock import FileLock
 
-from tta_bench import data
 from tta_bench.registry import registry
+from tta_bench.run import cache, sources
 
 from .helpers import cli, run, scores, write_folder
 
@@ -40,11 +40,11 @@ def test_the_cache_key_changes_when_a_file_is_rewritten_at_the_same_size_and_mti
     root = tmp_path / "imgs"
     files = write_folder(root)
     target = files["blue"][1]
-    first = data.decode(_folder_stream(root), 16)
+    first = cache.decode(_folder_stream(root), 16)
     assert not first.from_cache
     reread = _folder_stream(root)  # unchanged files: the same key, the entry is reused
-    old_key = data.cache_key(reread, 16)
-    assert data.decode(reread, 16).from_cache
+    old_key = cache.cache_key(reread, 16)
+    assert cache.decode(reread, 16).from_cache
     before = os.stat(target)
     time.sleep(0.05)  # a later clock tick for the change time
     _rewrite_same_size(target, 7)
@@ -53,26 +53,26 @@ def test_the_cache_key_changes_when_a_file_is_rewritten_at_the_same_size_and_mti
     assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
     assert after.st_ctime_ns != before.st_ctime_ns
     stream = _folder_stream(root)
-    assert data.cache_key(stream, 16) != old_key
-    again = data.decode(stream, 16)
+    assert cache.cache_key(stream, 16) != old_key
+    again = cache.decode(stream, 16)
     assert not again.from_cache  # the old entry is not reused
     rows = [p for name in sorted(files) for p in sorted(files[name])]  # the factory's order
     assert (again.images[rows.index(target)] == 7).all()
-    assert np.array_equal(again.images, data.decode(stream, 16, use_cache=False).images)
+    assert np.array_equal(again.images, cache.decode(stream, 16, use_cache=False).images)
 
 
 def _decode_in_child(root, ready, queue) -> None:
     stream = _folder_stream(root)
     ready.set()
-    decoded = data.decode(stream, 16)
-    path = data.cache_path(stream, 16)
+    decoded = cache.decode(stream, 16)
+    path = cache.cache_path(stream, 16)
     queue.put((decoded.from_cache, decoded.images.tobytes(), os.stat(path).st_ino))
 
 
 def test_two_processes_decoding_one_entry_decode_it_once_and_both_read_it(tmp_path, fresh_cache):
     write_folder(tmp_path / "imgs", per_class=3)
     stream = _folder_stream(tmp_path / "imgs")
-    path = data.cache_path(stream, 16)
+    path = cache.cache_path(stream, 16)
     path.parent.mkdir(parents=True, exist_ok=True)
     ctx = multiprocessing.get_context("fork")
     queue = ctx.Queue()
@@ -90,7 +90,7 @@ def test_two_processes_decoding_one_entry_decode_it_once_and_both_read_it(tmp_pa
         p.join(60)
         assert p.exitcode == 0
     assert sorted(from_cache for from_cache, _, _ in got) == [False, True]  # decoded once
-    expected = data.decode(stream, 16, use_cache=False).images.tobytes()
+    expected = cache.decode(stream, 16, use_cache=False).images.tobytes()
     assert all(images == expected for _, images, _ in got)
     assert len({inode for _, _, inode in got}) == 1  # one file, written once
 
@@ -172,18 +172,18 @@ def test_bad_images_fail_the_run_alike_naming_the_file_under_every_policy(
 def test_the_disk_budget_refuses_always_and_auto_streams_instead(
     tmp_path, folder, fresh_cache, monkeypatch, capsys
 ):
-    monkeypatch.setenv(data.BUDGET_ENV, str(1000 / 2**30))  # 1,000 bytes; 12 images need 9,216
+    monkeypatch.setenv(cache.BUDGET_ENV, str(1000 / 2**30))  # 1,000 bytes; 12 images need 9,216
     rc, _, err = cli(
         capsys, "run", "--suite", "tiny-folder", "--quiet", "--data-dir", str(folder),
         "--output", str(tmp_path / "always.json"), "cache=always",
     )  # fmt: skip
-    assert rc == 2 and data.BUDGET_ENV in err and "cache=never" in err
+    assert rc == 2 and cache.BUDGET_ENV in err and "cache=never" in err
     record = run(tmp_path / "auto.json", "zeroshot", "tiny-folder", data_dir=str(folder))
     assert record["loop"]["sources"] == ["streamed"]
-    assert data.cache_entries() == []  # nothing was written
-    monkeypatch.delenv(data.BUDGET_ENV)
+    assert cache.cache_entries() == []  # nothing was written
+    monkeypatch.delenv(cache.BUDGET_ENV)
     cached = run(tmp_path / "cached.json", "zeroshot", "tiny-folder", data_dir=str(folder))
-    assert cached["loop"]["sources"] == ["decoded"] and len(data.cache_entries()) == 1
+    assert cached["loop"]["sources"] == ["decoded"] and len(cache.cache_entries()) == 1
     assert scores(cached) == scores(record)
 
 
@@ -194,23 +194,23 @@ def test_auto_decodes_a_small_split_when_the_stream_reaches_it_not_in_setup(
     """A suite of many small domains waits for its first one only: before the first batch,
     nothing is decoded; reading domain 0's batch decodes domain 0 alone (in the loader's
     worker when there is one), with the pixels an up-front decode gives."""
-    from tta_bench.loader import LoaderSettings, StreamBatches, make_loader
-    from tta_bench.stream import Batch
+    from tta_bench.run.loader import LoaderSettings, StreamBatches, make_loader
+    from tta_bench.run.stream import Batch
 
     streams = []
     for name in ("a", "b"):
         write_folder(tmp_path / name, per_class=3)
         streams.append(_folder_stream(tmp_path / name))
-    sources = [data.open_source(s, 16, cache="auto") for s in streams]
-    assert [type(s).__name__ for s in sources] == ["CachingSource"] * 2
-    assert data.cache_entries() == []  # setup decoded nothing
+    opened = [sources.open_source(s, 16, cache="auto") for s in streams]
+    assert [type(s).__name__ for s in opened] == ["CachingSource"] * 2
+    assert cache.cache_entries() == []  # setup decoded nothing
     n = len(streams[0])
     batches = [Batch(0, np.arange(n), np.zeros(n, dtype=np.int64), False, 0)]
     labels = [s.labels for s in streams]
     settings = LoaderSettings(workers, False, 2 if workers else None, False)
-    loader = make_loader(StreamBatches(batches, sources, [0, 1], labels), settings)
+    loader = make_loader(StreamBatches(batches, opened, [0, 1], labels), settings)
     (item,) = list(loader)
-    entries = data.cache_entries()
+    entries = cache.cache_entries()
     assert len(entries) == 1 and entries[0]["name"] == streams[0].name
-    expected = data.decode(streams[0], 16, use_cache=False).images
+    expected = cache.decode(streams[0], 16, use_cache=False).images
     assert np.array_equal(np.asarray(item["images"]), expected)

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 import pytest
 
-from tta_bench import catalog, tables
+from tta_bench import catalog
 from tta_bench.config import run_config
-from tta_bench.predict import PredictJob
+from tta_bench.deploy.predict import PredictJob
 from tta_bench.registry import registry
-from tta_bench.resolve import resolve_run
+from tta_bench.report import tables
+from tta_bench.run.resolve import resolve_run
 
 from .helpers import cli
 

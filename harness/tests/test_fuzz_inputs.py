@@ -16,8 +16,8 @@ from hypothesis import strategies as st
 
 from tta_bench.bounds import Bounds, bounded, check_values
 from tta_bench.registry import RegistryError
-from tta_bench.resolve import resolve_run
-from tta_bench.results import load_results
+from tta_bench.run.resolve import resolve_run
+from tta_bench.run.results import load_results
 
 from .helpers import GOLDEN
 

@@ -1,4 +1,4 @@
-"""Images are decoded as they are stored (``tta_bench.images``): every mode PIL reads gives
+"""Images are decoded as they are stored (``tta_bench.run.images``): every mode PIL reads gives
 the 8-bit RGB its 8-bit copy gives, through every call site that decodes (``decode_rgb``
 itself, the benchmark's ``decode_one`` from a path or from bytes, ``to_rgb_array`` of a PIL
 image, ``Adapter.preprocess`` of a path); 8-bit files decode bit-identically to the old
@@ -19,7 +19,7 @@ import numpy as np
 import pytest
 from PIL import Image
 
-from tta_bench import data
+from tta_bench.run import cache
 
 S = 32  # every test image is S x S: decode_one(raw, S) neither resizes nor crops it
 #: A gradient over every 8-bit level, asymmetric (a rotation changes it).
@@ -49,7 +49,7 @@ def _over_white(rgb: np.ndarray, alpha: np.ndarray) -> np.ndarray:
 
 # -- the call sites --------------------------------------------------------------------------
 def _decode_rgb(path: Path) -> np.ndarray:
-    from tta_bench.images import decode_rgb
+    from tta_bench.run.images import decode_rgb
 
     out = decode_rgb(path)
     assert out.mode == "RGB"
@@ -57,24 +57,24 @@ def _decode_rgb(path: Path) -> np.ndarray:
 
 
 def _decode_one_path(path: Path) -> np.ndarray:
-    return data.decode_one({"bytes": None, "path": str(path)}, S)
+    return cache.decode_one({"bytes": None, "path": str(path)}, S)
 
 
 def _decode_one_bytes(path: Path) -> np.ndarray:
-    return data.decode_one({"bytes": path.read_bytes(), "path": None}, S)
+    return cache.decode_one({"bytes": path.read_bytes(), "path": None}, S)
 
 
 def _to_rgb_array(path: Path) -> np.ndarray:
     """A PIL image handed to the harness (as ``datasets`` decodes one)."""
     with Image.open(path) as img:
         img.load()
-        return data.to_rgb_array(img, S)
+        return cache.to_rgb_array(img, S)
 
 
 def _preprocess(path: Path) -> np.ndarray:
     import torch
 
-    from tta_bench.adapter import Adapter
+    from tta_bench.deploy.adapter import Adapter
 
     # preprocess reads only the model's input size and the device of the adapter
     adapter = types.SimpleNamespace(image_size=S, device=torch.device("cpu"))
@@ -293,7 +293,7 @@ def test_every_mode_decodes_to_its_8bit_rgb_copy(tmp_path, case, decoder):
 def test_the_16bit_digit_gradient_is_no_longer_clipped_white(tmp_path):
     """The reported symptom: 16-bit files clipped at 255 (most pixels white)."""
     path, _, _ = _png16(tmp_path, lambda a: a * 257)
-    got = data.decode_one({"bytes": None, "path": str(path)}, S)
+    got = cache.decode_one({"bytes": None, "path": str(path)}, S)
     assert (got == 255).mean() == pytest.approx((GRAY == 255).mean())
 
 
@@ -318,7 +318,7 @@ def _png16_bytes(colour_type: int, samples: np.ndarray) -> bytes:
 
 def test_16bit_gray_decodes_as_pil_decodes_the_same_content_as_16bit_rgb():
     """Why ``>> 8``: PIL reads 16-bit RGB PNGs by their high byte; gray must agree."""
-    from tta_bench.images import decode_rgb
+    from tta_bench.run.images import decode_rgb
 
     values = np.random.default_rng(2).integers(0, 65536, (S, S)).astype(np.uint16)
     gray = decode_rgb(_png16_bytes(0, values))
@@ -329,7 +329,7 @@ def test_16bit_gray_decodes_as_pil_decodes_the_same_content_as_16bit_rgb():
 
 @pytest.mark.parametrize("opaque", [True, False])
 def test_in_memory_palette_with_alpha_is_composited_over_white(opaque):
-    from tta_bench.images import decode_rgb
+    from tta_bench.run.images import decode_rgb
 
     img, rgb = _palette_image()
     alpha = np.full((S, S), 255, np.uint8) if opaque else (GRAY.T // 2).astype(np.uint8)
@@ -337,17 +337,17 @@ def test_in_memory_palette_with_alpha_is_composited_over_white(opaque):
     pa.putalpha(Image.fromarray(alpha, "L"))
     assert pa.mode == "PA"
     expected = rgb if opaque else _over_white(rgb, alpha)
-    for got in (np.asarray(decode_rgb(pa)), data.to_rgb_array(pa, S)):
+    for got in (np.asarray(decode_rgb(pa)), cache.to_rgb_array(pa, S)):
         assert np.abs(got.astype(int) - expected).max() <= (0 if opaque else 1)
 
 
 def test_a_decoded_image_is_upright_and_decoding_it_again_changes_nothing(tmp_path):
-    from tta_bench.images import decode_rgb
+    from tta_bench.run.images import decode_rgb
 
     path, expected, _ = _exif_jpeg(tmp_path, 6)
     once = decode_rgb(path)
     assert np.array_equal(np.asarray(decode_rgb(once)), expected)
-    assert np.array_equal(data.to_rgb_array(once, S), expected)
+    assert np.array_equal(cache.to_rgb_array(once, S), expected)
 
 
 # -- what is refused, naming the file ---------------------------------------------------------
@@ -360,18 +360,18 @@ def test_a_decoded_image_is_upright_and_decoding_it_again_changes_nothing(tmp_pa
     ],
 )
 def test_wide_images_without_an_8bit_meaning_are_refused_never_clipped(tmp_path, arr, message):
-    from tta_bench.images import ImageDecodeError, UnsupportedImageError, decode_rgb
+    from tta_bench.run.images import ImageDecodeError, UnsupportedImageError, decode_rgb
 
     path = _save(tmp_path, "wide.tif", Image.fromarray(arr))
     with pytest.raises(UnsupportedImageError, match=message) as info:
         decode_rgb(path)
     assert str(path) in str(info.value) and info.value.name == str(path)
     with pytest.raises(ImageDecodeError, match=message):  # the benchmark's path: a bad image
-        data.decode_one({"bytes": None, "path": str(path)}, S)
+        cache.decode_one({"bytes": None, "path": str(path)}, S)
 
 
 def test_unreadable_files_raise_the_modules_errors_naming_them(tmp_path):
-    from tta_bench import images
+    from tta_bench.run import images
 
     good = _save(tmp_path, "good.png", Image.fromarray(RGB))
     truncated = tmp_path / "truncated.png"
@@ -417,7 +417,7 @@ def bilevel_png(path: Path, width: int, height: int) -> Path:
 
 @pytest.mark.filterwarnings("ignore::PIL.Image.DecompressionBombWarning")  # read_header's open
 def test_the_header_check_reads_the_size_without_decoding(tmp_path, monkeypatch):
-    from tta_bench.images import ImageHeader, ImageTooLargeError, decode_rgb, read_header
+    from tta_bench.run.images import ImageHeader, ImageTooLargeError, decode_rgb, read_header
 
     big = bilevel_png(tmp_path / "huge.png", 12000, 12000)
     assert big.stat().st_size < 64_000
@@ -457,7 +457,7 @@ def test_the_header_check_reads_the_size_without_decoding(tmp_path, monkeypatch)
 
 # -- 8-bit files: bit-identical to the old path (the committed results do not change) ---------
 def _old_to_rgb_array(image, size: int) -> np.ndarray:
-    """``to_rgb_array`` before tta_bench.images (convert("RGB"), then resize and crop)."""
+    """``to_rgb_array`` before tta_bench.run.images (convert("RGB"), then resize and crop)."""
     if not isinstance(image, Image.Image):
         arr = np.asarray(image)
         if arr.dtype == np.uint8 and arr.shape == (size, size, 3):
@@ -475,10 +475,10 @@ def _old_to_rgb_array(image, size: int) -> np.ndarray:
 
 
 def _old_decode_one(raw: dict, size: int) -> np.ndarray:
-    """``decode_one`` before tta_bench.images: JPEG magic -> torchvision, else PIL."""
+    """``decode_one`` before tta_bench.run.images: JPEG magic -> torchvision, else PIL."""
     body = raw["bytes"] if raw["bytes"] is not None else Path(raw["path"]).read_bytes()
     if body[:2] == b"\xff\xd8":
-        fast = data._decode_jpeg(body)
+        fast = cache._decode_jpeg(body)
         if fast is not None:
             return _old_to_rgb_array(fast, size)
     img = Image.open(io.BytesIO(body))
@@ -489,7 +489,7 @@ def _old_decode_one(raw: dict, size: int) -> np.ndarray:
 def test_8bit_rgb_and_l_png_and_baseline_jpeg_decode_bit_identically_to_the_old_path(tmp_path):
     import datasets
 
-    from tta_bench.images import decode_rgb, is_plain_jpeg
+    from tta_bench.run.images import decode_rgb, is_plain_jpeg
 
     rng = np.random.default_rng(1)
     files = []
@@ -510,9 +510,9 @@ def test_8bit_rgb_and_l_png_and_baseline_jpeg_decode_bit_identically_to_the_old_
         for size in (32, 24, 224):
             raw = {"bytes": body, "path": None}
             want = _old_decode_one(raw, size)
-            assert np.array_equal(data.decode_one(raw, size), want), (label, size)
+            assert np.array_equal(cache.decode_one(raw, size), want), (label, size)
             assert np.array_equal(
-                data.to_rgb_array(old_pil, size), _old_to_rgb_array(old_pil, size)
+                cache.to_rgb_array(old_pil, size), _old_to_rgb_array(old_pil, size)
             )
     # images stored in a datasets.Image column (as the digits of the default suite are)
     arrays = [(rng.random((32, 32, 3)) * 255).astype(np.uint8) for _ in range(6)]
@@ -520,18 +520,18 @@ def test_8bit_rgb_and_l_png_and_baseline_jpeg_decode_bit_identically_to_the_old_
         {"image": arrays}, features=datasets.Features({"image": datasets.Image()})
     ).cast_column("image", datasets.Image(decode=False))
     for raw, arr in zip(ds["image"], arrays):
-        assert np.array_equal(data.decode_one(raw, 32), arr)
-        assert np.array_equal(data.decode_one(raw, 32), _old_decode_one(raw, 32))
+        assert np.array_equal(cache.decode_one(raw, 32), arr)
+        assert np.array_equal(cache.decode_one(raw, 32), _old_decode_one(raw, 32))
 
 
 def test_the_decoded_cache_key_follows_the_decoding_rules(monkeypatch):
-    from tta_bench import images
     from tta_bench.registry import registry
+    from tta_bench.run import images
 
     stream = registry("datasets").get("synthetic")(per_class=1)
-    before = data.cache_key(stream, 16)
+    before = cache.cache_key(stream, 16)
     monkeypatch.setattr(images, "DECODE_VERSION", "rgb8/vNext")
-    assert data.cache_key(stream, 16) != before
+    assert cache.cache_key(stream, 16) != before
 
 
 # -- hostile bytes ----------------------------------------------------------------------------
@@ -575,7 +575,7 @@ def test_hostile_bytes_give_an_array_or_the_modules_error_naming_the_file():
     from hypothesis import given, settings
     from hypothesis import strategies as st
 
-    from tta_bench.images import ImageDecodeError, decode_rgb, read_header
+    from tta_bench.run.images import ImageDecodeError, decode_rgb, read_header
 
     mutated = st.builds(
         _mutate,
@@ -599,7 +599,7 @@ def test_hostile_bytes_give_an_array_or_the_modules_error_naming_the_file():
             tried["decoded"] += 1
         # the benchmark's decoder raises only the errors its callers record as bad images
         with contextlib.suppress(OSError, ValueError, SyntaxError):
-            data.decode_one({"bytes": body, "path": "upload.bin"}, 8)
+            cache.decode_one({"bytes": body, "path": "upload.bin"}, 8)
 
     check()
     total = tried["decoded"] + tried["refused"]
@@ -614,7 +614,7 @@ def test_the_header_walk_agrees_with_pils_parse(monkeypatch):
     """``is_plain_jpeg``'s marker walk answers True only where PIL's header parse does, on
     baseline, grey, 4:4:4, restart-marker, progressive, CMYK, EXIF-oriented and upright
     EXIF files, and truncated or non-JPEG bytes."""
-    from tta_bench import images
+    from tta_bench.run import images
 
     rng = np.random.default_rng(0)
     arr = (rng.random((40, 56, 3)) * 255).astype(np.uint8)
@@ -648,7 +648,7 @@ def test_to_float_images_is_the_plain_conversion_bit_for_bit():
     channels and for a strided view of the bytes."""
     import torch
 
-    from tta_bench.inputs import to_float_images
+    from tta_bench.data import to_float_images
 
     g = torch.Generator().manual_seed(0)
     u8 = torch.randint(0, 256, (3, 7, 9, 3), dtype=torch.uint8, generator=g)

@@ -9,10 +9,11 @@ import numpy as np
 import pytest
 import torch
 
-from tta_bench.data import ArraySource, BadImageError, DecodingSource
-from tta_bench.loader import LoaderSettings, StreamBatches, make_loader
+from tta_bench.data import BadImageError
 from tta_bench.registry import registry
-from tta_bench.stream import Batch
+from tta_bench.run.loader import LoaderSettings, StreamBatches, make_loader
+from tta_bench.run.sources import ArraySource, DecodingSource
+from tta_bench.run.stream import Batch
 
 from .helpers import run, scores
 

@@ -1,4 +1,4 @@
-"""Experiment trackers (``logger=[...]``, ``tta_bench.loggers``) against the real libraries:
+"""Experiment trackers (``logger=[...]``, ``tta_bench.run.trackers``) against the real libraries:
 each run's cells, config and artifacts are read back from what W&B (offline), MLflow (a
 local file store) and TensorBoard (event files) wrote. Bad names and missing extras are
 refused before anything is built; no tracker is imported unless chosen; a resumed run
@@ -18,7 +18,7 @@ from typing import Any
 import pytest
 
 import tta_bench
-from tta_bench import loggers
+from tta_bench.run import trackers as loggers
 
 from .helpers import cli, run, spec, strict_json, subprocess_env
 
@@ -77,7 +77,7 @@ def test_a_missing_extra_is_refused_before_anything_is_built(tmp_path, monkeypat
 
 
 def test_the_choice_reaches_the_spec_checked_and_once_each():
-    from tta_bench.resolve import resolve_run
+    from tta_bench.run.resolve import resolve_run
 
     pytest.importorskip("tensorboard")
     pytest.importorskip("wandb")
@@ -282,7 +282,7 @@ def test_mlflow_params_are_cut_to_mlflows_limits():
 def test_a_failed_run_closes_the_mlflow_run_as_failed_with_the_cells_it_finished(
     tmp_path, mlflow_store
 ):
-    from tta_bench import runner
+    from tta_bench.run import runner
 
     seen = []
 
@@ -394,7 +394,7 @@ def test_a_tracker_failing_mid_run_costs_no_results(tmp_path, monkeypatch, warni
 
 
 def test_a_single_logger_needs_no_brackets():
-    from tta_bench.resolve import resolve_run
+    from tta_bench.run.resolve import resolve_run
 
     _, spec = resolve_run("norm_tent", overrides=["seeds=[0]", "logger=tensorboard"])
     assert spec.loggers == ["tensorboard"]

@@ -10,8 +10,11 @@ import json
 
 import pytest
 
-from tta_bench import catalog, metrics, report, results, tables
-from tta_bench.metric_columns import MetricColumn, column, table_columns
+from tta_bench import catalog, metrics
+from tta_bench.report import leaderboard as report
+from tta_bench.report import tables
+from tta_bench.report.columns import MetricColumn, column, table_columns
+from tta_bench.run import results
 
 from .helpers import GOLDEN
 

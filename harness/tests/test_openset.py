@@ -1,4 +1,4 @@
-"""Open-set evaluation (``tta_bench.openset``): the detection metrics against values worked
+"""Open-set evaluation (``tta_bench.run.openset``): the detection metrics against values worked
 out by hand, the closed-set metrics on the in-distribution rows only, the OOD option of the
 protocol (id, overrides, bad values) and a run that mixes an OOD set into the stream."""
 
@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 import torch
 
-from tta_bench import metrics, openset
+from tta_bench import metrics
+from tta_bench.run import openset
 
 from .helpers import cli, run
 
@@ -89,7 +90,7 @@ def test_ece20_is_ctpt_binning():
 
 
 def test_protocol_ood_id_and_overrides():
-    from tta_bench.protocol import load_protocol
+    from tta_bench.run.protocol import load_protocol
 
     plain = load_protocol("tiny-shifts")
     half = load_protocol("tiny-shifts", ood_dataset="synthetic", ood_ratio=0.5)
@@ -151,7 +152,7 @@ def test_mix_counts_rows_and_refuses_too_few():
 def test_open_set_run_scores_known_rows_and_detection(tmp_path):
     """The colour oracle classifies every known row right: an accuracy of 1.0 shows the OOD
     rows are left out of it; the detection metrics equal those of the stored logits."""
-    from tta_bench import samples
+    from tta_bench.run import samples
 
     protocol = {
         "ood_dataset": "synthetic",

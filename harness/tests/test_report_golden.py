@@ -14,8 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from tta_bench import plots, report
 from tta_bench.cli import main
+from tta_bench.report import leaderboard as report
+from tta_bench.report import plots
 
 from .helpers import GOLDEN
 

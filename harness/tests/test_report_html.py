@@ -1,5 +1,5 @@
 """The leaderboard page (``report.leaderboard_html``, the Jinja2 template
-``tta_bench/templates_html/leaderboard.html.j2``) from the fixed results in
+``tta_bench/report/templates_html/leaderboard.html.j2``) from the fixed results in
 ``harness/tests/golden/``: self-contained (no script, style or font fetched), the summary
 with the columns a reader decides by and the cost details one click away, the per-shift
 table in its own scrolling box with the method column fixed, families and provenance
@@ -16,7 +16,9 @@ from pathlib import Path
 
 import pytest
 
-from tta_bench import catalog, plots, report
+from tta_bench import catalog
+from tta_bench.report import leaderboard as report
+from tta_bench.report import plots
 
 from .helpers import GOLDEN
 

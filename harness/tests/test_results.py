@@ -9,8 +9,8 @@ import threading
 import pytest
 from filelock import FileLock
 
-from tta_bench import results
-from tta_bench.schema import ResultsFormatError
+from tta_bench.run import results
+from tta_bench.run.schema import ResultsFormatError
 
 from .helpers import cli, run, scores, strict_json
 
@@ -205,7 +205,7 @@ def test_fields_added_at_a_behaviour_preserving_default_stay_out_of_the_run_key(
     while it holds its default, and changes the key at any other value."""
     import dataclasses
 
-    from tta_bench.resume import method_config_hash
+    from tta_bench.run.resume import method_config_hash
 
     @dataclasses.dataclass
     class Before:

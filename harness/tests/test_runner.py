@@ -15,8 +15,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from tta_bench import results
 from tta_bench.model import ZeroShotClassifier
+from tta_bench.run import results
 
 from .helpers import (
     run,

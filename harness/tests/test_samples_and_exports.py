@@ -12,7 +12,9 @@ import numpy as np
 import pyarrow.parquet as pq
 import pytest
 
-from tta_bench import metrics, rescore, samples, stats
+from tta_bench import metrics
+from tta_bench.report import stats
+from tta_bench.run import rescore, samples
 
 from .helpers import GOLDEN, cli
 

@@ -10,8 +10,9 @@ import numpy as np
 import pytest
 import torch
 
-from tta_bench import metrics, stats
+from tta_bench import metrics
 from tta_bench.registry import RegistryError, registry, reset_registries
+from tta_bench.report import stats
 
 from .helpers import GOLDEN
 

@@ -10,7 +10,8 @@ import os
 
 import pytest
 
-from tta_bench import report, stats, tables
+from tta_bench.report import leaderboard as report
+from tta_bench.report import stats, tables
 
 from .helpers import GOLDEN
 

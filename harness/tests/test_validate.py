@@ -65,7 +65,7 @@ def _failed(out: str) -> list[str]:
 def test_the_test_plugins_components_pass_every_check(capsys, kind, name):
     rc, out, err = cli(capsys, "validate", kind, name)
     assert rc == 0, out + err
-    from tta_bench.validate import kind_of
+    from tta_bench.cli.validate import kind_of
 
     assert out.startswith(f"validate {kind_of(kind)} {name} (")
     assert not _failed(out)
@@ -383,7 +383,7 @@ def test_a_component_that_fails_its_load_time_check_is_a_fail(capsys, add):
 
 def test_the_shared_checks_run_on_any_classifier(plugin_classifier):
     """``method_checks`` is a function the command and tests share."""
-    from tta_bench.validate import PASS, method_checks
+    from tta_bench.cli.validate import PASS, method_checks
 
     classifier, images = plugin_classifier
     checks = method_checks(registry("methods").get("norm_tent"), classifier, images)
@@ -393,8 +393,8 @@ def test_the_shared_checks_run_on_any_classifier(plugin_classifier):
 @pytest.fixture()
 def plugin_classifier() -> tuple[Any, torch.Tensor]:
     """The test plugin's classifier and the images ``validate`` runs methods on."""
+    from tta_bench.cli.validate import sample
     from tta_bench.model import ZeroShotClassifier
-    from tta_bench.validate import sample
 
     s = sample()
     return ZeroShotClassifier(s.bundle, s.classnames, s.templates), s.images

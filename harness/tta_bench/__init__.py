@@ -20,7 +20,7 @@ def __getattr__(name: str):
 
         return evaluate
     if name == "Adapter":
-        from tta_bench.adapter import Adapter
+        from tta_bench.deploy.adapter import Adapter
 
         return Adapter
     raise AttributeError(f"module 'tta_bench' has no attribute {name!r}")

@@ -8,5 +8,5 @@ try:
     __version__ = version("tta-bench")
 except PackageNotFoundError:  # a source tree on sys.path without an install
     __version__ = "0+unknown"
-#: Version of the results-file schema (``tta_bench.schema``).
+#: Version of the results-file schema (``tta_bench.run.schema``).
 SCHEMA_VERSION = 2

@@ -6,11 +6,11 @@
 
 The config is composed exactly as the CLI composes it (``tta_bench.config.compose``:
 Hydra overrides, unknown keys are errors), turned into a ``RunSpec``
-(``tta_bench.spec.spec_from_config``) and run (``tta_bench.runner.run``), so the record is
+(``tta_bench.run.spec.spec_from_config``) and run (``tta_bench.run.runner.run``), so the record is
 the one ``tta-bench run`` writes for the same arguments. Bad input raises ``ValueError``
 (or ``tta_bench.registry.RegistryError`` for unknown names), naming the value and the options.
 
-For adapting your own model outside a suite, see ``tta_bench.adapter.Adapter``.
+For adapting your own model outside a suite, see ``tta_bench.deploy.adapter.Adapter``.
 """
 
 from __future__ import annotations
@@ -45,8 +45,8 @@ def evaluate(
     on the command line (``method.lr=1e-3``, ``protocol.max_images=32``, ``model.arch=...``).
     ``seeds``: default the config's (``[0, 1, 2]``). ``output``: the results JSON to write (and
     resume from, as the CLI does); None runs into a temporary file that is removed after."""
-    from tta_bench import runner
-    from tta_bench.resolve import check_output, resolve_run
+    from tta_bench.run import runner
+    from tta_bench.run.resolve import check_output, resolve_run
 
     _check_arguments(method, suite, model, overrides, seeds)
     overrides = [str(o) for o in overrides]

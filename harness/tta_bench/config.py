@@ -36,9 +36,9 @@ class ProtocolOverrides:
     dirichlet_delta: Optional[float] = bounded(None, gt=0)
     #: ``INDEX/COUNT``: run only part INDEX of COUNT of every cell (the batches whose number
     #: is INDEX mod COUNT), for reset policies episodic_batch/episodic_sample only; the parts
-    #: are combined exactly by ``tta-bench merge`` (``tta_bench.shard``). Not part of the id.
+    #: are combined exactly by ``tta-bench merge`` (``tta_bench.run.shard``). Not part of the id.
     shard: Optional[str] = None
-    #: Open-set evaluation (``tta_bench.openset``): an out-of-distribution dataset mixed into
+    #: Open-set evaluation (``tta_bench.run.openset``): an out-of-distribution dataset mixed into
     #: every test split (its labels never reach the method), its arguments, its share of the
     #: stream in (0, 1), the seed choosing its images, and the OOD score (msp | energy).
     #: Part of the id.
@@ -51,7 +51,7 @@ class ProtocolOverrides:
 
 @dataclass
 class LoaderConfig:
-    """DataLoader settings (``tta_bench.loader``); ``null`` = chosen for the device.
+    """DataLoader settings (``tta_bench.run.loader``); ``null`` = chosen for the device.
 
     Defaults: no worker processes on the CPU, up to 4 on an accelerator; pinned memory on
     CUDA only; prefetch factor 2 with workers; no persistent workers (one pass per run).
@@ -91,12 +91,12 @@ class RunConfig:
     #: Also record each cell's accuracy per class.
     per_class_accuracy: bool = False
     #: Per-sample outputs beside the results file (``<stem>.samples/``, one Parquet file
-    #: per cell; ``tta_bench.samples``): false, true (label, prediction, top-k classes and
+    #: per cell; ``tta_bench.run.samples``): false, true (label, prediction, top-k classes and
     #: probabilities) or logits (also the full logits, which ``tta-bench rescore`` needs).
     log_samples: Any = False
     #: Classes listed per sample with ``log_samples``.
     log_samples_top_k: int = bounded(5, ge=1)
-    #: Experiment trackers that receive the run as it goes (``tta_bench.loggers``): any of
+    #: Experiment trackers that receive the run as it goes (``tta_bench.run.trackers``): any of
     #: wandb, mlflow, tensorboard; none by default (no tracker is imported unless chosen).
     logger: list[str] = field(default_factory=list)
     #: Count FLOPs per sample (torch.utils.flop_counter) on each cell's first batch.
@@ -106,7 +106,7 @@ class RunConfig:
     #: Skip the cells already in ``output`` when it exists and holds the same run
     #: (model, method + config hash, protocol id); false starts the file afresh.
     resume: bool = True
-    #: TTA-VLM's protocol and settings (``tta_bench.tta_vlm``): the single prompt "a photo
+    #: TTA-VLM's protocol and settings (``tta_bench.run.profiles``): the single prompt "a photo
     #: of a {}.", episodic methods per image, online ones on a stream of batch size 1,
     #: AugMix on fine-grained sets, and TTA-VLM's departures from the official code.
     tta_vlm: bool = False

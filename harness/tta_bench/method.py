@@ -98,7 +98,7 @@ class Method(abc.ABC):
     #: The official code turns AugMix on for the fine-grained sets only (TPT's
     #: ``augmix=len(set_id) > 1``): where a run leaves the config's ``augmix`` at its
     #: default, each domain's dataset decides (its catalogue entry's ``fine_grained``;
-    #: ``tta_bench.spec``), per dataset on a suite of several.
+    #: ``tta_bench.run.spec``), per dataset on a suite of several.
     augmix_on_fine_grained: ClassVar[bool] = False
     #: Set by the runner before ``setup()``: how many samples the method sees until its
     #: next reset by the protocol (a schedule over the stream needs it, e.g. OnZeta's).

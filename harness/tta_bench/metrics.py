@@ -3,7 +3,7 @@ reach the method). A metric is ``fn(logits [N, C] float, labels [N] int64) -> fl
 
 Built in: ``accuracy`` (fraction), ``nll`` (nats), ``ece`` (15 equal-width confidence
 bins, a fraction), ``ece20`` (C-TPT's 20 bins), and the open-set metrics ``auroc``, ``aupr``,
-``fpr95`` (``tta_bench.openset``; computed only in cells that hold out-of-distribution
+``fpr95`` (``tta_bench.run.openset``; computed only in cells that hold out-of-distribution
 rows, where the others score the in-distribution rows alone), registered through the
 ``tta_bench.metrics`` entry-point group like any plugin's metric (each one is computed for
 every cell and stored under its name); in-process metrics go through ``register_metric``.
@@ -111,7 +111,7 @@ def all_metrics() -> dict[str, Metric]:
 
 def is_open_set(fn: Metric) -> bool:
     """Whether metric ``fn`` scores out-of-distribution detection (``fn.open_set``): it takes
-    the whole cell, label -1 marking the OOD rows, and ``score=`` (``tta_bench.openset``)."""
+    the whole cell, label -1 marking the OOD rows, and ``score=`` (``tta_bench.run.openset``)."""
     return bool(getattr(fn, "open_set", False))
 
 

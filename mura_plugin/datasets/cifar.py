@@ -22,7 +22,7 @@ import numpy as np
 
 from mura_plugin.datasets import _common as c
 from tta_bench.data import DataUnavailableError, DomainStream
-from tta_bench.templates import resolve_templates
+from tta_bench.text_head import resolve_templates
 
 __all__ = ["cifar10", "cifar100", "cifar10_c", "cifar100_c", "CORRUPTIONS", "EXTRA_CORRUPTIONS"]
 

@@ -47,7 +47,7 @@ from typing import Any
 
 from mura_plugin.datasets import _common as c
 from tta_bench.data import DataUnavailableError, DomainStream
-from tta_bench.templates import resolve_templates
+from tta_bench.text_head import resolve_templates
 
 __all__ = [
     "COOP_SETS",

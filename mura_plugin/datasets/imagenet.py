@@ -24,7 +24,7 @@ import numpy as np
 from mura_plugin.datasets import _common as c
 from mura_plugin.datasets.cifar import CORRUPTIONS, EXTRA_CORRUPTIONS, SEVERITIES
 from tta_bench.data import DataUnavailableError, DomainStream
-from tta_bench.templates import resolve_templates
+from tta_bench.text_head import resolve_templates
 
 __all__ = [
     "imagenet",

@@ -57,7 +57,7 @@ online_method/boostadapter.py, online_tta.py) departs from it (``tta_vlm``):
   ``-sum p log(p + 1e-5)`` (the view ranking keeps the exact entropy);
 * ``default_delta=1``: its ImageNet ('I') delta, which the uncovered sets take here.
 
-Not in ``tta_vlm``, set by the harness's option itself (``tta_bench.tta_vlm``): AugMix on
+Not in ``tta_vlm``, set by the harness's option itself (``tta_bench.run.profiles``): AugMix on
 its fine-grained sets (``AugMixAugmenter(..., augmix=len(dset) > 1)``: ``augmix`` follows
 the catalogue's ``fine_grained``), its single prompt "a photo of a {}." (``--ctx_init
 a_photo_of_a``, as the protocol's templates) and its stream of batch size 1. Its cache

@@ -44,7 +44,7 @@ TTA-VLM (``tta_vlm = {}``): its ``solve_mta`` is the official one line for line 
 lambdas, bandwidth rule, iterations and stopping rule); the only departure is its view
 pipeline, AugMix on the fine-grained sets (``augmix=len(set_id) > 1`` for every method),
 which the harness's TTA-VLM option already applies to every config with an ``augmix``
-field (``tta_bench.tta_vlm``), and its head, the single prompt, which the option sets as
+field (``tta_bench.run.profiles``), and its head, the single prompt, which the option sets as
 the protocol's templates.
 
 What differs and why:

@@ -38,7 +38,7 @@ online_method/onzeta.py, online_tta.py) departs from it (``tta_vlm``):
   checked).
 
 Not carried: its alpha 0 on Caltech101 (not in this harness). Set by the harness's option
-itself (``tta_bench.tta_vlm``): its single prompt "a photo of a {}." (CoOp-style
+itself (``tta_bench.run.profiles``): its single prompt "a photo of a {}." (CoOp-style
 ``--ctx_init a_photo_of_a``, as the protocol's templates) and its stream of batch size 1.
 Its updates run under fp16 autocast (the official: float32).
 

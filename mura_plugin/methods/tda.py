@@ -82,7 +82,7 @@ from mura_plugin.methods._views import (
 )
 from tta_bench.bounds import bounded
 from tta_bench.method import Method, autocast_context, check_precision
-from tta_bench.templates import resolve_templates
+from tta_bench.text_head import resolve_templates
 
 __all__ = ["TDA", "TDAConfig", "VIEWS", "official_templates", "uses_views"]
 

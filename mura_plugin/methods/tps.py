@@ -109,7 +109,7 @@ from tta_bench.method import (
     release_optimizer,
 )
 from tta_bench.model import ZeroShotClassifier
-from tta_bench.templates import resolve_templates
+from tta_bench.text_head import resolve_templates
 
 __all__ = [
     "TPS",

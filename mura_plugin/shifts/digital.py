@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from mura_plugin.shifts._ops import in_image_steps, rgb_to_gray
 from mura_plugin.shifts._params import check_images, severity_param
-from tta_bench.inputs import to_float_images
+from tta_bench.data import to_float_images
 from tta_bench.rng import SampleGenerator
 
 __all__ = [

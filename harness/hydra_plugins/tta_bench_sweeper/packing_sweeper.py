@@ -1,6 +1,6 @@
 """The sweeper of ``tta-bench sweep``: Hydra's basic sweeper, with light jobs packed.
 
-Before each batch of jobs goes to the launcher, ``tta_bench.sweep.pack_jobs`` folds the
+Before each batch of jobs goes to the launcher, ``tta_bench.run.sweep.pack_jobs`` folds the
 light jobs (``Method.light``: one forward pass per sample, no backward) that differ only
 in method and seeds into tasks of up to ``pack`` jobs; the plan is written to
 ``<sweep dir>/jobs/packs.json``, where each task reads the jobs packed into it. Hydra finds
@@ -24,7 +24,7 @@ class PackingSweeper(BasicSweeper):
 
     def get_job_batch(self) -> Any:
         from tta_bench.paths import atomic_write_text
-        from tta_bench.sweep import PACKS, pack_jobs
+        from tta_bench.run.sweep import PACKS, pack_jobs
 
         batch, plan = pack_jobs(super().get_job_batch(), self.pack)
         self.plan.update(plan)

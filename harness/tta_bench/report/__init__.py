@@ -1,0 +1,2 @@
+"""Reporting: tables, machine-readable exports, statistics, plots and the leaderboard,
+rendered from results files only."""

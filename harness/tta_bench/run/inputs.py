@@ -1,0 +1,344 @@
+"""Input preparation: what the evaluation loop hands a method, batch by batch.
+
+``RunInputs.build`` resolves the protocol's domains to dataset splits (the clean split for
+synthetic shifts; one split per domain for datasets that serve their own domains), opens one
+``Source`` per distinct split (``tta_bench.data``: decoded cache or on-demand decoding, by
+the cache policy), loads the shift kernels, and builds the zero-shot classifier of every
+label set with the protocol's text head. ``loader(plan)`` yields the plan's batches in
+stream order (``tta_bench.run.loader``); ``prepare(item, batch, stream, seed)`` moves one to
+the device, converts it to float in [0, 1] and corrupts it there, seeded per sample.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import torch
+
+from tta_bench.data import DomainStream, to_float_images
+from tta_bench.model import ZeroShotClassifier
+from tta_bench.registry import registry
+from tta_bench.rng import GeneratorPool, SampleGenerator, stable_seed
+from tta_bench.run.cache import decoded_bytes
+from tta_bench.run.loader import StreamBatches, make_loader, resolve_settings
+from tta_bench.run.protocol import Protocol
+from tta_bench.run.sources import open_source
+from tta_bench.run.stream import Batch, Domain, Stream
+
+Kernel = Callable[..., torch.Tensor]
+
+
+def uint8_entry(kernel: Kernel) -> Kernel | None:
+    """The kernel's optional ``from_uint8`` entry: the same corruption of an 8-bit
+    ``[B, H, W, C]`` batch, the decoded images' own format, returning what the kernel
+    returns for ``images.permute(0, 3, 1, 2).float() / 255``. Kernels whose work is 8-bit
+    anyway (a JPEG codec) offer it to skip a float -> 8-bit pass; None when absent."""
+    entry = getattr(kernel, "from_uint8", None)
+    return entry if callable(entry) else None
+
+
+_TAKES_TABLE: dict[Kernel, bool] = {}
+
+
+def apply_shift(
+    kernel: Kernel, images: torch.Tensor, severity: int, generator: SampleGenerator, table: str
+) -> torch.Tensor:
+    """``kernel(images, severity, generator=..., table=...)``, checked and clamped to [0, 1].
+
+    uint8 ``[B, H, W, C]`` images go to the kernel's ``from_uint8`` entry (``uint8_entry``)
+    when it has one, else they are converted (``to_float_images``) first."""
+    expected = images.shape
+    if images.dtype == torch.uint8:
+        b, h, w, c = images.shape
+        expected = torch.Size((b, c, h, w))
+        entry = uint8_entry(kernel)
+        if entry is None:
+            images = to_float_images(images)
+        else:
+            kernel = entry
+    takes_table = _TAKES_TABLE.get(kernel)
+    if takes_table is None:  # inspect once per kernel, not per batch
+        takes_table = _TAKES_TABLE[kernel] = "table" in inspect.signature(kernel).parameters
+    kwargs: dict[str, Any] = {"generator": generator}
+    if takes_table:
+        kwargs["table"] = table
+    out = kernel(images, severity, **kwargs)
+    if out.shape != expected:
+        raise ValueError(f"shift kernel changed the batch shape {expected} -> {out.shape}")
+    return out.clamp_(0.0, 1.0)
+
+
+def dataset_stream(
+    protocol: Protocol,
+    data_dir: str | None,
+    shift: str | None = None,
+    severity: int | None = None,
+    *,
+    dataset: str | None = None,
+    dataset_args: dict[str, Any] | None = None,
+) -> DomainStream:
+    """A split of the protocol's dataset (or of ``dataset`` with ``dataset_args``); for
+    datasets that serve their own domains, the split of ``(shift, severity)``."""
+    name = dataset or protocol.dataset
+    factory = registry("datasets").get(name)
+    kwargs = dict(protocol.dataset_args if dataset_args is None else dataset_args)
+    if data_dir is not None and "data_dir" in inspect.signature(factory).parameters:
+        kwargs["data_dir"] = data_dir
+    if dataset is None and protocol.shift_source == "dataset":
+        kwargs.update(shift=shift, severity=severity)
+    return factory(**kwargs)
+
+
+@dataclass
+class RunInputs:
+    """The domains' sources, labels, kernels and zero-shot heads of one run."""
+
+    protocol: Protocol
+    device: torch.device
+    domains: list[Domain]
+    streams: dict[Domain, DomainStream]
+    sources: list[Any]
+    source_of: dict[Domain, int]
+    labels: dict[Domain, np.ndarray]
+    kernels: dict[str, Kernel]
+    loader_settings: Any
+    bad_images: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
+    _bases: dict[tuple[str, ...], ZeroShotClassifier] = field(default_factory=dict)
+    _pool: GeneratorPool = field(default_factory=GeneratorPool)
+
+    @classmethod
+    def build(
+        cls,
+        protocol: Protocol,
+        bundle: Any,
+        device: torch.device,
+        *,
+        data_dir: str | None,
+        cache: str,
+        loader: Any,
+        progress: bool,
+        on_bad_image: str,
+    ) -> RunInputs:
+        size = bundle.preprocess.image_size
+        domains = [(s, int(v)) for s in protocol.shifts for v in protocol.severities]
+        if protocol.shift_source == "synthetic":
+            clean = dataset_stream(protocol, data_dir)
+            streams = dict.fromkeys(domains, clean)
+        else:
+            streams = {d: dataset_stream(protocol, data_dir, *d) for d in domains}
+        if protocol.ood is not None:  # open-set: the OOD images join every split
+            streams = open_set_streams(protocol, data_dir, streams)
+        sources: list[Any] = []
+        by_id: dict[int, int] = {}
+        pending = 0  # bytes the run's lazily cached splits will write
+        for stream in streams.values():
+            if id(stream) not in by_id:
+                by_id[id(stream)] = len(sources)
+                src = open_source(
+                    stream,
+                    size,
+                    cache=cache,
+                    progress=progress,
+                    on_bad_image=on_bad_image,
+                    pending_bytes=pending,
+                )
+                if getattr(src, "pending", False):
+                    pending += decoded_bytes(stream, size)
+                sources.append(src)
+        decoding = any(s.kind == "streamed" or getattr(s, "pending", False) for s in sources)
+        bundle.clip.to(device)  # text heads are encoded (and cached) on the run's device
+        kernels = (
+            {s: registry("shifts").get(s) for s in protocol.shifts}
+            if protocol.shift_source == "synthetic"
+            else {}
+        )
+        inputs = cls(
+            protocol=protocol,
+            device=device,
+            domains=domains,
+            streams=streams,
+            sources=sources,
+            source_of={d: by_id[id(s)] for d, s in streams.items()},
+            labels={d: s.labels for d, s in streams.items()},
+            kernels=kernels,
+            loader_settings=resolve_settings(loader, device, decoding=decoding),
+        )
+        for src in sources:
+            if src.bad:
+                inputs.bad_images[src.name] = list(src.bad)
+        for d in domains:  # text heads are setup, not loop time
+            inputs.base(d, bundle)
+        return inputs
+
+    def base(self, domain: Domain, bundle: Any = None) -> ZeroShotClassifier:
+        """The frozen zero-shot classifier of ``domain``'s label set, with the protocol's
+        text head (one per distinct label set; ``bundle`` is needed the first time)."""
+        stream = self.streams[domain]
+        templates = list(self.protocol.templates or stream.templates)
+        dataset = self._dataset_of(stream)
+        key = (dataset, *stream.classnames, "\x1f", *templates)
+        if key not in self._bases:
+            if bundle is None:
+                raise KeyError(f"no classifier built for domain {domain}")
+            self._bases[key] = ZeroShotClassifier(
+                bundle, stream.classnames, templates, dataset=dataset
+            ).to(self.device)
+        return self._bases[key]
+
+    def _dataset_of(self, stream: DomainStream) -> str:
+        """The registered dataset a domain's images are (methods whose official code picks
+        settings per dataset read it): the stream's ``metadata["dataset"]``, else its name
+        when that is a registered dataset (a natural-shift suite's ImageNet-A domain), else
+        the protocol's dataset."""
+        named = stream.metadata.get("dataset")
+        if named:
+            return str(named)
+        if stream.name in registry("datasets"):
+            return stream.name
+        return self.protocol.dataset
+
+    def loader(self, plan: list[Batch], seed: int) -> Any:
+        """The batches of ``plan`` in order, read by the loader's workers."""
+        dom = self.domains
+        data = StreamBatches(
+            plan,
+            self.sources,
+            [self.source_of[d] for d in dom],
+            [self.labels[d] for d in dom],
+        )
+        return make_loader(data, self.loader_settings, seed=seed)
+
+    def prepare(
+        self, item: dict[str, Any], batch: Batch, stream: Stream, seed: int, timer: Any
+    ) -> tuple[torch.Tensor, torch.Tensor, Batch]:
+        """``(images [B, C, H, W] float on the device, labels [B], the batch's kept rows)``:
+        the loaded batch moved to the device (phase ``data``) and corrupted (``shift``).
+        Rows whose images could not be decoded (skipped) are left out of the batch."""
+        if item["number"] != batch.number:
+            raise RuntimeError(f"loader out of stream order: {item['number']} != {batch.number}")
+        non_blocking = self.loader_settings.pin_memory
+        with timer.phase("data"):
+            x = item["images"].to(self.device, non_blocking=non_blocking)
+            y = item["labels"].to(self.device, non_blocking=non_blocking)
+            kept = item["kept"].numpy()
+            if item["bad"]:  # unreadable images met while decoding on demand
+                self._report_bad(item["bad"])
+            if len(kept) != len(batch):
+                batch = _subbatch(batch, kept)
+            if len(batch) == 0:
+                return x, y, batch
+            if not (self.kernels and self._takes_uint8(batch, stream)):
+                x = to_float_images(x)
+        with timer.phase("shift"):
+            if self.kernels:
+                x = self._shift(x, batch, stream, seed)
+        return x, y, batch
+
+    def _report_bad(self, bad: list[dict[str, Any]]) -> None:
+        """Fail the run naming them (``on_bad_image=fail``), or record each skipped image
+        once under its split's name (the same image is met again by every domain of a
+        synthetic suite, and by every seed)."""
+        by_name = {getattr(s, "name", None): s for s in self.sources}
+        for entry in bad:
+            name = entry.get("source", "?")
+            source = by_name.get(name)
+            if source is not None and hasattr(source, "check_bad"):
+                source.check_bad([entry])  # raises unless the policy is skip
+            known = self.bad_images.setdefault(name, [])
+            if all(b["index"] != entry["index"] for b in known):
+                known.append({k: v for k, v in entry.items() if k != "source"})
+                known.sort(key=lambda b: b["index"])
+
+    def _takes_uint8(self, batch: Batch, stream: Stream) -> bool:
+        """Whether ``batch`` goes to its kernel as uint8 (one domain, a kernel with a
+        ``from_uint8`` entry); mixed batches are converted once for all their kernels."""
+        dom = batch.single_domain()
+        return dom is not None and uint8_entry(self.kernels[stream.domains[dom][0]]) is not None
+
+    def _shift(self, x: torch.Tensor, batch: Batch, stream: Stream, seed: int) -> torch.Tensor:
+        """Corrupt ``x`` on its device, seeded per sample by ``(seed, shift, severity,
+        index)``; a mixed batch is corrupted domain by domain."""
+        table, pool = self.protocol.severity_table, self._pool
+        dom = batch.single_domain()
+        parts = [(dom, None)] if dom is not None else []
+        if dom is None:
+            for d in np.unique(batch.domains):
+                parts.append((int(d), np.flatnonzero(batch.domains == d)))
+        out = None if dom is not None else torch.empty_like(x)
+        for d, rows in parts:
+            shift, severity = stream.domains[d]
+            index = batch.indices if rows is None else batch.indices[rows]
+            gen = SampleGenerator.for_samples(
+                index, seed, shift, severity, device=x.device, pool=pool
+            )
+            try:
+                if rows is None:
+                    return apply_shift(self.kernels[shift], x, severity, gen, table)
+                sel = torch.from_numpy(rows).to(x.device)
+                out[sel] = apply_shift(self.kernels[shift], x[sel], severity, gen, table)
+            finally:
+                gen.release()
+        return out
+
+
+def open_set_streams(
+    protocol: Protocol, data_dir: str | None, streams: dict[Domain, DomainStream]
+) -> dict[Domain, DomainStream]:
+    """Every distinct split of ``streams`` with the protocol's OOD set mixed in
+    (``tta_bench.run.openset.mix``; one mixed split per distinct split)."""
+    from tta_bench.run.openset import mix
+
+    assert protocol.ood is not None
+    ood = dataset_stream(
+        protocol,
+        data_dir,
+        dataset=protocol.ood["dataset"],
+        dataset_args=dict(protocol.ood["dataset_args"]),
+    )
+    mixed: dict[int, DomainStream] = {}
+    out = {}
+    for d, stream in streams.items():
+        if id(stream) not in mixed:
+            mixed[id(stream)] = mix(stream, ood, protocol.ood)
+        out[d] = mixed[id(stream)]
+    return out
+
+
+def source_images(
+    protocol: Protocol, bundle: Any, n: int, data_dir: str | None, device: torch.device
+) -> torch.Tensor:
+    """Up to ``n`` clean, unlabeled images ``[n, C, H, W]`` in [0, 1] (the whole split when
+    it is smaller) of the protocol's declared source split (``Protocol.source``: e.g. the
+    training split of the test set's dataset), a fixed random subset keyed by the protocol;
+    for methods that estimate statistics of the source domain (EATA's Fisher information).
+    No labels leave this function."""
+    if protocol.source is None:
+        raise ValueError(
+            f"this method needs {n} clean source-domain images, but suite {protocol.name!r} "
+            "declares no source split; add `source: {dataset: <name>, dataset_args: {split: "
+            "train}}` to the suite in its registry.yaml, or choose a suite that has one"
+        )
+    spec = dict(protocol.source)
+    stream = dataset_stream(
+        protocol,
+        data_dir,
+        dataset=spec["dataset"],
+        dataset_args=dict(spec.get("dataset_args") or {}),
+    )
+    n = min(n, len(stream))  # a smaller split is handed over whole (the method is told by size)
+    src = open_source(stream, bundle.preprocess.image_size, on_bad_image="skip")
+    rng = np.random.default_rng(stable_seed("source", protocol.name) % 2**32)
+    rows = np.sort(rng.permutation(len(stream))[:n])
+    images = torch.from_numpy(src.fetch(rows).images)
+    return to_float_images(images).to(device)
+
+
+def _subbatch(batch: Batch, kept: np.ndarray) -> Batch:
+    """``batch`` restricted to the rows ``kept`` (images that could be decoded)."""
+    return Batch(
+        batch.number, batch.indices[kept], batch.domains[kept], batch.reset_before, batch.group
+    )

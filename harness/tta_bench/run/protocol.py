@@ -1,0 +1,321 @@
+"""Protocols: everything a number depends on, with a stable id
+(docs/design.md#protocols-and-the-protocol-id).
+
+A named suite in the catalogue (``registry.yaml``: ``suites:``) is resolved, together with
+the run's overrides, into a frozen ``Protocol``. Its ``id`` hashes every field, so results
+from different protocols are never compared by accident.
+
+The ``reset`` field names the stream policy: when the method is reset *and* in which order
+the samples arrive. ``tta_bench.run.stream.build_stream(protocol, seed, ...)`` turns a protocol
+into the ordered batches every method sees. Independent policies (each cell can run alone,
+so sweeps and resume work per cell) and stateful ones (a seed's cells depend on each other,
+so they run, and resume, per seed) are listed in ``STATEFUL``.
+"""
+
+from __future__ import annotations
+
+import copy
+import hashlib
+import json
+from dataclasses import asdict, dataclass, field, fields
+from typing import Any
+
+from tta_bench import catalog
+from tta_bench.registry import UnknownNameError
+
+#: When the harness calls ``method.reset()``.
+RESET_POLICIES = {
+    "episodic_batch": "reset after every batch",
+    "episodic_sample": "batch size 1, reset after every sample",
+    "reset_each_shift": "reset at the start of every (shift, severity) cell; online inside it",
+    "continual": "all cells in the pinned order, never reset",
+    "gradual": "per shift, severity rises 1..5 then falls back to 1; all shifts in the pinned "
+    "order, never reset",
+    "mixed_domains": "all (shift, severity) domains shuffled into one stream, never reset",
+    "non_iid": "reset at the start of every cell; inside it the label order is temporally "
+    "correlated, drawn with a Dirichlet(dirichlet_delta) per class over time slots",
+}
+#: Policies whose cells within a seed depend on each other: run and resumed per seed.
+STATEFUL = frozenset({"continual", "gradual", "mixed_domains"})
+SHIFT_SOURCES = ("synthetic", "dataset")
+
+
+@dataclass(frozen=True)
+class Protocol:
+    name: str
+    version: int
+    dataset: str
+    dataset_args: dict[str, Any]
+    shifts: tuple[str, ...]
+    severities: tuple[int, ...]
+    batch_size: int
+    reset: str
+    #: ``synthetic``: shift kernels corrupt the clean split on the fly; ``dataset``: the
+    #: dataset factory serves each (shift, severity) domain itself (CIFAR-10-C, ImageNet-A).
+    shift_source: str = "synthetic"
+    #: Severity parameter table for synthetic shifts, by name: the shift kernels' tables
+    #: (e.g. one for 32 px and one for 224 px images, as Hendrycks & Dietterich define them).
+    severity_table: str = "cifar"
+    max_images: int | None = None
+    #: Concentration of the per-class Dirichlet over time slots (``non_iid`` only): small
+    #: values put each class into few consecutive batches (strongly non-i.i.d.).
+    dirichlet_delta: float | None = None
+    #: The text head every method starts from: prompt templates (one '{}' each), resolved
+    #: from the suite's ``templates`` (a catalogue template set or a list) or else the
+    #: dataset's catalogue entry. Part of the id.
+    templates: tuple[str, ...] | None = None
+    #: The clean source split that methods estimating source statistics draw unlabeled
+    #: images from (EATA's Fisher): ``{dataset, dataset_args}``; part of the id when set.
+    source: dict[str, Any] | None = None
+    #: An identity of the data itself: an ad-hoc suite (``tta-bench run --dataset``) holds
+    #: its dataset's content fingerprint, so two folders never share an id. Part of the id
+    #: when set.
+    data_fingerprint: str | None = None
+    default_model: str | None = None
+    #: Open-set evaluation (``tta_bench.run.openset``): ``{dataset, dataset_args, ratio, seed,
+    #: score}`` of an out-of-distribution set mixed into every test split; part of the id
+    #: when set.
+    ood: dict[str, Any] | None = None
+    description: str = field(default="", compare=False)
+
+    def __post_init__(self) -> None:
+        if self.reset not in RESET_POLICIES:
+            raise ValueError(
+                f"unknown reset policy {self.reset!r} in suite {self.name!r}; "
+                f"available: {', '.join(RESET_POLICIES)}"
+            )
+        if self.shift_source not in SHIFT_SOURCES:
+            raise ValueError(
+                f"unknown shift_source {self.shift_source!r}; expected one of {SHIFT_SOURCES}"
+            )
+        if self.batch_size < 1:
+            raise ValueError(f"batch_size must be >= 1, got {self.batch_size}")
+        if self.reset == "episodic_sample" and self.batch_size != 1:
+            raise ValueError("reset policy 'episodic_sample' needs batch_size 1")
+        bad = [s for s in self.severities if not 1 <= int(s) <= 5]
+        if bad:
+            raise ValueError(f"severities must be in 1..5, got {bad}")
+        if not self.shifts:
+            raise ValueError(f"suite {self.name!r} names no shifts")
+        if self.ood is not None:
+            from tta_bench.run.openset import check_ood
+
+            object.__setattr__(self, "ood", check_ood(self.ood))
+        if self.max_images is not None and self.max_images < 1:
+            raise ValueError(f"max_images must be >= 1 or null, got {self.max_images}")
+        if self.reset == "non_iid":
+            if self.dirichlet_delta is None or not self.dirichlet_delta > 0:
+                raise ValueError(
+                    "reset policy 'non_iid' needs dirichlet_delta > 0 "
+                    f"(e.g. protocol.dirichlet_delta=0.1), got {self.dirichlet_delta!r}"
+                )
+        elif self.dirichlet_delta is not None:
+            raise ValueError(
+                f"dirichlet_delta={self.dirichlet_delta} only applies to reset policy "
+                f"'non_iid', not {self.reset!r}"
+            )
+
+    def domain_datasets(self) -> list[str]:
+        """The datasets the domains are: each shift of a suite whose dataset serves
+        registered datasets as its domains (its catalogue entry lists them as
+        ``domains:``), else the protocol's dataset alone."""
+        domains = catalog.entry("datasets", self.dataset).get("domains")
+        if self.shift_source == "dataset" and domains:
+            return [s for s in self.shifts if s in domains]
+        return [self.dataset]
+
+    @property
+    def stateful(self) -> bool:
+        """True when a seed's cells depend on each other (no reset between them)."""
+        return self.reset in STATEFUL
+
+    def identity(self) -> dict[str, Any]:
+        """Every field a number depends on (what the id hashes)."""
+        data = asdict(self)
+        data.pop("description")
+        data.pop("default_model")
+        if data["dirichlet_delta"] is None:
+            # Absent unless used, so the ids of protocols from before the field existed hold.
+            data.pop("dirichlet_delta")
+        if data["source"] is None:
+            data.pop("source")
+        if data["data_fingerprint"] is None:
+            data.pop("data_fingerprint")
+        if data["ood"] is None:
+            data.pop("ood")
+        if data["templates"] is None:
+            data.pop("templates")
+        else:
+            data["templates"] = list(data["templates"])
+        return data
+
+    @property
+    def id(self) -> str:
+        """``<suite>@v<version>-<policy>[-d<delta>]-bs<batch>[-ood<ratio>]-<digest of
+        identity()>``."""
+        blob = json.dumps(self.identity(), sort_keys=True, default=list)
+        digest = hashlib.sha256(blob.encode()).hexdigest()[:10]
+        policy = self.reset
+        if self.reset == "non_iid":
+            policy += f"-d{self.dirichlet_delta:g}"
+        ood = f"-ood{self.ood['ratio']:g}" if self.ood is not None else ""
+        return f"{self.name}@v{self.version}-{policy}-bs{self.batch_size}{ood}-{digest}"
+
+
+PROTOCOL_FIELDS = {f.name for f in fields(Protocol)}
+#: Fields a run may override (the override changes the protocol id).
+OVERRIDABLE = (
+    "templates",
+    "shifts",
+    "severities",
+    "batch_size",
+    "reset",
+    "max_images",
+    "severity_table",
+    "dirichlet_delta",
+    "ood_dataset",
+    "ood_dataset_args",
+    "ood_ratio",
+    "ood_seed",
+    "ood_score",
+)
+#: ``protocol.ood_<key>=`` overrides -> the key of ``Protocol.ood`` they set.
+OOD_OVERRIDES = {f"ood_{k}": k for k in ("dataset", "dataset_args", "ratio", "seed", "score")}
+
+
+#: The shift of a clean domain: the images as they are (an ad-hoc suite's default, when no
+#: ``protocol.shifts`` are given). The harness registers it in-process when a protocol
+#: names it (``register_clean_shift``); a plugin cannot register this name as well.
+CLEAN = "clean"
+#: The name prefix of ad-hoc suites: ``adhoc-<dataset>``.
+ADHOC_PREFIX = "adhoc-"
+#: What an ad-hoc suite uses where its run names nothing (``protocol.<field>=`` overrides).
+ADHOC_DEFAULTS: dict[str, Any] = {
+    "version": 1,
+    "shifts": [CLEAN],
+    "severities": [1],
+    "batch_size": 64,
+    "reset": "reset_each_shift",
+}
+#: Ad-hoc suites defined in this process (``adhoc_suite``), found by ``load_protocol``.
+_ADHOC: dict[str, dict[str, Any]] = {}
+
+
+def clean(images: Any, severity: int, *, generator: Any) -> Any:
+    """The clean domain's shift: ``images`` unchanged (``severity`` and ``generator``
+    unused)."""
+    return images
+
+
+def register_clean_shift() -> None:
+    """Register ``clean`` (``CLEAN``) in this process's shift registry, once, as the
+    harness's own (distribution ``tta-bench``); a plugin's shift of that name is an error."""
+    from tta_bench._version import __version__
+    from tta_bench.registry import RegistryError, registry
+
+    shifts = registry("shifts")
+    if CLEAN in shifts:
+        origin = shifts.origin(CLEAN)
+        if origin.value != f"{__name__}:clean":
+            raise RegistryError(
+                f"shift name {CLEAN!r} is the harness's clean domain, but {origin.value} (from "
+                f"{origin.distribution}) registers it too; rename that shift"
+            )
+        return
+    shifts.add(CLEAN, clean, distribution="tta-bench", version=__version__)
+
+
+def adhoc_suite(
+    dataset: str,
+    dataset_args: dict[str, Any],
+    *,
+    fingerprint: str,
+    default_model: str | None,
+    description: str = "",
+) -> str:
+    """Define the ad-hoc suite of ``dataset`` with ``dataset_args`` in this process and
+    return its name, ``adhoc-<dataset>``: ``ADHOC_DEFAULTS`` (the clean images, batch size
+    64, ``reset_each_shift``), ``fingerprint`` (the dataset's own content fingerprint) as
+    ``data_fingerprint``. The id hashes the dataset, its arguments (a folder's absolute path
+    among them) and the fingerprint, so two folders never share an id; ``load_protocol``
+    applies a run's ``protocol.<field>=`` overrides as for any suite. A later definition of
+    the same dataset replaces the earlier one."""
+    name = ADHOC_PREFIX + dataset
+    _ADHOC[name] = {
+        **ADHOC_DEFAULTS,
+        "description": description or f"ad-hoc suite of dataset {dataset!r}",
+        "dataset": dataset,
+        "dataset_args": dict(dataset_args),
+        "data_fingerprint": fingerprint,
+        "default_model": default_model,
+    }
+    return name
+
+
+def load_protocol(suite: str, **overrides: Any) -> Protocol:
+    """Resolve a named suite from the catalogue (or an ad-hoc suite of this process,
+    ``adhoc_suite``), applying non-None overrides."""
+    suites = catalog.catalog()["suites"]
+    if suite in _ADHOC and suite not in suites:
+        spec = copy.deepcopy(_ADHOC[suite])
+    elif suite not in suites:
+        raise UnknownNameError("suites", suite, list(suites))
+    else:
+        spec = dict(suites[suite])
+    unknown = set(spec) - PROTOCOL_FIELDS
+    if unknown:
+        raise ValueError(
+            f"suite {suite!r} in the catalogue has unknown fields {sorted(unknown)}; "
+            f"known: {sorted(PROTOCOL_FIELDS)}"
+        )
+    ood = dict(spec.get("ood") or {})
+    for key, value in overrides.items():
+        if key not in OVERRIDABLE:
+            raise ValueError(f"cannot override {key!r}; overridable: {', '.join(OVERRIDABLE)}")
+        if value is not None and key in OOD_OVERRIDES:
+            ood[OOD_OVERRIDES[key]] = value
+        elif value is not None:
+            spec[key] = value
+    if ood:
+        if "dataset" not in ood:
+            given = ", ".join(
+                f"protocol.{k}" for k in OOD_OVERRIDES if overrides.get(k) is not None
+            )
+            raise ValueError(
+                f"{given} set without an OOD set: name it with protocol.ood_dataset=<dataset>"
+            )
+        from tta_bench.registry import registry
+        from tta_bench.run.openset import check_ood
+
+        spec["ood"] = check_ood(ood, known_datasets=registry("datasets").names())
+    if suite in _ADHOC and overrides.get("shifts") and overrides.get("severities") is None:
+        spec["severities"] = None  # the run's own shifts: the suites' default severity (5)
+    spec["name"] = suite
+    spec.setdefault("version", 1)
+    spec.setdefault("dataset_args", {})
+    spec["dataset_args"] = dict(spec["dataset_args"] or {})
+    spec["shifts"] = tuple(spec.get("shifts") or ())
+    spec["severities"] = tuple(int(s) for s in spec.get("severities") or (5,))
+    if spec.get("dirichlet_delta") is not None:
+        spec["dirichlet_delta"] = float(spec["dirichlet_delta"])
+    if spec.get("reset") == "episodic_sample":
+        spec["batch_size"] = 1
+    given = spec.get("templates")
+    if given is None:  # a suite may name its head through the dataset's arguments
+        given = spec["dataset_args"].get("templates")
+    spec["templates"] = _protocol_templates(given, spec.get("dataset"), suite)
+    return Protocol(**spec)
+
+
+def _protocol_templates(value: Any, dataset: str | None, suite: str) -> tuple[str, ...] | None:
+    """The protocol's prompt templates: ``value`` (a catalogue template-set name or a list of
+    format strings: the suite's ``templates``, else its ``dataset_args.templates``), else
+    the dataset's catalogue ``templates`` (same forms); None when none names any (the
+    dataset's own stream then supplies them)."""
+    if value is None and dataset is not None:
+        value = catalog.entry("datasets", dataset).get("templates")
+    if value is None:
+        return None
+    from tta_bench.text_head import resolve_templates as resolve
+
+    return tuple(resolve(value, owner=f"suite {suite!r}"))

@@ -1,0 +1,347 @@
+"""The evaluation loop: one method, one protocol, several seeds -> cells.
+
+``Evaluation.run`` sets up (model, inputs, resume, the results file), then for every group
+of every seed's stream calls ``run_group``: the per-batch path, readable top to bottom in
+one screen: get the batch, corrupt it, step the method, check it, score it, fold it into its
+cell. The rest lives in modules named for their job: ``tta_bench.run.inputs`` (sources,
+loader, shift kernels, text heads), ``tta_bench.run.accounting`` (costs and cell entries),
+``tta_bench.run.resume`` (which cells a file already holds), ``tta_bench.run.results`` (the locked,
+merging, atomic writer), ``tta_bench.run.record`` (what a record says about its run) and
+``tta_bench.run.trackers`` (the experiment trackers that observe the finished cells).
+"""
+
+from __future__ import annotations
+
+import copy
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from tta_bench.method import Method
+from tta_bench.model import ZeroShotClassifier, count_parameters
+from tta_bench.paths import AtomicLog
+from tta_bench.registry import registry
+from tta_bench.rng import stable_seed
+from tta_bench.run import results, resume, samples, shard
+from tta_bench.run.accounting import CellBook, CostMeter, log_batch, non_finite
+from tta_bench.run.allocator import reuse_large_blocks
+from tta_bench.run.cost import PeakMemory
+from tta_bench.run.inputs import RunInputs
+from tta_bench.run.record import new_record
+from tta_bench.run.resume import finished_record
+from tta_bench.run.spec import RunSpec, resolve_device
+from tta_bench.run.stream import Batch, Stream, build_stream
+from tta_bench.run.trackers import Trackers
+
+__all__ = ["Evaluation", "run"]
+
+
+def seed_torch(seed: int, device: torch.device) -> None:
+    """Seed the generators a run on ``device`` uses (the CPU one; CUDA's too on CUDA)."""
+    torch.default_generator.manual_seed(seed)
+    if device.type == "cuda":
+        torch.cuda.manual_seed_all(seed)
+
+
+class Evaluation:
+    """Runs a ``RunSpec`` and writes its results file after every finished group.
+
+    ``bundle``: a prebuilt model bundle (benchmarks) instead of the registered factory.
+    ``observer(seed, batch, images)``: called with every batch after the shift, before the
+    method sees it (tests record the stream with it). ``max_batches``: stop after that many
+    batches (``tta-bench profile``); the partial cells are still written.
+    ``on_cells(cells, record)``: called after every finished group, once the results file
+    has been handed the record, with the group's new cells (the last of ``record["cells"]``)
+    and the record (experiment trackers, ``tta_bench.run.trackers``); never with the cells a
+    resumed run skipped.
+    """
+
+    def __init__(
+        self,
+        spec: RunSpec,
+        output: Path,
+        *,
+        bundle: Any = None,
+        observer: Callable[[int, Batch, torch.Tensor], None] | None = None,
+        max_batches: int | None = None,
+        on_cells: Callable[[list[dict[str, Any]], dict[str, Any]], None] | None = None,
+    ):
+        self.spec = spec
+        self.output = Path(output)
+        self.protocol = spec.protocol
+        self.device = resolve_device(spec.device)
+        if self.device.type == "cpu":  # batch-sized blocks stay: no page faults per batch
+            reuse_large_blocks()
+        self.bundle = bundle
+        self.observer = observer
+        self.max_batches = max_batches
+        self.on_cells = on_cells
+        #: Filled by ``run()``: cells skipped because a previous run had finished them.
+        self.skipped_cells = 0
+        #: Filled by ``run()``: seconds per phase over the whole run (profile).
+        self.phase_seconds: dict[str, float] = {}
+        #: ``{seed: {batch number: the method's seed for that batch}}`` (``batch_seeds``).
+        self.batch_seeds: dict[int, dict[int, int]] = {}
+        self.meter = CostMeter(self.device)
+        self._log: Any = None
+
+    # -- setup ---------------------------------------------------------------------------
+    def _setup(self) -> tuple[dict[str, Any], list[Stream]]:
+        """Model, inputs, the record (resumed or new) and the streams still to run."""
+        spec = self.spec
+        seed_torch(0, self.device)  # model construction must not depend on ambient state
+        from_registry = self.bundle is None
+        self.bundle = self.bundle or registry("models").get(spec.model)(**spec.model_args)
+        self.inputs = RunInputs.build(
+            self.protocol,
+            self.bundle,
+            self.device,
+            data_dir=spec.data_dir,
+            cache=spec.cache,
+            loader=spec.loader,
+            progress=spec.progress,
+            on_bad_image=spec.on_bad_image,
+        )
+        self.method_cls = registry("methods").get(spec.method)
+        record = new_record(spec, self.bundle, self.device, from_registry=from_registry)
+        previous = resume.previous_record(self.output, record, spec.resume)
+        done: set[resume.CellKey] = set()
+        if previous is not None:
+            record["created"] = previous["created"]
+            record["parameters"] = previous.get("parameters")
+            record["cells"] = list(previous["cells"])
+            done = {resume.cell_key(c) for c in record["cells"]}
+        streams, finished = [], {}
+        for seed in spec.seeds:
+            stream = build_stream(self.protocol, seed, self.inputs.labels)
+            self.batch_seeds[seed] = batch_seeds(stream)  # of the whole stream, before a shard
+            if spec.shard is not None:
+                stream = shard.take(stream, spec.shard)
+            finished[seed] = resume.done_groups(stream, done)
+            self.skipped_cells += sum(len(stream.groups[g]) for g in finished[seed])
+            streams.append(stream.without_groups(finished[seed]))
+        record["cells"] = resume.drop_unfinished(record["cells"], streams, finished)
+        record["seeds"] = sorted(set(spec.seeds) | {int(c["seed"]) for c in record["cells"]})
+        record["skipped_cells"] = self.skipped_cells
+        record["summary"] = results.summarize(record["cells"])
+        return record, streams
+
+    def _fresh_method(
+        self, base: ZeroShotClassifier, seed: int, stream_length: int | None = None
+    ) -> Method:
+        """A new method instance on its own copy of ``base`` (shared when it never adapts),
+        given its source images when it asks for them, set up."""
+        seed_torch(stable_seed(self.spec.method, "setup", seed) % 2**63, self.device)
+        if self.method_cls.adapts:
+            # The tokenizer is stateless and its BPE tables make deepcopy take ~1 s: share it.
+            model = copy.deepcopy(base, memo={id(base.tokenizer): base.tokenizer})
+        else:
+            model = base  # the contract: a method with adapts=False never changes the model
+        method = self.method_cls(model, self.spec.config_for(base.dataset))
+        method.stream_length = stream_length
+        needed = method.source_images_needed()
+        if needed:
+            method.set_source(self.source_images(needed))
+        method.setup()
+        return method
+
+    def source_images(self, n: int) -> torch.Tensor:
+        """``n`` clean, unlabeled images of the protocol's declared source split."""
+        from tta_bench.run.inputs import source_images
+
+        return source_images(self.protocol, self.bundle, n, self.spec.data_dir, self.device)
+
+    # -- the loop ------------------------------------------------------------------------
+    def run(self) -> dict[str, Any]:
+        record, streams = self._setup()
+        writer = results.SnapshotWriter(self.output)
+        if record["cells"]:  # a resumed file, its unfinished cells dropped; a new run's file
+            writer.submit(record)  # appears with its first finished group
+        plan = [(s, b) for s in streams for b in s.batches][: self.max_batches]
+        it = _Batches(self.inputs.loader([b for _, b in plan], self.spec.seeds[0]))
+        from tqdm.auto import tqdm
+
+        bar = tqdm(
+            total=len(plan),
+            desc=f"{self.spec.method} on {self.protocol.name}",
+            unit="batch",
+            disable=not self.spec.progress,
+        )
+        if self.spec.batch_log:  # one log per run: start it empty; whole after each group
+            self._log = AtomicLog(self.spec.batch_log)
+        loop_start, k = time.perf_counter(), 0
+        try:
+            while k < len(plan):  # one group: consecutive batches of one seed and group
+                stream, first = plan[k]
+                end = k + 1
+                while (
+                    end < len(plan)
+                    and plan[end][0] is stream
+                    and (plan[end][1].group == first.group)
+                ):
+                    end += 1
+                group, k = [b for _, b in plan[k:end]], end
+                cells = self.run_group(stream, group, it, bar, record)
+                record["cells"].extend(cells)
+                record["summary"] = results.summarize(record["cells"])
+                writer.submit(record)
+                if self._log is not None:
+                    self._log.flush()
+                if self.on_cells is not None:  # trackers: the new cells only
+                    self.on_cells(cells, record)
+        finally:
+            it.close()  # loader workers end now, not when a traceback's frames are collected
+            writer.close()  # also on an error or Ctrl-C: every finished group is saved
+            self.meter.close()
+            bar.close()
+            if self._log is not None:
+                self._log.close()
+        loop_s = time.perf_counter() - loop_start
+        self.phase_seconds = dict(self.meter.timer.seconds)
+        n_images = sum(len(b) for _, b in plan)
+        record["loop"] = {
+            "images": n_images,
+            "batches": len(plan),
+            "wall_s": loop_s,
+            "images_per_s": n_images / loop_s if n_images else None,
+            "loader": self.inputs.loader_settings.as_dict(),
+            "sources": [getattr(s, "kind", "?") for s in self.inputs.sources],
+        }
+        record["skipped_images"] = self.inputs.bad_images
+        record["finished"] = results.now_iso()
+        return writer.file.write(record)
+
+    def run_group(
+        self, stream: Stream, group: list[Batch], it: Any, bar: Any, record: dict[str, Any]
+    ) -> list[dict[str, Any]]:
+        """Run one group's batches through a fresh method; return its cells."""
+        spec, seed, meter = self.spec, stream.seed, self.meter
+        base = self.inputs.base(stream.domains[_first_domain(group[0])])
+        # samples until the protocol's next reset: the group's first run of batches
+        first_reset = next((i for i, b in enumerate(group) if i and b.reset_before), len(group))
+        method = self._fresh_method(base, seed, sum(len(b) for b in group[:first_reset]))
+        meter.watch(method)
+        _record_parameters(record, method)
+        book = CellBook(
+            stream,
+            reference=spec.reference,
+            is_reference=self.method_cls.is_reference,
+            per_class=spec.per_class_accuracy,
+            ood_score=self.protocol.ood["score"] if self.protocol.ood else "msp",
+        )
+        diverged: str | None = None
+        diverged_at = -1
+        seeds = self.batch_seeds[seed]
+        with PeakMemory(self.device) as memory:
+            for batch in group:
+                count_flops = spec.flops and not book.seen(_first_domain(batch))
+                with meter.batch(count_flops) as measured:
+                    x, y, batch = self.inputs.prepare(next(it), batch, stream, seed, meter)
+                    if len(batch) == 0:  # every image of it was skipped as unreadable
+                        continue
+                    if self.observer is not None:
+                        self.observer(seed, batch, x)
+                    if diverged is None:
+                        with meter.phase("method"), measured.flop_mode:
+                            if batch.reset_before:
+                                method.reset()
+                            method.reseed(seeds[batch.number])
+                            logits = method.step(x).detach().float()
+                        measured.passes_done()
+                        loss = method.last_loss if method.adapts else None
+                        diverged = non_finite(logits, loss)
+                        if diverged is not None:  # later batches: the state is lost from here
+                            diverged_at = batch.number
+                    ref = None
+                    if diverged is None and (spec.reference or self._log is not None):
+                        with meter.phase("reference"), torch.no_grad():
+                            ref = base(x).argmax(dim=1)
+                if diverged is not None:  # reported, never scored; the state is lost
+                    book.diverge(batch, diverged, at=diverged_at)
+                else:
+                    book.fold(batch, logits, y, ref if spec.reference else None, measured.cost)
+                    if self._log is not None:
+                        log_batch(self._log, seed, batch, stream, loss, logits, y, ref,
+                                  measured.cost, self.device)  # fmt: skip
+                bar.update(1)
+        resolved = method.resolved_settings()
+        if resolved:
+            record["method_resolved"] = resolved
+        if spec.log_samples:  # before the results file lists the cells
+            names = {d: s.name for d, s in self.inputs.streams.items()}
+            label = spec.method_preset or spec.method
+            for cell in book.samples(seed, names):
+                samples.write_cell(
+                    samples.samples_dir(self.output), label, cell,
+                    spec.log_samples_top_k, spec.log_samples == "logits",
+                )  # fmt: skip
+        return book.entries(seed, memory)
+
+
+class _Batches:
+    """The loader's iterator, dropped on ``close()`` so that its worker processes shut down
+    at once (an iterator referenced from a traceback lives until garbage collection)."""
+
+    def __init__(self, loader: Any):
+        self._it: Any = iter(loader)
+
+    def __next__(self) -> dict[str, Any]:
+        return next(self._it)
+
+    def close(self) -> None:
+        it, self._it = self._it, None
+        shutdown = getattr(it, "_shutdown_workers", None)
+        if callable(shutdown):
+            shutdown()
+        del it
+
+
+def _first_domain(batch: Batch) -> int:
+    return int(batch.domains[0])
+
+
+def batch_seeds(stream: Stream) -> dict[int, int]:
+    """The method's seed for every batch of the whole ``stream``, by batch number: keyed by
+    the batch's domain and its position among that domain's batches (a mixed batch: by its
+    number). Computed before resume or a shard (``protocol.shard``) leaves batches out, so a
+    batch gets the same seed however the stream is split."""
+    positions: dict[int, int] = {}
+    out = {}
+    for batch in stream.batches:
+        dom = batch.single_domain()
+        if dom is None:
+            out[batch.number] = stable_seed("batch", stream.seed, "mixed", batch.number) % 2**63
+            continue
+        position = positions.get(dom, 0)
+        positions[dom] = position + 1
+        shift, severity = stream.domains[dom]
+        out[batch.number] = stable_seed("batch", stream.seed, shift, severity, position) % 2**63
+    return out
+
+
+def _record_parameters(record: dict[str, Any], method: Method) -> None:
+    if record.get("parameters") is None:
+        record["parameters"] = {
+            "trainable": sum(p.numel() for p in method.trainable_parameters()),
+            "total": count_parameters(method.model),
+        }
+
+
+def run(spec: RunSpec, output: Path, **kwargs: Any) -> dict[str, Any]:
+    """Run ``spec`` into ``output`` (resuming it when it holds the same run); see
+    ``Evaluation`` for ``kwargs``. A finished run is returned as is, without any work.
+    The trackers ``spec.loggers`` names receive the config now, the new cells as they
+    finish, and the final results file (and per-sample folder) at the end."""
+    if kwargs.get("max_batches") is None:
+        done = finished_record(spec, output)
+        if done is not None:
+            return done
+    with Trackers.start(spec, Path(output)) as trackers:  # none chosen: does nothing
+        start = time.perf_counter()
+        record = Evaluation(spec, output, on_cells=trackers.log_cells, **kwargs).run()
+        record["wall_time_s"] = time.perf_counter() - start
+        record = results.ResultsFile(Path(output)).write(record)
+    return record

@@ -1,0 +1,221 @@
+"""Run construction: ``RunSpec`` (everything one run needs, resolved and checked) and how it
+is made from a composed run config (``spec_from_config``), and the device a run asks for
+(``resolve_device``). ``tta_bench.run.resolve`` checks what the user typed and builds a spec
+here; ``tta_bench.run.runner`` only runs one. Importing this module imports no torch.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from tta_bench.run.protocol import Protocol
+
+if TYPE_CHECKING:
+    import torch
+
+__all__ = ["DEVICES", "RunSpec", "resolve_device", "spec_from_config"]
+
+DEVICES = ("auto", "cpu", "cuda", "cuda:N")
+
+
+@dataclass
+class RunSpec:
+    method: str
+    method_config: Any
+    model: str
+    model_args: dict[str, Any]
+    protocol: Protocol
+    seeds: list[int]
+    device: str = "auto"
+    data_dir: str | None = None
+    reference: bool = True
+    progress: bool = True
+    config: dict[str, Any] = field(default_factory=dict)  # the resolved config, for the record
+    #: DataLoader settings: a mapping/object with num_workers, pin_memory, prefetch_factor,
+    #: persistent_workers (None = chosen for the device; ``tta_bench.run.loader``).
+    loader: Any = None
+    #: Skip cells already in the output file when it holds the same run.
+    resume: bool = True
+    #: A corrupt/truncated image: "fail" (error naming it) or "skip" (left out, recorded).
+    on_bad_image: str = "fail"
+    #: JSONL path: one line per batch (loss, accuracy before/after, time, memory).
+    batch_log: str | None = None
+    per_class_accuracy: bool = False
+    #: Count FLOPs per sample on each cell's first batch (that batch is left untimed).
+    flops: bool = False
+    #: Per-sample outputs: None (off), "topk" or "logits" (``tta_bench.run.samples``).
+    log_samples: str | None = None
+    log_samples_top_k: int = 5
+    #: Decoded-image cache policy (``tta_bench.data.CACHE_POLICIES``).
+    cache: str = "auto"
+    #: The named preset the method config came from (``method=<preset>``), if any.
+    method_preset: str | None = None
+    #: Experiment trackers that receive the run (``tta_bench.run.trackers``), checked: known
+    #: names whose libraries are installed.
+    loggers: list[str] = field(default_factory=list)
+    #: Part of every cell this run computes (``protocol.shard=i/N``; ``tta_bench.run.shard``).
+    shard: Any = None
+    #: ``{dataset: method config}`` where a suite's domains are several datasets whose
+    #: configs differ (``tta_vlm=true`` on a suite of ImageNet and fine-grained sets: AugMix
+    #: on the fine-grained ones only);
+    #: a dataset not in it runs ``method_config``. Part of the run key when set.
+    method_configs: dict[str, Any] | None = None
+
+    def config_for(self, dataset: str | None) -> Any:
+        """The method config of a domain of ``dataset``."""
+        if self.method_configs and dataset in self.method_configs:
+            return self.method_configs[dataset]
+        return self.method_config
+
+
+def spec_from_config(cfg: Any, method: str, model: str) -> RunSpec:
+    """The ``RunSpec`` of a composed run config (``tta_bench.config``); ``method`` and
+    ``model`` are the config-group choices. Callers adjust CLI-only fields with
+    ``dataclasses.replace``. Bad values are ``ValueError``s raised before anything is built:
+    out-of-range settings, an unknown ``logger`` name, a chosen tracker whose library (the
+    extra ``tta-bench[<name>]``) is not installed."""
+    from omegaconf import OmegaConf
+
+    from tta_bench.bounds import check_values
+    from tta_bench.config import method_config, to_container
+    from tta_bench.run import shard
+    from tta_bench.run.protocol import load_protocol
+    from tta_bench.run.samples import mode as samples_mode
+    from tta_bench.run.trackers import check_loggers
+
+    loggers = check_loggers(cfg.get("logger") or [])  # names and extras, importing none
+    for node in ("protocol", "loader"):  # declared ranges, before anything is built
+        check_values(OmegaConf.to_object(cfg[node]), node)
+    mcfg = method_config(cfg)
+    check_values(mcfg, "method")
+    overrides = {k: v for k, v in to_container(cfg.protocol).items() if v is not None}
+    part = shard.parse(overrides.pop("shard", None))  # not the protocol's: not in its id
+    applied: dict[str, Any] = {}
+    if cfg.get("tta_vlm"):  # TTA-VLM's protocol and settings (tta_bench.run.profiles)
+        from tta_bench.registry import registry
+        from tta_bench.run import profiles as tta_vlm
+
+        method_cls = registry("methods").get(method)
+        given = dict(overrides)
+        overrides = tta_vlm.protocol_overrides(given, getattr(method_cls, "stream_kind", None))
+        applied.update({f"protocol.{k}": v for k, v in overrides.items() if k not in given})
+    protocol = load_protocol(cfg.suite, **overrides)
+    by_dataset: dict[str, Any] | None = None
+    official: dict[str, Any] = {}
+    rule = _per_dataset_rule(method, mcfg, bool(cfg.get("tta_vlm")))
+    if rule is not None:
+        from tta_bench.catalog import fine_grained
+
+        configs = {d: rule(fine_grained(d)) for d in protocol.domain_datasets()}
+        first, changed = next(iter(configs.values()))
+        if all(c == first for c, _ in configs.values()):
+            mcfg = first
+        else:  # several datasets, and the option sets them differently
+            by_dataset = {d: c for d, (c, _) in configs.items() if c != mcfg}
+            changed = {}
+            for d, (_, ch) in configs.items():
+                for k, v in ch.items():
+                    changed.setdefault(f"{k}@{d}", v)
+        for c in [mcfg, *(by_dataset or {}).values()]:
+            check_values(c, "method")
+        if cfg.get("tta_vlm"):
+            applied.update({f"method.{k}": v for k, v in changed.items()})
+        else:  # the official per-dataset AugMix rule: what ran, not the option's doing
+            official = {f"method.{k}": v for k, v in changed.items()}
+    log_samples = samples_mode(cfg.get("log_samples", False))
+    if part is not None:
+        shard.check_shardable(protocol.reset, protocol.name, part)
+        log_samples = "logits"  # the merge recomputes every metric from the parts' logits
+    cfg_dict = to_container(cfg)
+    cfg_dict.pop("defaults", None)
+    cfg_dict["method"] = {"name": method, **cfg_dict["method"]}
+    for key, value in {**applied, **official}.items():  # the record says what ran
+        node, name = key.split(".", 1)
+        if "@" not in name:  # per-dataset values: method_configs, recorded by dataset
+            cfg_dict[node][name] = value
+    if applied:  # what the TTA-VLM option set, beside what it set it on
+        cfg_dict["tta_vlm_applied"] = applied
+    if official:  # what the method's official per-dataset rule set (fine-grained AugMix)
+        cfg_dict["per_dataset_applied"] = official
+    cfg_dict["model"] = {"name": model, **cfg_dict["model"]}
+    return RunSpec(
+        method=method,
+        method_config=mcfg,
+        model=model,
+        model_args={k: v for k, v in cfg_dict["model"].items() if k != "name"},
+        protocol=protocol,
+        seeds=[int(s) for s in cfg.seeds],
+        device=cfg.device,
+        data_dir=cfg.data_dir,
+        reference=bool(cfg.reference),
+        progress=bool(cfg.progress),
+        config=cfg_dict,
+        loader=cfg_dict.get("loader"),
+        resume=bool(cfg.resume),
+        batch_log=cfg.get("batch_log"),
+        per_class_accuracy=bool(cfg.get("per_class_accuracy", False)),
+        log_samples=log_samples,
+        log_samples_top_k=int(cfg.get("log_samples_top_k", 5)),
+        flops=bool(cfg.get("flops", False)),
+        cache=str(cfg.get("cache", "auto")),
+        loggers=loggers,
+        shard=part,
+        method_configs=by_dataset,
+    )
+
+
+def _per_dataset_rule(method: str, mcfg: Any, tta_vlm_on: bool) -> Any:
+    """``fine_grained -> (config, {field: value set})`` for the datasets of a run, or None:
+    the TTA-VLM option's settings under ``tta_vlm=true``; else, for a method whose official
+    code turns AugMix on for the fine-grained sets (``Method.augmix_on_fine_grained``) and
+    a run that leaves ``augmix`` at its default, that rule (``augmix = fine_grained``, the
+    catalogue's flag of each domain's dataset)."""
+    import dataclasses
+
+    from tta_bench.registry import registry
+    from tta_bench.run import profiles as tta_vlm
+
+    method_cls = registry("methods").get(method)
+    if tta_vlm_on:
+        return lambda fine: tta_vlm.method_config(method_cls, mcfg, fine)
+    if not getattr(method_cls, "augmix_on_fine_grained", False):
+        return None
+    if not dataclasses.is_dataclass(mcfg) or "augmix" not in {
+        f.name for f in dataclasses.fields(mcfg)
+    }:
+        return None
+    if mcfg.augmix != method_cls.Config().augmix:  # the run set it: it wins
+        return None
+
+    def rule(fine: bool) -> tuple[Any, dict[str, Any]]:
+        if bool(fine) == mcfg.augmix:
+            return mcfg, {}
+        return dataclasses.replace(mcfg, augmix=bool(fine)), {"augmix": bool(fine)}
+
+    return rule
+
+
+def resolve_device(name: str) -> torch.device:
+    """``auto`` (CUDA when available), ``cpu``, ``cuda`` or ``cuda:N``; a bad name or an
+    unavailable device is a ValueError naming it and the options."""
+    import torch
+
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise ValueError(f"unknown device {name!r}; available: {', '.join(DEVICES)}") from None
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"unsupported device {name!r}; available: {', '.join(DEVICES)}")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(
+                f"device {name!r} requested but CUDA is not available; use cpu or auto"
+            )
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise ValueError(
+                f"device {name!r}: only {torch.cuda.device_count()} CUDA device(s) are visible"
+            )
+    return device

@@ -1,0 +1,202 @@
+"""Stream construction: a protocol and a seed -> the ordered batches a method sees.
+
+``build_stream(protocol, seed, labels)`` is a pure function of its inputs, so every method
+(and every process, worker count and machine) receives the identical sequence of
+``(dataset index, shift, severity)`` for a given seed. The runner only consumes it.
+
+Terms:
+
+* a *domain* is one ``(shift, severity)`` pair; a *cell* of the results is one domain for
+  one seed. Accuracy is always reported per cell, computed from the predictions on the
+  samples of that domain, whatever order the protocol feeds them in;
+* a *group* is the unit that runs (and resumes) as a whole: one cell for the independent
+  policies, every cell of the seed for the stateful ones (``Protocol.stateful``).
+
+Per policy (``Protocol.reset``):
+
+``episodic_batch`` / ``episodic_sample`` / ``reset_each_shift``
+    one segment per domain, in the pinned order (shifts, then severities), samples in a
+    seeded random order; the reset comes before every batch (episodic) or every domain.
+``continual``
+    the same segments, one group per seed, never reset.
+``gradual``
+    per shift, severities ascending then descending (1,2,3,4,5,4,3,2,1 for the five
+    severities); a severity visited twice is one cell holding both visits; never reset.
+``mixed_domains``
+    the samples of every domain shuffled together into one stream; a batch mixes domains.
+``non_iid``
+    one segment per domain, reset at its start; the label order follows a Dirichlet draw
+    (``dirichlet_delta``) per class over the segment's time slots (one slot per batch).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
+
+from tta_bench.rng import stable_seed
+from tta_bench.run.protocol import Protocol
+
+Domain = tuple[str, int]
+
+
+@dataclass(frozen=True)
+class Batch:
+    """One batch of the stream.
+
+    ``indices[i]`` is the dataset index of row ``i`` within the split of domain
+    ``domains[i]`` (an index into ``Stream.domains``). ``reset_before``: the runner calls
+    ``method.reset()`` before this batch. ``group``: index into ``Stream.groups``.
+    """
+
+    number: int
+    indices: np.ndarray
+    domains: np.ndarray
+    reset_before: bool
+    group: int
+
+    def __len__(self) -> int:
+        return len(self.indices)
+
+    def single_domain(self) -> int | None:
+        """The domain id when every row shares it, else None (``mixed_domains``)."""
+        first = int(self.domains[0])
+        return first if bool((self.domains == first).all()) else None
+
+
+@dataclass(frozen=True)
+class Stream:
+    """The whole stream of one seed: domains (cells), groups, and the ordered batches."""
+
+    seed: int
+    domains: tuple[Domain, ...]
+    #: ``groups[g]`` = the domain ids that group ``g`` produces (run and resumed together).
+    groups: tuple[tuple[int, ...], ...]
+    batches: tuple[Batch, ...]
+
+    def sequence(self) -> list[tuple[int, str, int]]:
+        """The flat ``(dataset index, shift, severity)`` sequence, in stream order."""
+        out = []
+        for b in self.batches:
+            for i, d in zip(b.indices.tolist(), b.domains.tolist()):
+                shift, severity = self.domains[d]
+                out.append((i, shift, severity))
+        return out
+
+    def without_groups(self, done: set[int]) -> Stream:
+        """The stream minus the batches of the groups in ``done`` (resume)."""
+        keep = tuple(b for b in self.batches if b.group not in done)
+        return Stream(self.seed, self.domains, self.groups, keep)
+
+
+def subset(protocol: Protocol, n: int) -> np.ndarray:
+    """The sorted dataset indices the protocol evaluates (``max_images`` of ``n``)."""
+    if protocol.max_images is None or protocol.max_images >= n:
+        return np.arange(n)
+    rng = np.random.default_rng(stable_seed("subset", protocol.name) % 2**32)
+    return np.sort(rng.permutation(n)[: protocol.max_images])
+
+
+def _domain_order(protocol: Protocol) -> list[tuple[Domain, int]]:
+    """``((shift, severity), visit)`` segments in stream order for the segment policies."""
+    if protocol.reset == "gradual":
+        ramp = sorted(set(protocol.severities))
+        ramp = ramp + ramp[-2::-1]
+        out = []
+        for shift in protocol.shifts:
+            seen: dict[int, int] = {}
+            for sev in ramp:
+                out.append(((shift, sev), seen.get(sev, 0)))
+                seen[sev] = seen.get(sev, 0) + 1
+        return out
+    return [((s, v), 0) for s in protocol.shifts for v in protocol.severities]
+
+
+def _shuffled(idx: np.ndarray, seed: int, shift: str, severity: int, visit: int) -> np.ndarray:
+    # visit 0 keeps the key of the original runner so reset_each_shift numbers do not move.
+    key = (
+        ("order", seed, shift, severity) if visit == 0 else ("order", seed, shift, severity, visit)
+    )
+    rng = np.random.default_rng(stable_seed(*key) % 2**32)
+    return idx[rng.permutation(len(idx))]
+
+
+def dirichlet_order(
+    idx: np.ndarray, labels: np.ndarray, n_slots: int, delta: float, rng: np.random.Generator
+) -> np.ndarray:
+    """Reorder ``idx`` so that labels are temporally correlated.
+
+    The stream is cut into ``n_slots`` consecutive time slots; each class spreads its samples
+    over the slots with proportions drawn from ``Dirichlet(delta * 1)``. Small ``delta``
+    concentrates a class into few slots; large ``delta`` approaches an i.i.d. order.
+    """
+    slots: list[list[int]] = [[] for _ in range(n_slots)]
+    y = labels[idx]
+    for c in np.unique(y):
+        members = idx[y == c]
+        members = members[rng.permutation(len(members))]
+        p = rng.dirichlet(np.full(n_slots, delta))
+        cuts = (np.cumsum(p)[:-1] * len(members)).round().astype(int)
+        for s, part in enumerate(np.split(members, cuts)):
+            slots[s].extend(part.tolist())
+    out = []
+    for s in slots:
+        out.extend(rng.permutation(np.asarray(s, dtype=np.int64)).tolist())
+    return np.asarray(out, dtype=np.int64)
+
+
+def build_stream(protocol: Protocol, seed: int, labels: Mapping[Domain, np.ndarray]) -> Stream:
+    """The ordered batches of ``protocol`` for ``seed``.
+
+    ``labels[(shift, severity)]`` holds the labels of that domain's split (for synthetic
+    shifts every domain is the same clean split); only their length and, for ``non_iid``,
+    their values are used. Raises ``ValueError`` when a domain of the protocol is missing.
+    """
+    sevs = sorted(set(protocol.severities)) if protocol.reset == "gradual" else protocol.severities
+    domains: tuple[Domain, ...] = tuple((s, int(v)) for s in protocol.shifts for v in sevs)
+    if len(set(domains)) != len(domains):
+        raise ValueError(f"protocol {protocol.name!r} repeats a (shift, severity): {domains}")
+    missing = [d for d in domains if d not in labels]
+    if missing:
+        raise ValueError(f"no labels for domain(s) {missing}; have {sorted(labels)}")
+    dom_id = {d: i for i, d in enumerate(domains)}
+    bs = protocol.batch_size
+    batches: list[Batch] = []
+
+    def emit(idx: np.ndarray, dom: np.ndarray, group: int, reset_first: bool) -> None:
+        for k in range(0, len(idx), bs):
+            reset = protocol.reset in ("episodic_batch", "episodic_sample") or (
+                reset_first and k == 0
+            )
+            batches.append(
+                Batch(
+                    len(batches), idx[k : k + bs], dom[k : k + bs], reset and bool(batches), group
+                )
+            )
+
+    if protocol.reset == "mixed_domains":
+        parts = [(subset(protocol, len(labels[d])), dom_id[d]) for d in domains]
+        idx = np.concatenate([p for p, _ in parts])
+        dom = np.concatenate([np.full(len(p), i, dtype=np.int64) for p, i in parts])
+        perm = np.random.default_rng(stable_seed("mixed", seed) % 2**32).permutation(len(idx))
+        emit(idx[perm], dom[perm], 0, False)
+        groups: tuple[tuple[int, ...], ...] = (tuple(range(len(domains))),)
+        return Stream(seed, domains, groups, tuple(batches))
+
+    stateful = protocol.stateful
+    groups = (tuple(range(len(domains))),) if stateful else tuple((i,) for i in range(len(domains)))
+    for (shift, sev), visit in _domain_order(protocol):
+        d = dom_id[(shift, sev)]
+        idx = subset(protocol, len(labels[(shift, sev)]))
+        if protocol.reset == "non_iid":
+            assert protocol.dirichlet_delta is not None
+            rng = np.random.default_rng(stable_seed("non_iid", seed, shift, sev) % 2**32)
+            n_slots = max(1, -(-len(idx) // bs))
+            idx = dirichlet_order(idx, labels[(shift, sev)], n_slots, protocol.dirichlet_delta, rng)
+        else:
+            idx = _shuffled(idx, seed, shift, sev, visit)
+        group = 0 if stateful else d
+        emit(idx, np.full(len(idx), d, dtype=np.int64), group, not stateful)
+    return Stream(seed, domains, groups, tuple(batches))
