@@ -8,7 +8,10 @@ The public API lives in the submodules: ``tta_bench.method`` (Method, GradientMe
 
 from __future__ import annotations
 
+from tta_bench import _moved
 from tta_bench._version import SCHEMA_VERSION, __version__
+
+_moved.install()  # the modules' import paths from before the rooms (tta_bench._moved)
 
 __all__ = ["evaluate", "Adapter", "SCHEMA_VERSION", "__version__"]
 
