@@ -81,38 +81,10 @@ def resolve_run(
         f"logger=[{o.split('=', 1)[1]}]" if o.startswith("logger=") and "[" not in o else o
         for o in overrides
     ]
-    o_dataset, overrides = _split_choice(overrides, "dataset")
-    dataset_args, overrides = split_dataset_args(overrides)
-    dataset = dataset or o_dataset
     method = method or o_method or _default("method")
-    model = model or o_model
-    adhoc: dict[str, Any] | None = None
-    if dataset is not None or dataset_args:
-        if dataset is None:
-            raise UsageError(
-                f"dataset.{next(iter(dataset_args))}= is an argument of --dataset NAME (an "
-                "ad-hoc suite); give --dataset, or use a suite's own dataset_args"
-            )
-        if suite or o_suite:
-            raise UsageError(
-                f"--dataset {dataset!r} builds its own suite; drop --suite {suite or o_suite!r} "
-                "(or drop --dataset to run the suite)"
-            )
-        o_dir, overrides = _split_choice(overrides, "data_dir")
-        adhoc = adhoc_dataset_args(dataset, dataset_args, data_dir or o_dir)
-        data_dir = None  # it is the dataset's argument now, part of the protocol id
-        from tta_bench.run.protocol import ADHOC_PREFIX
-
-        suite = ADHOC_PREFIX + dataset
-        model = model or _default("model")
-    else:
-        suite = suite or o_suite or _default("suite")
-        catalog_suites = catalog.catalog()["suites"]
-        if suite not in catalog_suites:
-            from tta_bench.registry import UnknownNameError
-
-            raise UnknownNameError("suites", suite, list(catalog_suites))
-        model = model or catalog_suites[suite].get("default_model")
+    suite, model, dataset, adhoc, data_dir, overrides = _choose_suite(
+        suite or o_suite, model or o_model, dataset, data_dir, overrides
+    )
     if not model:
         raise UsageError(f"suite {suite!r} names no default model; pass --model")
     from tta_bench.config import resolve_method
@@ -154,6 +126,13 @@ def resolve_run(
         if type(exc).__module__.startswith("omegaconf"):
             raise UsageError(f"bad method configuration: {exc}") from exc
         raise
+    _finish_spec(spec, dataset, adhoc)
+    return cfg, spec
+
+
+def _finish_spec(spec: Any, dataset: str | None, adhoc: dict[str, Any] | None) -> None:
+    """What a resolved spec still needs before it is checked: the clean shift of a synthetic
+    suite that runs one, the ad-hoc dataset in the record; then ``_check_spec``."""
     from tta_bench.run.protocol import CLEAN, register_clean_shift
 
     if CLEAN in spec.protocol.shifts and spec.protocol.shift_source == "synthetic":
@@ -164,7 +143,49 @@ def resolve_run(
         items.insert(at, ("dataset", {"name": dataset, **adhoc}))
         spec.config = dict(items)
     _check_spec(spec)
-    return cfg, spec
+
+
+def _choose_suite(
+    suite: str | None,
+    model: str | None,
+    dataset: str | None,
+    data_dir: str | None,
+    overrides: list[str],
+) -> tuple[str, str | None, str | None, dict[str, Any] | None, str | None, list[str]]:
+    """``(suite, model, dataset, ad-hoc dataset args or None, data_dir, other overrides)``:
+    the named suite (or the catalogues' default) and its default model, or the ad-hoc
+    suite of ``--dataset`` with its ``dataset.<arg>=`` arguments."""
+    o_dataset, overrides = _split_choice(overrides, "dataset")
+    dataset_args, overrides = split_dataset_args(overrides)
+    dataset = dataset or o_dataset
+    adhoc: dict[str, Any] | None = None
+    if dataset is not None or dataset_args:
+        if dataset is None:
+            raise UsageError(
+                f"dataset.{next(iter(dataset_args))}= is an argument of --dataset NAME (an "
+                "ad-hoc suite); give --dataset, or use a suite's own dataset_args"
+            )
+        if suite:
+            raise UsageError(
+                f"--dataset {dataset!r} builds its own suite; drop --suite {suite!r} "
+                "(or drop --dataset to run the suite)"
+            )
+        o_dir, overrides = _split_choice(overrides, "data_dir")
+        adhoc = adhoc_dataset_args(dataset, dataset_args, data_dir or o_dir)
+        data_dir = None  # it is the dataset's argument now, part of the protocol id
+        from tta_bench.run.protocol import ADHOC_PREFIX
+
+        suite = ADHOC_PREFIX + dataset
+        model = model or _default("model")
+    else:
+        suite = suite or _default("suite")
+        catalog_suites = catalog.catalog()["suites"]
+        if suite not in catalog_suites:
+            from tta_bench.registry import UnknownNameError
+
+            raise UnknownNameError("suites", suite, list(catalog_suites))
+        model = model or catalog_suites[suite].get("default_model")
+    return suite, model, dataset, adhoc, data_dir, overrides
 
 
 # -- ad-hoc suites: any registered dataset from the command line ---------------------------

@@ -101,28 +101,14 @@ def spec_from_config(cfg: Any, method: str, model: str) -> RunSpec:
         overrides = tta_vlm.protocol_overrides(given, getattr(method_cls, "stream_kind", None))
         applied.update({f"protocol.{k}": v for k, v in overrides.items() if k not in given})
     protocol = load_protocol(cfg.suite, **overrides)
-    by_dataset: dict[str, Any] | None = None
+    mcfg, by_dataset, changed = _per_dataset_configs(
+        method, mcfg, protocol, bool(cfg.get("tta_vlm"))
+    )
     official: dict[str, Any] = {}
-    rule = _per_dataset_rule(method, mcfg, bool(cfg.get("tta_vlm")))
-    if rule is not None:
-        from tta_bench.catalog import fine_grained
-
-        configs = {d: rule(fine_grained(d)) for d in protocol.domain_datasets()}
-        first, changed = next(iter(configs.values()))
-        if all(c == first for c, _ in configs.values()):
-            mcfg = first
-        else:  # several datasets, and the option sets them differently
-            by_dataset = {d: c for d, (c, _) in configs.items() if c != mcfg}
-            changed = {}
-            for d, (_, ch) in configs.items():
-                for k, v in ch.items():
-                    changed.setdefault(f"{k}@{d}", v)
-        for c in [mcfg, *(by_dataset or {}).values()]:
-            check_values(c, "method")
-        if cfg.get("tta_vlm"):
-            applied.update({f"method.{k}": v for k, v in changed.items()})
-        else:  # the official per-dataset AugMix rule: what ran, not the option's doing
-            official = {f"method.{k}": v for k, v in changed.items()}
+    if cfg.get("tta_vlm"):
+        applied.update({f"method.{k}": v for k, v in changed.items()})
+    else:  # the official per-dataset AugMix rule: what ran, not the option's doing
+        official = {f"method.{k}": v for k, v in changed.items()}
     log_samples = samples_mode(cfg.get("log_samples", False))
     if part is not None:
         shard.check_shardable(protocol.reset, protocol.name, part)
@@ -163,6 +149,35 @@ def spec_from_config(cfg: Any, method: str, model: str) -> RunSpec:
         shard=part,
         method_configs=by_dataset,
     )
+
+
+def _per_dataset_configs(
+    method: str, mcfg: Any, protocol: Protocol, tta_vlm_on: bool
+) -> tuple[Any, dict[str, Any] | None, dict[str, Any]]:
+    """``(method config, {dataset: config} or None, {field[@dataset]: value set})`` under the
+    run's per-dataset rule (``_per_dataset_rule``): one config when every dataset of the
+    suite gets the same, else the datasets whose config differs from ``mcfg``."""
+    from tta_bench.bounds import check_values
+
+    rule = _per_dataset_rule(method, mcfg, tta_vlm_on)
+    if rule is None:
+        return mcfg, None, {}
+    from tta_bench.catalog import fine_grained
+
+    configs = {d: rule(fine_grained(d)) for d in protocol.domain_datasets()}
+    first, changed = next(iter(configs.values()))
+    by_dataset: dict[str, Any] | None = None
+    if all(c == first for c, _ in configs.values()):
+        mcfg = first
+    else:  # several datasets, and the rule sets them differently
+        by_dataset = {d: c for d, (c, _) in configs.items() if c != mcfg}
+        changed = {}
+        for d, (_, ch) in configs.items():
+            for k, v in ch.items():
+                changed.setdefault(f"{k}@{d}", v)
+    for c in [mcfg, *(by_dataset or {}).values()]:
+        check_values(c, "method")
+    return mcfg, by_dataset, changed
 
 
 def _per_dataset_rule(method: str, mcfg: Any, tta_vlm_on: bool) -> Any:
