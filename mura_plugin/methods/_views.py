@@ -63,8 +63,10 @@ import torch
 from torch import nn
 
 from mura_plugin.augment import ViewPlan, make_views, plan_views, render_views
-from tta_bench.bounds import bounded
+from mura_plugin.methods._clip_text import TEXT_HEADS as TEXT_HEAD_CHOICES
+from tta_bench.bounds import bounded, one_of
 from tta_bench.method import (
+    PRECISIONS,
     GradientConfig,
     GradientMethod,
     build_optimizer,
@@ -148,9 +150,10 @@ class MultiViewConfig(GradientConfig):
     # views take at most this many MB (``image_chunks``); the cells do not depend on it.
     view_memory_mb: float = bounded(VIEW_MEMORY_MB, gt=0)
     augmix: bool = False  # AugMix each crop (TPT/TTL: on for their fine-grained sets only)
-    text_head: str = "protocol"  # protocol | official (see the module docstring)
+    # protocol | official (see the module docstring)
+    text_head: str = one_of("protocol", TEXT_HEAD_CHOICES)
     # TPT/TTL's official code runs CLIP under fp16 autocast on CUDA (CPU: float32) ...
-    precision: str = "fp16"
+    precision: str = one_of("fp16", PRECISIONS)
     # ... with GradScaler(init_scale=1000): the initial loss scale for fp16 (None: none),
     # applied per episode by ``LossScaler``
     grad_scale: float | None = 1000.0

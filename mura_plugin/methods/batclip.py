@@ -71,8 +71,8 @@ from mura_plugin.methods._clip_text import (
     prompt_tokens,
 )
 from mura_plugin.methods._norm import text_layer_norm_parameters, vision_layer_norm_parameters
-from tta_bench.bounds import bounded
-from tta_bench.method import GradientConfig, GradientMethod
+from tta_bench.bounds import bounded, one_of
+from tta_bench.method import PRECISIONS, GradientConfig, GradientMethod
 from tta_bench.model import ZeroShotClassifier
 
 __all__ = [
@@ -97,10 +97,10 @@ class BATCLIPConfig(GradientConfig):
     steps: int = 1
     i2t_weight: float = bounded(1.0, ge=0)  # prototype-text alignment (subtracted)
     inter_weight: float = bounded(1.0, ge=0)  # inter-class separation (subtracted)
-    text_head: str = "protocol"  # protocol | official ("a photo of a {}.")
+    text_head: str = one_of("protocol", ("protocol", "official"))  # official: ("a photo of a {}.")
     # The official forward runs under fp16 autocast on CUDA with GradScaler(init_scale=1000);
     # CPU: fp32, no scaling.
-    precision: str = "fp16"
+    precision: str = one_of("fp16", PRECISIONS)
     grad_scale: Optional[float] = 1000.0
 
 

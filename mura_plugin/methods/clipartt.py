@@ -66,8 +66,8 @@ from torch import nn
 
 from mura_plugin.methods._clip_text import check_text_head, clipartt_loss, prompt_features
 from mura_plugin.methods._norm import vision_layer_norm_parameters
-from tta_bench.bounds import bounded
-from tta_bench.method import GradientMethod
+from tta_bench.bounds import bounded, one_of
+from tta_bench.method import PRECISIONS, GradientMethod
 from tta_bench.model import ZeroShotClassifier
 
 __all__ = [
@@ -91,10 +91,10 @@ class CLIPArTTConfig:
     lr: float = bounded(1e-3, gt=0)
     weight_decay: float = bounded(0.0, ge=0)
     momentum: float = bounded(0.9, ge=0, le=1)  # SGD only
-    text_head: str = "protocol"  # protocol | official ("a photo of a {}")
+    text_head: str = one_of("protocol", ("protocol", "official"))  # official: ("a photo of a {}")
     episodic: str = "batch"  # batch: reset before every batch (official) | online
     # The official code runs CLIP's fp16 weights on CUDA: fp16 autocast there; CPU: fp32.
-    precision: str = "fp16"
+    precision: str = one_of("fp16", PRECISIONS)
 
 
 def pseudo_label_prompt(names: Sequence[str], template: str = CLIPARTT_TEMPLATE) -> str:

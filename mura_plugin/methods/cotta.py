@@ -70,8 +70,8 @@ from torch import nn
 from torch.func import functional_call
 
 from mura_plugin.methods._norm import use_batch_statistics
-from tta_bench.bounds import bounded
-from tta_bench.method import GradientConfig, GradientMethod
+from tta_bench.bounds import bounded, one_of
+from tta_bench.method import PRECISIONS, GradientConfig, GradientMethod
 from tta_bench.model import ZeroShotClassifier
 
 __all__ = [
@@ -93,7 +93,7 @@ class CoTTAConfig(GradientConfig):
     lr: float = 1e-3
     weight_decay: float = 0.0
     steps: int = 1
-    precision: str = "fp32"
+    precision: str = one_of("fp32", PRECISIONS)
     #: Teacher EMA momentum (official MT).
     teacher_momentum: float = bounded(0.999, ge=0, le=1)
     #: Probability that an element of an adapted parameter returns to its source value.

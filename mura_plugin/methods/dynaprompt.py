@@ -99,6 +99,7 @@ from mura_plugin.methods._views import (
 from mura_plugin.methods.tpt import PromptTextEncoder
 from tta_bench.bounds import bounded, one_of
 from tta_bench.method import (
+    PRECISIONS,
     Method,
     autocast_context,
     check_precision,
@@ -140,8 +141,10 @@ class DynaPromptConfig:
     chunk_views: int = bounded(256, ge=1)  # images per forward of the frozen tower
     # views built per chunk of images within this many MB (no cell depends on it)
     view_memory_mb: float = bounded(VIEW_MEMORY_MB, gt=0)
-    text_head: str = "protocol"  # protocol | official ("a photo of a" + "{class}.")
-    precision: str = "fp16"  # autocast on CUDA, as the official; CPU: fp32
+    text_head: str = one_of(
+        "protocol", ("protocol", "official")
+    )  # official: ("a photo of a" + "{class}.")
+    precision: str = one_of("fp16", PRECISIONS)  # autocast on CUDA, as the official; CPU: fp32
     grad_scale: Optional[float] = bounded(1000.0, gt=0)  # GradScaler(init_scale=1000), fp16
 
 

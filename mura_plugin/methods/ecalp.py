@@ -71,8 +71,8 @@ import torch
 import torch.nn.functional as F
 
 from mura_plugin.methods._views import SINGLE_PROMPT, check_text_head, class_head
-from tta_bench.bounds import bounded
-from tta_bench.method import Method, autocast_context, check_precision
+from tta_bench.bounds import bounded, one_of
+from tta_bench.method import PRECISIONS, Method, autocast_context, check_precision
 
 __all__ = ["ECALP", "ECALPConfig", "LabelGraph", "propagate"]
 
@@ -86,8 +86,12 @@ class ECALPConfig:
     num_iterations: int = bounded(3, ge=1)
     pseudo_label_scale: float = bounded(0.2, ge=0)  # Y0 of older nodes: score / 5
     output_scale: float = bounded(10000.0, gt=0)  # official output softmax(10000 * y)
-    text_head: str = "protocol"  # protocol | official ("a photo of a {}.", TTA-VLM's)
-    precision: str = "fp16"  # image tower autocast on CUDA; CPU: fp32. The graph: fp32
+    text_head: str = one_of(
+        "protocol", ("protocol", "official")
+    )  # official: ("a photo of a {}.", TTA-VLM's)
+    precision: str = one_of(
+        "fp16", PRECISIONS
+    )  # image tower autocast on CUDA; CPU: fp32. The graph: fp32
 
 
 def propagate(

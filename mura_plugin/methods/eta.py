@@ -67,8 +67,8 @@ from torch import nn
 
 from mura_plugin.losses import view_entropy
 from mura_plugin.methods._norm import masked_mean, norm_parameters, use_batch_statistics
-from tta_bench.bounds import bounded
-from tta_bench.method import GradientConfig, GradientMethod
+from tta_bench.bounds import bounded, one_of
+from tta_bench.method import PRECISIONS, GradientConfig, GradientMethod
 from tta_bench.model import ZeroShotClassifier
 
 __all__ = [
@@ -162,7 +162,7 @@ class ReliableEntropyConfig(GradientConfig):
     weight_decay: float = 0.0
     momentum: float = 0.9
     steps: int = 1
-    precision: str = "fp32"
+    precision: str = one_of("fp32", PRECISIONS)
     #: Reliable-entropy threshold as a fraction of ln C (E0 = e_margin * ln C).
     e_margin: float = bounded(0.4, ge=0)
 

@@ -49,7 +49,8 @@ from dataclasses import dataclass
 import torch
 
 from mura_plugin.methods.tpt import TPT, TPTConfig
-from tta_bench.bounds import bounded
+from tta_bench.bounds import bounded, one_of
+from tta_bench.method import PRECISIONS
 
 __all__ = ["RTPT", "RTPTConfig", "reliability_ensemble", "reliability_weights"]
 
@@ -90,7 +91,7 @@ class RTPTConfig(TPTConfig):
     loss: str = "entropy"  # entropy_avg: the mean per-view entropy of the confident views
     neighbours: int = bounded(20, ge=1)  # get_top_sim's k
     temperature: float = bounded(0.01, gt=0)  # of the softmax over reliabilities
-    precision: str = "fp32"  # rtpt.py runs without autocast, on fp32 weights
+    precision: str = one_of("fp32", PRECISIONS)  # rtpt.py runs without autocast, on fp32 weights
     grad_scale: float | None = None  # and without a GradScaler
 
 

@@ -72,6 +72,7 @@ from types import SimpleNamespace
 import torch
 
 from mura_plugin.losses import view_entropy
+from mura_plugin.methods._clip_text import TEXT_HEADS as TEXT_HEAD_CHOICES
 from mura_plugin.methods._views import (
     SINGLE_PROMPT,
     VIEW_MEMORY_MB,
@@ -80,8 +81,8 @@ from mura_plugin.methods._views import (
     encode_flat,
     encode_in_chunks,
 )
-from tta_bench.bounds import bounded
-from tta_bench.method import Method, autocast_context, check_precision
+from tta_bench.bounds import bounded, one_of
+from tta_bench.method import PRECISIONS, Method, autocast_context, check_precision
 from tta_bench.text_head import resolve_templates
 
 __all__ = ["TDA", "TDAConfig", "VIEWS", "official_templates", "uses_views"]
@@ -173,8 +174,12 @@ class TDAConfig:
     chunk_views: int = bounded(256, ge=1)  # views per forward
     # views built per chunk of images within this many MB (no cell depends on it)
     view_memory_mb: float = bounded(VIEW_MEMORY_MB, gt=0)
-    text_head: str = "protocol"  # protocol | official (official_templates)
-    precision: str = "fp16"  # autocast on CUDA (the official code runs CLIP in fp16); CPU: fp32
+    text_head: str = one_of(
+        "protocol", TEXT_HEAD_CHOICES
+    )  # protocol | official (official_templates)
+    precision: str = one_of(
+        "fp16", PRECISIONS
+    )  # autocast on CUDA (the official code runs CLIP in fp16); CPU: fp32
 
 
 class _Cache:

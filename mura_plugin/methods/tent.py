@@ -39,7 +39,8 @@ import torch
 from torch import nn
 
 from mura_plugin.methods._norm import norm_parameters, use_batch_statistics
-from tta_bench.method import GradientConfig, GradientMethod
+from tta_bench.bounds import one_of
+from tta_bench.method import PRECISIONS, GradientConfig, GradientMethod
 from tta_bench.model import ZeroShotClassifier
 
 __all__ = ["Tent", "TentConfig"]
@@ -54,7 +55,7 @@ class TentConfig(GradientConfig):
     lr: float = 1e-3
     weight_decay: float = 0.0
     steps: int = 1
-    precision: str = "fp32"
+    precision: str = one_of("fp32", PRECISIONS)
 
 
 class Tent(GradientMethod):

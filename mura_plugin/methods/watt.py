@@ -61,9 +61,11 @@ from typing import Optional
 
 import torch
 
+from mura_plugin.methods._clip_text import TEXT_HEADS as TEXT_HEAD_CHOICES
 from mura_plugin.methods._clip_text import check_text_head, clipartt_loss
 from mura_plugin.methods.clipartt import CLIPArTT
-from tta_bench.bounds import bounded
+from tta_bench.bounds import bounded, one_of
+from tta_bench.method import PRECISIONS
 from tta_bench.model import ZeroShotClassifier
 
 __all__ = ["MODES", "WATT", "WATTConfig", "WATT_TEMPLATES", "weight_average"]
@@ -94,9 +96,11 @@ class WATTConfig:
     lr: float = bounded(1e-3, gt=0)
     weight_decay: float = bounded(0.0, ge=0)
     momentum: float = bounded(0.9, ge=0, le=1)  # SGD only
-    text_head: str = "protocol"  # protocol | official (the 8 WATT templates)
+    text_head: str = one_of(
+        "protocol", TEXT_HEAD_CHOICES
+    )  # protocol | official (the 8 WATT templates)
     # The official code runs CLIP's fp16 weights on CUDA: fp16 autocast there; CPU: fp32.
-    precision: str = "fp16"
+    precision: str = one_of("fp16", PRECISIONS)
 
 
 def weight_average(snapshots: list[list[torch.Tensor]]) -> list[torch.Tensor]:

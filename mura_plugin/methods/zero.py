@@ -51,6 +51,7 @@ from dataclasses import dataclass
 import torch
 
 from mura_plugin.losses import view_entropy
+from mura_plugin.methods._clip_text import TEXT_HEADS as TEXT_HEAD_CHOICES
 from mura_plugin.methods._views import (
     SINGLE_PROMPT,
     VIEW_MEMORY_MB,
@@ -59,8 +60,8 @@ from mura_plugin.methods._views import (
     encode_flat,
     encode_in_chunks,
 )
-from tta_bench.bounds import bounded
-from tta_bench.method import Method, autocast_context, check_precision
+from tta_bench.bounds import bounded, one_of
+from tta_bench.method import PRECISIONS, Method, autocast_context, check_precision
 
 __all__ = ["Zero", "ZeroConfig", "zero_votes"]
 
@@ -74,13 +75,17 @@ class ZeroConfig:
     crop_scale_min: float = bounded(0.08, gt=0, le=1)
     flip: bool = True
     selection: float = bounded(0.3, gt=0, le=1)  # fraction of most confident views that vote
-    tie_eps: float = bounded(1e-3, ge=0)
+    tie_eps: float = bounded(1e-3, gt=0, lt=1)
     # views per forward: cache-sized chunks run ~2x faster on CPU
     chunk_views: int = bounded(256, ge=1)
     # views built per chunk of images within this many MB (no cell depends on it)
     view_memory_mb: float = bounded(VIEW_MEMORY_MB, gt=0)
-    text_head: str = "protocol"  # protocol | official ("a photo of a {}.")
-    precision: str = "fp16"  # autocast on CUDA, as the official code runs CLIP; CPU: fp32
+    text_head: str = one_of(
+        "protocol", TEXT_HEAD_CHOICES
+    )  # protocol | official ("a photo of a {}.")
+    precision: str = one_of(
+        "fp16", PRECISIONS
+    )  # autocast on CUDA, as the official code runs CLIP; CPU: fp32
 
 
 def zero_votes(cosines: torch.Tensor, logit_scale: float, selection: float) -> torch.Tensor:
@@ -134,8 +139,6 @@ class Zero(Method):
             raise ValueError(f"selection must be in (0, 1], got {cfg.selection}")
         if cfg.chunk_views < 1:
             raise ValueError(f"chunk_views must be >= 1, got {cfg.chunk_views}")
-        if not 0.0 < cfg.tie_eps < 1.0:
-            raise ValueError(f"tie_eps must be in (0, 1), got {cfg.tie_eps}")
         # the method's own head: the shared model is never changed (adapts = False)
         self.head = class_head(self.model, cfg.text_head, SINGLE_PROMPT)
 
