@@ -46,6 +46,16 @@ def _failed(out: str) -> list[str]:
     return [name for name, line in _lines(out).items() if line.startswith("FAIL")]
 
 
+def _fails(capsys: Any, kind: str, check: str, reason: str) -> str:
+    """``tta-bench validate KIND broken`` exits 1 with ``check`` failing for ``reason``;
+    returns the report."""
+    rc, out, _ = cli(capsys, "validate", kind, "broken")
+    assert rc == 1, out
+    line = _lines(out)[check]
+    assert line.startswith(f"FAIL  {check}: ") and reason in line, out
+    return out
+
+
 # -- the test plugin's components pass ---------------------------------------------------
 @pytest.mark.parametrize(
     ("kind", "name"),
@@ -76,17 +86,11 @@ def test_the_test_plugins_components_pass_every_check(capsys, kind, name):
 def test_a_method_report_names_each_contract_check(capsys):
     rc, out, _ = cli(capsys, "validate", "method", "norm_tent")
     assert rc == 0
+    from tta_bench.cli.validate import METHOD_CHECKS
+
     checks = _lines(out)
-    for name in (
-        "builds with its default config and sets up",
-        "step takes images only",
-        "logits [B, C], finite",
-        "labels never reach it (no label-like attribute)",
-        "reset() restores the state",
-        "only declared trainable parameters change",
-        "the frozen backbone is unchanged",
-        "same seed, same logits",
-    ):
+    assert len(checks) == 1 + 1 + len(METHOD_CHECKS), checks  # loads, builds, the contract
+    for name in ("builds with its default config and sets up", *METHOD_CHECKS):
         assert checks[name].startswith("PASS"), checks
     assert "on model tiny-clip, 16 images of suite tiny-shifts (dataset synthetic)" in out
     assert "logits [B, C], finite: [8, 4] float32, finite" in out
@@ -215,10 +219,7 @@ class Counter(Method):
 )
 def test_a_broken_method_fails_naming_the_check(capsys, add, cls, check, reason):
     add("methods", "broken", cls)
-    rc, out, _ = cli(capsys, "validate", "method", "broken")
-    assert rc == 1, out
-    line = _lines(out)[check]
-    assert line.startswith(f"FAIL  {check}: ") and reason in line, out
+    out = _fails(capsys, "method", check, reason)
     assert out.rstrip().splitlines()[-1].startswith("FAILED: ")
 
 
@@ -293,10 +294,7 @@ def _nan(images: torch.Tensor, severity: int, *, generator: Any) -> torch.Tensor
 )
 def test_a_broken_shift_fails_naming_the_check(capsys, add, kernel, check, reason):
     add("shifts", "broken", kernel)
-    rc, out, _ = cli(capsys, "validate", "shift", "broken")
-    assert rc == 1, out
-    line = _lines(out)[check]
-    assert line.startswith(f"FAIL  {check}: ") and reason in line, out
+    _fails(capsys, "shift", check, reason)
 
 
 def _mean_loss(logits: torch.Tensor, **_: object) -> torch.Tensor:
@@ -321,10 +319,7 @@ def _no_context(logits: torch.Tensor) -> torch.Tensor:
 )
 def test_a_broken_loss_fails_naming_the_check(capsys, add, fn, check, reason):
     add("losses", "broken", fn)
-    rc, out, _ = cli(capsys, "validate", "loss", "broken")
-    assert rc == 1, out
-    line = _lines(out)[check]
-    assert line.startswith(f"FAIL  {check}: ") and reason in line, out
+    _fails(capsys, "loss", check, reason)
 
 
 def test_a_broken_dataset_fails_naming_the_check(capsys, add):
@@ -336,10 +331,7 @@ def test_a_broken_dataset_fails_naming_the_check(capsys, add):
         return stream
 
     add("datasets", "broken", no_slot)
-    rc, out, _ = cli(capsys, "validate", "dataset", "broken")
-    assert rc == 1, out
-    line = _lines(out)["templates"]
-    assert line.startswith("FAIL  templates: ") and "exactly one '{}'" in line, out
+    out = _fails(capsys, "dataset", "templates", "exactly one '{}'")
     assert _failed(out) == ["templates"]
 
 

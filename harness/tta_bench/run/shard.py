@@ -196,11 +196,6 @@ def _combine_cell(
 ) -> tuple[dict[str, Any], Any]:
     """One cell from its pieces (one per part that ran some of its batches): the entry and
     the merged per-sample rows (``CellSamples``; None for a diverged cell)."""
-    import numpy as np
-    import torch
-
-    from tta_bench import metrics
-    from tta_bench.run import samples
     from tta_bench.run.accounting import finite_or_none
 
     shift, severity, seed = key
@@ -213,58 +208,94 @@ def _combine_cell(
         first = min(diverged, key=lambda d: int(d.get("batch", 0)))
         entry.update(accuracy=None, error=None, reference_accuracy=None, diverged=first)
     else:
-        tables = []
-        for path, cell in pieces:
-            folder = samples.samples_dir(path)
-            table = samples.read_cell(folder, *key)
-            logits, labels = samples.logits_and_labels(table, str(samples.cell_file(folder, *key)))
-            if len(labels) != int(cell["n"]):
-                raise MergeError(
-                    f"{path}: cell {key} holds {cell['n']} samples, its per-sample file "
-                    f"{len(labels)}"
-                )
-            tables.append(
-                (
-                    logits,
-                    labels,
-                    table.column("index").to_numpy(),
-                    table.column("batch").to_numpy(),
-                    table.column("domain")[0].as_py() if len(labels) else str(shift),
-                )
+        merged_rows = _merged_rows(key, pieces)
+        _score(entry, merged_rows, cells, per_class, ood_score)
+    _combine_costs(entry, cells)
+    return finite_or_none(entry), merged_rows
+
+
+def _merged_rows(key: tuple[str, int, int], pieces: list[tuple[Path, dict[str, Any]]]) -> Any:
+    """The cell's per-sample rows gathered from its pieces' files, in stream order
+    (``CellSamples``)."""
+    import numpy as np
+
+    from tta_bench.run import samples
+
+    shift, severity, seed = key
+    tables = []
+    for path, cell in pieces:
+        folder = samples.samples_dir(path)
+        table = samples.read_cell(folder, *key)
+        logits, labels = samples.logits_and_labels(table, str(samples.cell_file(folder, *key)))
+        if len(labels) != int(cell["n"]):
+            raise MergeError(
+                f"{path}: cell {key} holds {cell['n']} samples, its per-sample file {len(labels)}"
             )
-        logits = np.concatenate([t[0] for t in tables])
-        labels = np.concatenate([t[1] for t in tables])
-        indices = np.concatenate([t[2] for t in tables])
-        batches = np.concatenate([t[3] for t in tables])
-        order = np.argsort(batches, kind="stable")  # stream order; rows keep their batch order
-        logits, labels, indices, batches = (a[order] for a in (logits, labels, indices, batches))
-        lt, yt = torch.from_numpy(np.ascontiguousarray(logits)), torch.from_numpy(labels)
-        entry.update(metrics.compute_all(lt, yt, ood_score))
-        correct = int((lt.argmax(dim=1) == yt).sum())
-        n_known = int((yt >= 0).sum())  # an open-set cell's OOD rows are labelled -1
-        entry["error"] = 1.0 - correct / max(n_known, 1)
-        refs = [c.get("reference_accuracy") for c in cells]
-        if all(r is not None for r in refs):
-            ref_correct = sum(
-                round(float(r) * int(c.get("n_known", c["n"]))) for r, c in zip(refs, cells)
+        tables.append(
+            (
+                logits,
+                labels,
+                table.column("index").to_numpy(),
+                table.column("batch").to_numpy(),
+                table.column("domain")[0].as_py() if len(labels) else str(shift),
             )
-            entry["reference_accuracy"] = ref_correct / max(n_known, 1)
-        else:
-            entry["reference_accuracy"] = None
-        if per_class:
-            entry["per_class_accuracy"] = metrics.per_class_accuracy(lt, yt, lt.shape[1])
-        if n_known != n:
-            entry.update(n_known=n_known, n_ood=n - n_known)
-        merged_rows = samples.CellSamples(
-            shift=shift,
-            severity=severity,
-            seed=seed,
-            domain=tables[0][4],
-            logits=logits,
-            labels=labels,
-            indices=indices,
-            batches=batches,
         )
+    logits = np.concatenate([t[0] for t in tables])
+    labels = np.concatenate([t[1] for t in tables])
+    indices = np.concatenate([t[2] for t in tables])
+    batches = np.concatenate([t[3] for t in tables])
+    order = np.argsort(batches, kind="stable")  # stream order; rows keep their batch order
+    logits, labels, indices, batches = (a[order] for a in (logits, labels, indices, batches))
+    return samples.CellSamples(
+        shift=shift,
+        severity=severity,
+        seed=seed,
+        domain=tables[0][4],
+        logits=logits,
+        labels=labels,
+        indices=indices,
+        batches=batches,
+    )
+
+
+def _score(
+    entry: dict[str, Any],
+    rows: Any,
+    cells: list[dict[str, Any]],
+    per_class: bool,
+    ood_score: str,
+) -> None:
+    """Every metric of the cell computed once over all its ``rows``, into ``entry``; the
+    reference accuracy from the pieces' correct counts."""
+    import numpy as np
+    import torch
+
+    from tta_bench import metrics
+
+    n = entry["n"]
+    lt, yt = torch.from_numpy(np.ascontiguousarray(rows.logits)), torch.from_numpy(rows.labels)
+    entry.update(metrics.compute_all(lt, yt, ood_score))
+    correct = int((lt.argmax(dim=1) == yt).sum())
+    n_known = int((yt >= 0).sum())  # an open-set cell's OOD rows are labelled -1
+    entry["error"] = 1.0 - correct / max(n_known, 1)
+    refs = [c.get("reference_accuracy") for c in cells]
+    if all(r is not None for r in refs):
+        ref_correct = sum(
+            round(float(r) * int(c.get("n_known", c["n"]))) for r, c in zip(refs, cells)
+        )
+        entry["reference_accuracy"] = ref_correct / max(n_known, 1)
+    else:
+        entry["reference_accuracy"] = None
+    if per_class:
+        entry["per_class_accuracy"] = metrics.per_class_accuracy(lt, yt, lt.shape[1])
+    if n_known != n:
+        entry.update(n_known=n_known, n_ood=n - n_known)
+
+
+def _combine_costs(entry: dict[str, Any], cells: list[dict[str, Any]]) -> None:
+    """The cell's costs from its pieces', into ``entry``: times per timed sample and passes
+    per sample weighted by their counts, the largest peak memory, FLOPs per untimed sample."""
+    n = entry["n"]
     timed = sum(int(c.get("timed_samples") or 0) for c in cells)
     for name in _TIMES:
         vals = [(c.get(name), int(c.get("timed_samples") or 0)) for c in cells]
@@ -290,7 +321,6 @@ def _combine_cell(
         entry["flops_per_sample"] = sum(f * u for (f, _), u in zip(flops, untimed)) / max(
             sum(untimed), 1
         )
-    return finite_or_none(entry), merged_rows
 
 
 def merge_parts(paths: Sequence[str | Path], output: str | Path | None = None) -> dict[str, Any]:

@@ -1,0 +1,252 @@
+"""The ``tta-bench`` commands that list and inspect the installation: ``ls`` (components,
+suites, presets, defaults, published figures), ``env`` (versions, device, caches, plugin
+distributions) and ``cache`` (list or clear the decoded-image and text-head caches).
+``ls`` imports no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from typing import Any
+
+from tta_bench import catalog
+from tta_bench.registry import KINDS, SINGULAR, registry
+from tta_bench.run.resolve import NO_PLUGINS, UsageError
+
+LIST_KINDS = (*[k for k in KINDS if k != "configs"], "suites", "configs", "defaults", "published")
+#: Listed only when asked for by name (``tta-bench ls configs``, ``ls defaults``).
+_ON_REQUEST = ("configs", "defaults", "published")
+
+
+def cmd_ls(args: argparse.Namespace) -> int:
+    kinds = [args.kind] if args.kind else [k for k in LIST_KINDS if k not in _ON_REQUEST]
+    as_json: dict[str, Any] = {}
+    into = as_json if args.json else None  # --json: each kind's listing goes there
+    for kind in kinds:
+        if kind == "defaults":
+            _ls_defaults(into)
+        elif kind == "published":
+            _ls_published(into)
+        elif kind == "configs":
+            _ls_configs(into, heading=len(kinds) > 1)
+        else:
+            _ls_components(kind, into, heading=len(kinds) > 1)
+    if args.json:
+        print(json.dumps(as_json if not args.kind else as_json[args.kind], indent=1))
+    return 0
+
+
+def _ls_defaults(into: dict[str, Any] | None) -> None:
+    """The catalogues' default for each choice (``catalog.DEFAULT_KEYS``)."""
+    from tabulate import tabulate
+
+    found = catalog.catalog()["defaults"]
+    if into is not None:
+        into["defaults"] = {k: found.get(k) for k in catalog.DEFAULT_KEYS}
+        return
+    rows = [[k, found.get(k, "-")] for k in catalog.DEFAULT_KEYS]
+    print(tabulate(rows, headers=["choice", "default"], tablefmt="simple"))
+
+
+def _ls_published(into: dict[str, Any] | None) -> None:
+    """Figures papers publish, per method and dataset (percent)."""
+    from tabulate import tabulate
+
+    found = catalog.catalog()["published"]
+    if into is not None:
+        into["published"] = found
+        return
+    for name, entry in sorted(found.items()):
+        acc = entry.get("accuracy") or {}
+        sets = list(dict.fromkeys(d for row in acc.values() for d in row))
+        print(f"{name}: {entry.get('description', '')}\nsource: {entry.get('source')}")
+        rows = [[m, *(row.get(d, "-") for d in sets)] for m, row in acc.items()]
+        print(tabulate(rows, headers=["method", *sets], tablefmt="simple"), end="\n\n")
+    if not found:
+        print("no published figures in the installed catalogues")
+
+
+def _ls_configs(into: dict[str, Any] | None, heading: bool) -> None:
+    """The method presets (``method=<preset>``) the installed distributions ship."""
+    from tabulate import tabulate
+
+    from tta_bench.config import presets
+
+    found = presets()
+    rows = [
+        [f"method={p.name}", p.method, p.distribution, p.description]
+        for p in sorted(found.values(), key=lambda p: p.name)
+    ]
+    headers = ["preset", "method", "from", "description"]
+    if into is not None:
+        listed = [dict(zip(("name", "method", "from", "description"), r)) for r in rows]
+        into["configs"] = [{**r, "name": r["name"].removeprefix("method=")} for r in listed]
+        return
+    if heading:
+        print("\nconfigs:")
+    print(tabulate(rows, headers=headers, tablefmt="simple") if rows else "no presets")
+
+
+def _ls_components(kind: str, into: dict[str, Any] | None, heading: bool) -> None:
+    """The suites, or the registered components of ``kind``, with where each comes from."""
+    from tabulate import tabulate
+
+    if kind == "suites":
+        rows = []
+        for name, meta in sorted(catalog.catalog()["suites"].items()):
+            shifts = meta.get("shifts") or []
+            rows.append(
+                [
+                    name,
+                    f"{len(shifts)} shifts x sev {meta.get('severities')}",
+                    str(meta.get("description", "")).strip(),
+                ]
+            )
+        headers = ["suite", "protocol", "description"]
+    else:
+        reg = registry(kind)
+        rows = [[n, reg.origin(n).distribution, catalog.description(kind, n)] for n in reg.names()]
+        headers = [SINGULAR[kind], "from", "description"]
+    if into is not None:
+        keys = (
+            ("name", "protocol", "description")
+            if kind == "suites"
+            else ("name", "from", "description")
+        )
+        into[kind] = [dict(zip(keys, r)) for r in rows]
+        return
+    if heading:
+        print(f"\n{kind}:")
+    if not rows:
+        print(NO_PLUGINS.format(kind=kind) + ".")
+        return
+    print(tabulate(rows, headers=headers, tablefmt="simple"))
+
+
+def _malloc_line() -> str:
+    """What a run does with glibc's thresholds (``tta_bench.run.allocator``), in words."""
+    from tta_bench.run.allocator import OPT_OUT_ENV, reuse_large_blocks
+
+    state = reuse_large_blocks()
+    if state["policy"] == "reuse":
+        return (
+            f"blocks up to {state['mmap_threshold'] >> 20} MiB reused from the heap, "
+            f"{state['trim_threshold'] >> 20} MiB kept ({OPT_OUT_ENV}=system: glibc's default)"
+        )
+    return f"the C library's default ({state['reason']})"
+
+
+def cmd_env(args: argparse.Namespace) -> int:
+    import importlib.metadata as md
+
+    import torch
+
+    from tta_bench.paths import cache_dir
+    from tta_bench.run.cache import BUDGET_ENV, cache_budget_bytes, cache_used_bytes
+    from tta_bench.run.spec import resolve_device
+    from tta_bench.text_head import text_head_entries
+
+    device = resolve_device("auto")
+    heads = text_head_entries()
+    lines = [
+        ("tta-bench", md.version("tta-bench")),
+        ("python", sys.version.split()[0]),
+        ("torch", torch.__version__),
+        ("CUDA available", str(torch.cuda.is_available())),
+        ("CUDA (torch build)", str(torch.version.cuda)),
+        (
+            "cuDNN",
+            str(torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None),
+        ),
+        (
+            "device used",
+            str(device)
+            + (f" ({torch.cuda.get_device_name(device)})" if device.type == "cuda" else ""),
+        ),
+        ("CPU threads", str(torch.get_num_threads())),
+        ("CPU kernels", str(torch.backends.cpu.get_cpu_capability())),
+        ("allocator (CPU runs)", _malloc_line()),
+        ("cache dir", str(cache_dir())),
+        (
+            "decoded cache",
+            f"{cache_used_bytes() / 2**30:.2f} GiB used of a {cache_budget_bytes() / 2**30:.1f} "
+            f"GiB budget ({BUDGET_ENV})",
+        ),
+        (
+            "text-head cache",
+            f"{len(heads)} heads, {sum(h['bytes'] for h in heads) / 2**20:.1f} MiB",
+        ),
+    ]
+    for name in ("torchvision", "open_clip_torch", "timm", "datasets", "hydra-core"):
+        try:
+            lines.append((name, md.version(name)))
+        except md.PackageNotFoundError:
+            lines.append((name, "not installed"))
+    dists: dict[str, tuple[str, list[str]]] = {}
+    for kind in KINDS:
+        reg = registry(kind)
+        for n in reg.names():
+            o = reg.origin(n)
+            dists.setdefault(o.distribution, (o.version, []))[1].append(f"{kind}:{n}")
+    if args.json:
+        plugins = {d: {"version": v, "components": len(i)} for d, (v, i) in sorted(dists.items())}
+        print(json.dumps({**dict(lines), "plugin distributions": plugins}, indent=1))
+        return 0
+    width = max(len(k) for k, _ in lines)
+    for k, v in lines:
+        print(f"{k:<{width}}  {v}")
+    print("\nplugin distributions:")
+    for dist, (version, items) in sorted(dists.items()):
+        print(f"  {dist} {version}: {len(items)} components")
+    return 0
+
+
+def cmd_cache(args: argparse.Namespace) -> int:
+    """List or clear the decoded-image and text-head cache entries."""
+    from tabulate import tabulate
+
+    from tta_bench import text_head
+    from tta_bench.run import cache
+
+    decoded = args.kind in ("all", "decoded")
+    heads = args.kind in ("all", "text")
+    if args.action == "list":
+        if decoded:
+            entries = cache.cache_entries()
+            rows = [
+                [e["name"], e["images"], f"{e['bytes'] / 2**20:.1f}", e["path"]] for e in entries
+            ]
+            print("decoded images:")
+            print(tabulate(rows, headers=["domain", "images", "MB", "file"]) if rows else "empty")
+            used, budget = cache.cache_used_bytes(), cache.cache_budget_bytes()
+            print(f"{used / 2**30:.2f} GiB used of {budget / 2**30:.1f} GiB ({cache.BUDGET_ENV})")
+        if heads:
+            rows = [
+                [
+                    (e.get("about") or {}).get("model", "?"),
+                    f"{e.get('classes')} x {e.get('templates')}",
+                    e.get("device"),
+                    f"{e['bytes'] / 2**10:.1f}",
+                    "ok" if e.get("ok") else "unreadable",
+                ]
+                for e in text_head.text_head_entries()
+            ]
+            print("\ntext heads:")
+            print(
+                tabulate(rows, headers=["model", "classes x templates", "device", "KiB", "state"])
+                if rows
+                else "empty"
+            )
+        return 0
+    if args.names and not decoded:
+        raise UsageError("domain names select decoded-cache entries; drop them with --kind text")
+    if decoded:
+        removed = cache.clear_cache(args.names or None)
+        freed = sum(e["bytes"] for e in removed)
+        print(f"removed {len(removed)} decoded-cache entries ({freed / 2**20:.1f} MB)")
+    if heads and not args.names:
+        removed = text_head.clear_text_heads()
+        print(f"removed {len(removed)} text-head entries")
+    return 0

@@ -1,0 +1,290 @@
+"""The ``tta-bench`` argument parser: ``build_parser``, one ``_add_*`` function per group
+of subcommands (each sets its command function as ``func``), the global options every
+command takes after its name (``-v``, ``-q``, ``--include``) and each command's ``--help``
+example (``EXAMPLES``). Building it imports no torch.
+"""
+
+from __future__ import annotations
+
+import argparse
+from typing import Any
+
+from tta_bench.cli.list_commands import LIST_KINDS, cmd_cache, cmd_env, cmd_ls
+from tta_bench.cli.report_commands import cmd_leaderboard, cmd_rescore, cmd_table, cmd_validate
+from tta_bench.cli.run_commands import (
+    cmd_merge,
+    cmd_predict,
+    cmd_profile,
+    cmd_run,
+    cmd_serve,
+    cmd_sweep,
+)
+
+#: Each command's ``--help`` example (the serve command has its own, with the token setup).
+#: (METHOD, SUITE, ...: the names ``tta-bench ls`` lists.)
+EXAMPLES = {
+    "run": [
+        "tta-bench run --method METHOD 'seeds=[0,1,2]' method.lr=1e-3",
+        "tta-bench run --method METHOD --suite SUITE log_samples=logits --output r.json",
+    ],
+    "ls": ["tta-bench ls methods", "tta-bench ls --json"],
+    "sweep": [
+        "tta-bench sweep --dir sweep method=METHOD1,METHOD2 'seeds=[0,1,2]'",
+        "tta-bench sweep --dir sweep method=METHOD hydra/launcher=submitit_slurm "
+        "hydra.launcher.partition=gpu hydra.launcher.gpus_per_node=1 device=cuda",
+        "tta-bench sweep --dir sweep method=METHOD protocol.reset=episodic_batch --shards 4",
+    ],
+    "merge": ["tta-bench merge part0.json part1.json part2.json part3.json --output whole.json"],
+    "profile": ["tta-bench profile --method METHOD --batches 10"],
+    "env": ["tta-bench env --json"],
+    "cache": ["tta-bench cache list", "tta-bench cache clear --kind text"],
+    "table": ["tta-bench table results/SUITE/*.json --format csv-summary"],
+    "leaderboard": ["tta-bench leaderboard results/SUITE --suite SUITE"],
+    "rescore": ["tta-bench rescore r.json --write"],
+    "predict": ["tta-bench predict --config job.json"],
+    "validate": ["tta-bench validate method METHOD", "tta-bench validate shift SHIFT"],
+}
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from tta_bench import __version__
+
+    p = argparse.ArgumentParser(
+        prog="tta-bench",
+        description="Test-time adaptation benchmark for CLIP-style models.",
+        epilog="example: tta-bench run --method METHOD (tta-bench ls methods); tta-bench "
+        "COMMAND --help for each",
+    )
+    p.add_argument("--version", action="version", version=f"tta-bench {__version__}")
+    sub = p.add_subparsers(dest="command", required=True)
+    for add in (_add_run, _add_ls, _add_sweep, _add_profile, _add_env_and_cache, _add_reports):
+        add(sub)
+    _add_deployment(sub)
+    _add_validate(sub)
+    for name, command in sub.choices.items():  # global options, given after the command
+        if name in EXAMPLES and not command.epilog:
+            command.epilog = "example:\n" + "\n".join(f"  {e}" for e in EXAMPLES[name])
+            command.formatter_class = argparse.RawDescriptionHelpFormatter
+        command.add_argument(
+            "-v",
+            "--verbose",
+            action="count",
+            default=0,
+            help="more messages on stderr (-v progress notes, -vv debug)",
+        )
+        command.add_argument(
+            "--quiet-log", "-q", dest="quiet_log", action="store_true", help="errors only"
+        )
+        command.add_argument(
+            "--include",
+            action="append",
+            metavar="FILE_OR_DIR",
+            help="load local components: a Python file declaring TTA_BENCH = {kind: {name: "
+            "object}}, a YAML catalogue, or a directory of them (repeatable; docs/plugins.md)",
+        )
+    return p
+
+
+def _add_run(sub: Any) -> None:
+    r = sub.add_parser(
+        "run",
+        help="evaluate one method on a suite",
+        description="Evaluate a method on a shifted test stream. Extra "
+        "arguments are Hydra overrides, e.g. method.lr=1e-3 seeds=[0,1,2].",
+    )
+    r.add_argument("--method", help=f"method name (tta-bench ls methods); {_CATALOGUE_DEFAULT}")
+    r.add_argument("--suite", help=f"suite name (tta-bench ls suites); {_CATALOGUE_DEFAULT}")
+    r.add_argument("--model", help="model name (tta-bench ls models); default: the suite's")
+    r.add_argument("--dataset", help=_DATASET_HELP)
+    r.add_argument("--output", help="results JSON path; default: a timestamped file")
+    r.add_argument("--data-dir", help="root of local data for hub-backed datasets")
+    r.add_argument(
+        "--on-bad-image",
+        choices=("fail", "skip"),
+        default="fail",
+        help="a corrupt or truncated image file: fail naming it (default), or skip it "
+        "(its index and path are recorded in the results)",
+    )
+    r.add_argument("--cfg", action="store_true", help="print the resolved config and exit")
+    r.add_argument("--quiet", action="store_true", help="no progress bars")
+    r.add_argument("overrides", nargs="*", help="Hydra overrides (key=value)")
+    r.set_defaults(func=cmd_run)
+
+
+def _add_ls(sub: Any) -> None:
+    ls = sub.add_parser("ls", help="list registered components, suites and presets")
+    ls.add_argument("kind", nargs="?", choices=LIST_KINDS)
+    ls.add_argument("--json", action="store_true", help="print JSON instead of tables")
+    ls.set_defaults(func=cmd_ls)
+
+
+def _add_sweep(sub: Any) -> None:
+    sw = sub.add_parser(
+        "sweep",
+        help="run a grid of runs as Hydra multirun jobs (resumable)",
+        description="Hydra multirun over run overrides, e.g. method=NAME1,NAME2 seeds=[0,1,2] "
+        "hydra/launcher=joblib hydra.launcher.n_jobs=2. One job per method x model x seed; "
+        "each writes a results JSON into --dir; rerunning skips finished cells. Launchers: "
+        "basic (default), joblib, submitit_local, submitit_slurm (pip install "
+        "'tta-bench[sweep]'); cluster use: docs/cluster.md.",
+    )
+    sw.add_argument("--dir", default="tta-results/sweep", help="sweep directory (results)")
+    sw.add_argument(
+        "--seeds-per-job-all",
+        action="store_true",
+        help="keep all seeds of seeds=[...] in one job instead of one job per seed",
+    )
+    sw.add_argument(
+        "--cfg",
+        choices=("job", "hydra", "all"),
+        help="print the composed config (Hydra --cfg) and run nothing",
+    )
+    sw.add_argument(
+        "--shards",
+        type=int,
+        metavar="N",
+        help="split every cell into N parts, one job each (protocol.shard=0/N,...; reset "
+        "policies episodic_batch/episodic_sample only), combined exactly when the sweep ends",
+    )
+    sw.add_argument(
+        "--pack",
+        type=int,
+        default=8,
+        metavar="N",
+        help="run up to N light jobs (methods declaring light: one forward per sample) in "
+        "one launcher task (default 8; 1 packs nothing)",
+    )
+    sw.add_argument("overrides", nargs="*", help="Hydra overrides, sweeps as a,b")
+    sw.set_defaults(func=cmd_sweep)
+    mg = sub.add_parser(
+        "merge",
+        help="combine the shard parts of a run (protocol.shard=i/N) into its results file",
+        description="Combine the N parts of one run, written with protocol.shard=i/N, into "
+        "the results file the unsharded run writes: each cell's metrics computed once over "
+        "all its samples (from the parts' per-sample logits). Refuses parts of different "
+        "runs (model weights, method config, protocol, seeds, settings), a missing or "
+        "repeated part, and unfinished parts.",
+    )
+    mg.add_argument("parts", nargs="+", help="the parts' results files")
+    mg.add_argument("--output", "-o", required=True, help="the merged results file")
+    mg.add_argument("--force", action="store_true", help="replace --output if it exists")
+    mg.set_defaults(func=cmd_merge)
+
+
+def _add_profile(sub: Any) -> None:
+    pr = sub.add_parser(
+        "profile",
+        help="run a few batches and report where the time goes",
+        description="Run the first batches of a run (first seed) and report the time split "
+        "(data wait / shift / model), the data-wait share and a recommendation.",
+    )
+    pr.add_argument("--batches", type=int, default=20, help="batches to run (default 20)")
+    pr.add_argument("--method", help=f"method name; {_CATALOGUE_DEFAULT}")
+    pr.add_argument("--suite", help=f"suite name; {_CATALOGUE_DEFAULT}")
+    pr.add_argument("--model", help="model name; default: the suite's")
+    pr.add_argument("--dataset", help=_DATASET_HELP)
+    pr.add_argument("--data-dir", help="root of local data for hub-backed datasets")
+    pr.add_argument("overrides", nargs="*", help="Hydra overrides (key=value)")
+    pr.set_defaults(func=cmd_profile, output=None, cfg=False, quiet=True)
+
+
+def _add_env_and_cache(sub: Any) -> None:
+    e = sub.add_parser("env", help="versions, device, cache dir, plugin distributions")
+    e.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    e.set_defaults(func=cmd_env)
+    c = sub.add_parser("cache", help="list or clear the decoded-image and text-head caches")
+    c.add_argument("action", choices=("list", "clear"))
+    c.add_argument("names", nargs="*", help="clear: only these domains' decoded images")
+    c.add_argument("--kind", choices=("all", "decoded", "text"), default="all")
+    c.set_defaults(func=cmd_cache)
+
+
+_DATASET_HELP = (
+    "run a registered dataset without a suite (tta-bench ls datasets): an ad-hoc suite from "
+    "its dataset.<arg>=VALUE overrides (dataset.path=DIR for its data_dir), clean images "
+    "unless protocol.shifts=[...] is given (docs/cli.md)"
+)
+BASELINE_HELP = (
+    "method to pair against; default: the catalogues' reference method (defaults: reference "
+    "in a plugin's registry.yaml; `tta-bench ls defaults`), '' for none"
+)
+_CATALOGUE_DEFAULT = "default: the catalogues' (tta-bench ls defaults)"
+
+
+def _add_reports(sub: Any) -> None:
+    t = sub.add_parser("table", help="render tables from results files")
+    t.add_argument("results", nargs="+", help="results JSON files (one protocol)")
+    t.add_argument(
+        "--format",
+        default="github",
+        help="formatted: github | markdown | latex | html | plain | csv-formatted; numbers for "
+        "programs: json (cells and summary) | csv (one row per cell) | csv-summary (one row "
+        "per run, interval bounds as columns)",
+    )
+    t.add_argument("--baseline", help=BASELINE_HELP)
+    t.add_argument("--test", default="t", choices=("t", "bootstrap"), help="paired test")
+    t.set_defaults(func=cmd_table)
+    lb = sub.add_parser("leaderboard", help="write a ranked leaderboard of a results directory")
+    lb.add_argument("results_dir", help="directory of results JSON files")
+    lb.add_argument("--suite", required=True, help="suite to rank (tta-bench ls suites)")
+    lb.add_argument("--protocol", help="protocol id to rank; default: the suite's current one")
+    lb.add_argument("--baseline", help=BASELINE_HELP)
+    lb.add_argument("--test", default="t", choices=("t", "bootstrap"), help="paired test")
+    lb.add_argument("--no-plots", action="store_true", help="tables only")
+    lb.set_defaults(func=cmd_leaderboard)
+    rs = sub.add_parser(
+        "rescore",
+        help="recompute every registered metric from a run's per-sample outputs",
+        description="Recompute every registered metric from the per-sample files a run wrote "
+        "with log_samples=logits (<results stem>.samples/), without adapting again: stored "
+        "metrics are checked, metrics registered later are computed. Example: tta-bench "
+        "rescore results/run.json --write",
+    )
+    rs.add_argument("results", help="a results JSON file whose run used log_samples=logits")
+    rs.add_argument("--write", action="store_true", help="store the values in the results file")
+    rs.set_defaults(func=cmd_rescore)
+
+
+def _add_deployment(sub: Any) -> None:
+    pd = sub.add_parser(
+        "predict",
+        help="adapt and predict over an image folder (a resumable batch job)",
+        description="Run a method over the images of a folder, batch by batch, as the "
+        "--config job.json describes (keys: tta_bench.deploy.predict). Writes <batch>_result.json "
+        "files, logs/ and summary.json into output_dir; a rerun skips finished batches.",
+    )
+    pd.add_argument("--config", required=True, help="the job's JSON file")
+    pd.add_argument("--quiet", action="store_true", help="no progress bar")
+    pd.set_defaults(func=cmd_predict)
+
+    from tta_bench.deploy.serve import add_arguments as serve_arguments  # argparse only, no torch
+
+    sv = sub.add_parser(
+        "serve",
+        help="serve a method over HTTP (pip install 'tta-bench[serve]')",
+        description="HTTP service: POST /predict, /sessions; GET /health, /info. Per-session "
+        "adaptation state over one shared frozen backbone. Ctrl-C stops it.",
+    )
+    serve_arguments(sv)
+    sv.set_defaults(func=cmd_serve)
+
+
+def _add_validate(sub: Any) -> None:
+    from tta_bench.cli.validate import KIND_NAMES
+
+    v = sub.add_parser(
+        "validate",
+        help="check one component against its contract (a line per check)",
+        description="Run the contract checks on one component and print PASS, FAIL or SKIP "
+        "with the reason for each check. Exit status 0 when none fails, 1 when one does, 2 "
+        "for an unknown kind or name. Methods run on --model (default: the catalogues') "
+        "with a few images of --suite's dataset (default: the catalogues' suite), or random "
+        "images when that dataset is not available.",
+    )
+    v.add_argument("kind", help=f"the kind of component: {', '.join(KIND_NAMES)}")
+    v.add_argument("name", help="the component's name (tta-bench ls KIND)")
+    v.add_argument("--model", help="model the method checks run on; default: the catalogues'")
+    v.add_argument("--suite", help="suite whose dataset gives the images; default: the catalogues'")
+    v.add_argument("--data-dir", help="root of local data (datasets that read local files)")
+    v.add_argument("--device", default="cpu", help="device the checks run on (default cpu)")
+    v.set_defaults(func=cmd_validate)

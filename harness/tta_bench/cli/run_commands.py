@@ -1,0 +1,167 @@
+"""The ``tta-bench`` commands that run a method: ``run``, ``sweep``, ``merge`` (a sharded
+run's parts), ``profile``, and the deployment front ends ``predict`` and ``serve``
+(``tta_bench.deploy``). Each imports what it runs only when called.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from typing import Any
+
+from tta_bench import log
+from tta_bench.cli.errors import usage_errors
+from tta_bench.run.resolve import UsageError, check_output, resolve_run
+
+LOGGER = log.LOGGER
+
+
+def _resolve_run(args: argparse.Namespace) -> tuple[Any, Any]:
+    """``(composed config, RunSpec)`` of ``run``/``profile`` from the parsed arguments."""
+    return resolve_run(
+        args.method,
+        args.suite,
+        args.model,
+        args.overrides,
+        output=args.output,
+        data_dir=args.data_dir,
+        dataset=getattr(args, "dataset", None),
+    )
+
+
+def cmd_run(args: argparse.Namespace) -> int:
+    from omegaconf import OmegaConf
+
+    cfg, spec = _resolve_run(args)
+    protocol, method, model = spec.protocol, spec.method, spec.model
+    if args.cfg:
+        print(OmegaConf.to_yaml(OmegaConf.create(spec.config)), end="")
+        print(f"# protocol: {protocol.id}")
+        return 0
+
+    import dataclasses
+    from pathlib import Path
+
+    from tta_bench.report import tables
+    from tta_bench.run import results, runner
+
+    output = (
+        Path(cfg.output)
+        if cfg.output
+        else results.default_output(cfg.results_dir, method, protocol.name)
+    )
+    check_output(output, spec)
+    spec = dataclasses.replace(
+        spec, progress=spec.progress and not args.quiet, on_bad_image=args.on_bad_image
+    )
+    with usage_errors():
+        record = runner.run(spec, output)
+    if record.get("skipped_cells"):
+        print(f"resume: skipped {record['skipped_cells']} finished cell(s) already in {output}")
+    _print_skipped_images(record)
+    for event in record.get("events", []):
+        LOGGER.warning(event)
+    seeds = record.get("seeds") or spec.seeds  # what the file holds: merged runs included
+    print(
+        f"\n{spec.method_preset or method} on {protocol.name} ({protocol.id}), model {model}, "
+        f"seeds {seeds}: accuracy (%)"
+    )
+    print(tables.shift_table(record))
+    print("\nover seeds (each seed: the mean over its cells)")
+    print(tables.summary_table([record]))
+    if len(seeds) < 2:
+        print("one seed: no interval over seeds; add seeds=[0,1,2] for the 95% CIs")
+    print("\ncost")
+    print(tables.cost_table(record))
+    mean = record["summary"]["mean_accuracy"]
+    wall = f"wall {record['wall_time_s']:.1f}s  results: {output}"
+    if mean is None:
+        diverged = record["summary"].get("n_diverged", 0)
+        print(f"\nmean accuracy: not scored ({diverged} cell(s) diverged)  {wall}")
+    else:
+        print(f"\nmean accuracy {100 * mean:.2f}%  {wall}")
+    return 0
+
+
+def _print_skipped_images(record: dict[str, Any]) -> None:
+    """What ``--on-bad-image=skip`` left out: a count and the first paths, per domain."""
+    for name, bad in sorted((record.get("skipped_images") or {}).items()):
+        shown = ", ".join(str(b.get("path") or f"index {b['index']}") for b in bad[:3])
+        more = f" and {len(bad) - 3} more" if len(bad) > 3 else ""
+        print(
+            f"skipped {len(bad)} unreadable image(s) in {name}: {shown}{more} "
+            "(listed under 'skipped_images' in the results)",
+            file=sys.stderr,
+        )
+
+
+# -- sweep / profile ---------------------------------------------------------------------
+def cmd_sweep(args: argparse.Namespace) -> int:
+    from tta_bench.run import sweep
+
+    overrides = list(args.overrides)
+    with usage_errors():
+        sweep.check_launcher(overrides)  # before anything is composed or submitted
+        if args.shards is not None:
+            overrides = sweep.shard_overrides(overrides, args.shards)
+    if args.pack < 1:
+        raise UsageError(f"--pack {args.pack}: expected 1 (no packing) or more")
+    if not args.seeds_per_job_all:
+        overrides = sweep.split_seed_overrides(overrides)
+    return sweep.main(overrides, args.dir, cfg=args.cfg, pack=args.pack)
+
+
+def cmd_merge(args: argparse.Namespace) -> int:
+    from pathlib import Path
+
+    from tta_bench.run import shard
+
+    out = Path(args.output)
+    if out.exists() and not args.force:
+        raise UsageError(f"--output {str(out)!r} exists; choose another path or pass --force")
+    with usage_errors():  # MergeError: parts of different runs, a part missing
+        record = shard.merge_parts(args.parts, out)
+    n = sum(int(c["n"]) for c in record["cells"])
+    print(
+        f"merged {len(args.parts)} parts of {record['method']} on {record['protocol']['id']}: "
+        f"{len(record['cells'])} cells, {n} samples, mean accuracy "
+        f"{100 * record['summary']['mean_accuracy']:.2f}% -> {out}"
+    )
+    return 0
+
+
+def cmd_profile(args: argparse.Namespace) -> int:
+    import dataclasses
+
+    from tta_bench.run import profiler as profile
+
+    _, spec = _resolve_run(args)
+    protocol, method, model = spec.protocol, spec.method, spec.model
+    # A slice of the first seed, measured, never written as results or logs.
+    spec = dataclasses.replace(spec, seeds=spec.seeds[:1], batch_log=None, flops=False)
+    with usage_errors():
+        prof = profile.profile(spec, batches=args.batches)
+    print(
+        f"{method} on {protocol.id}, model {model}, device {prof.device}: {prof.batches} "
+        f"batches, {prof.images} images, loader {prof.loader}"
+    )
+    print(prof.table())
+    print(f"\nsetup (model, data, decoded cache) {prof.setup_s:.2f}s")
+    print(f"data-wait share {100 * prof.data_wait_share:.1f}%")
+    print(f"recommendation: {prof.recommendation()}")
+    return 0
+
+
+# -- predict / serve (tta_bench.deploy.predict / tta_bench.deploy.serve) --------------------
+def cmd_predict(args: argparse.Namespace) -> int:
+    from tta_bench.deploy import predict
+
+    with usage_errors():  # the job file, its names and values, the folder layout
+        return predict.main(args.config, quiet=args.quiet)
+
+
+def cmd_serve(args: argparse.Namespace) -> int:
+    from tta_bench.deploy import serve
+
+    with usage_errors():  # names, limits, overrides; the missing 'serve' extra
+        return serve.main(args)

@@ -1,0 +1,312 @@
+"""The leaderboard's runs: ``collect`` reads the results files of one suite in a directory,
+keeps one complete run per (method, model, method config) under one protocol and ranks them
+(a ``Leaderboard``, with every file left out and why); ``leaderboard_rows`` is its ranked
+table, ``_notes`` and ``_provenance_rows`` what the markdown and the page say around it.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from collections import Counter
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tta_bench import catalog
+from tta_bench.report import stats, tables
+from tta_bench.report.columns import table_columns
+from tta_bench.run import results
+
+#: Leaderboard columns, taken from the summary and cost tables; ``METRICS`` stands for the
+#: summary's column of every metric the runs hold (``tta_bench.report.columns``).
+METRICS = "<metrics>"
+LEADERBOARD_COLUMNS = (
+    "method",
+    "model",
+    "seeds",
+    "accuracy % (95% CI)",
+    "Δ",
+    "p",
+    METRICS,
+    "ms/sample",
+    "data ms",
+    "adapt ms",
+    "predict ms",
+    "peak MB",
+    "trainable params",
+    "fwd/sample",
+    "bwd/sample",
+)
+
+
+@dataclass
+class Entry:
+    """One ranked run."""
+
+    path: Path
+    record: dict[str, Any]
+    label: str = ""
+
+    @property
+    def key(self) -> tuple[str, str, str]:
+        r = self.record
+        model = json.dumps([r["model"]["name"], r["model"].get("args")], sort_keys=True)
+        return r["method"], model, _config_hash(r)
+
+
+@dataclass
+class Leaderboard:
+    suite: str
+    protocol_id: str
+    entries: list[Entry] = field(default_factory=list)
+    left_out: list[tuple[str, str]] = field(default_factory=list)  # (file name, reason)
+
+
+def _config_hash(record: dict[str, Any]) -> str:
+    blob = json.dumps(record.get("method_config") or {}, sort_keys=True, default=str)
+    return hashlib.sha256(blob.encode()).hexdigest()[:6]
+
+
+def _labels(records: Sequence[dict[str, Any]]) -> list[str]:
+    """Method names; ``method [cfg abc123]`` where one method appears with several
+    configurations."""
+    configs: dict[str, set[str]] = {}
+    for r in records:
+        configs.setdefault(_name(r), set()).add(_config_hash(r))
+    return [
+        f"{_name(r)} [cfg {_config_hash(r)}]" if len(configs[_name(r)]) > 1 else _name(r)
+        for r in records
+    ]
+
+
+def _name(record: dict[str, Any]) -> str:
+    """A run's name: its preset (``method=<preset>``) when it came from one, else its method."""
+    return record.get("method_preset") or record["method"]
+
+
+def _expected_protocol(suite: str, candidates: list[tuple[Path, dict[str, Any]]]) -> str:
+    """The suite's protocol id from the catalogue; for a suite no installed catalogue
+    defines, the id most files share (ties: the smallest id)."""
+    from tta_bench.run.protocol import load_protocol
+
+    if suite in catalog.catalog()["suites"]:
+        return load_protocol(suite).id
+    counts = Counter(r["protocol"]["id"] for _, r in candidates)
+    if not counts:
+        raise ValueError(f"no results of suite {suite!r} to rank")
+    return min(counts, key=lambda pid: (-counts[pid], pid))
+
+
+def collect(results_dir: str | Path, suite: str, protocol_id: str | None = None) -> Leaderboard:
+    """Read every ``*.json`` in ``results_dir`` (not recursive, sorted by name) and keep
+    the complete runs of ``suite`` under one protocol (``protocol_id``, default: the
+    suite's current one), one per (method, model, method config): the one with most cells,
+    then the last file name. Ranked by mean accuracy, then label."""
+    root = Path(results_dir)
+    if not root.is_dir():
+        raise ValueError(f"results directory {str(root)!r} does not exist")
+    left_out: list[tuple[str, str]] = []
+    candidates = _candidates(root, suite, left_out)
+    expected = protocol_id or _expected_protocol(suite, candidates)
+    complete = _complete(candidates, expected, left_out)
+    complete = _one_model(complete, left_out)
+    entries = _ranked(_chosen(complete, left_out))
+    return Leaderboard(suite, expected, entries, sorted(left_out))
+
+
+def _candidates(
+    root: Path, suite: str, left_out: list[tuple[str, str]]
+) -> list[tuple[Path, dict[str, Any]]]:
+    """The readable results files of ``suite`` that are whole runs (no shard parts); the
+    others go to ``left_out`` with the reason."""
+    candidates: list[tuple[Path, dict[str, Any]]] = []
+    for path in sorted(root.glob("*.json")):
+        try:
+            record = results.load_results(path)
+        except (ValueError, OSError) as exc:
+            reason = str(exc).removeprefix(f"{path}: ")  # the file is named already
+            left_out.append((path.name, f"unreadable: {reason}"))
+            continue
+        if record.get("suite") != suite:
+            left_out.append((path.name, f"suite {record.get('suite')!r}, not {suite!r}"))
+            continue
+        if record.get("shard"):  # part of every cell, never a cell (tta_bench.run.shard)
+            part = record["shard"]
+            left_out.append(
+                (
+                    path.name,
+                    f"shard part {part['index']}/{part['count']}: combine the parts with "
+                    "tta-bench merge",
+                )
+            )
+            continue
+        candidates.append((path, record))
+    return candidates
+
+
+def _complete(
+    candidates: list[tuple[Path, dict[str, Any]]], expected: str, left_out: list[tuple[str, str]]
+) -> list[Entry]:
+    """The candidates of protocol ``expected`` with every cell, none diverged."""
+    complete: list[Entry] = []
+    for path, record in candidates:
+        reason = _not_ranked(record, expected)
+        if reason:
+            left_out.append((path.name, reason))
+        else:
+            complete.append(Entry(path, record))
+    return complete
+
+
+def _not_ranked(record: dict[str, Any], expected: str) -> str | None:
+    """Why a run of the suite is not ranked under protocol ``expected`` (None: it is)."""
+    proto = record["protocol"]
+    if proto["id"] != expected:
+        return f"protocol {proto['id']} differs from the ranked {expected}"
+    n_expected = len(proto["shifts"]) * len(proto["severities"]) * len(record["seeds"])
+    if len(record["cells"]) < n_expected:
+        return f"incomplete: {len(record['cells'])} of {n_expected} cells"
+    bad = stats.diverged_cells(record)
+    if bad:
+        c = bad[0]
+        return (
+            f"diverged in {len(bad)} cell(s), not ranked (first: {c['shift']} sev "
+            f"{c['severity']} seed {c['seed']}, batch {c['diverged']['batch']}: "
+            f"{c['diverged']['reason']})"
+        )
+    return None
+
+
+def _one_model(complete: list[Entry], left_out: list[tuple[str, str]]) -> list[Entry]:
+    """The runs of the model weights most runs share (ties: the smallest hash)."""
+    # Results of other model weights are another model: never ranked together.
+    hashes = Counter(stats.model_hash(e.record) for e in complete)
+    if len(hashes) <= 1:
+        return complete
+    ranked = min(hashes, key=lambda h: (-hashes[h], str(h)))
+    for e in [e for e in complete if stats.model_hash(e.record) != ranked]:
+        left_out.append(
+            (
+                e.path.name,
+                f"model weights {str(stats.model_hash(e.record))[:12]} differ from the "
+                f"ranked {str(ranked)[:12]} (another model: rank it separately)",
+            )
+        )
+    return [e for e in complete if stats.model_hash(e.record) == ranked]
+
+
+def _chosen(complete: list[Entry], left_out: list[tuple[str, str]]) -> list[Entry]:
+    """One run per ``Entry.key``: the one with most cells, then the later file name."""
+    chosen: dict[tuple[str, str, str], Entry] = {}
+    for entry in complete:  # sorted by name: on equal cells the later file wins
+        best = chosen.get(entry.key)
+        if best is None or len(entry.record["cells"]) >= len(best.record["cells"]):
+            if best is not None:
+                left_out.append((best.path.name, f"superseded by {entry.path.name}"))
+            chosen[entry.key] = entry
+        else:
+            left_out.append((entry.path.name, f"superseded by {best.path.name}"))
+    return list(chosen.values())
+
+
+def _ranked(entries: list[Entry]) -> list[Entry]:
+    """``entries`` labelled (``_labels``) and sorted by mean accuracy, then label and model."""
+    for entry, label in zip(entries, _labels([e.record for e in entries])):
+        entry.label = label
+
+    def score(e: Entry) -> float:
+        est = stats.suite_estimate(e.record, "accuracy")
+        return est.mean if est is not None else float("-inf")
+
+    entries.sort(key=lambda e: (-score(e), e.label, e.record["model"]["name"]))
+    return entries
+
+
+def leaderboard_rows(
+    board: Leaderboard, baseline: str | None = tables.REFERENCE, test: str = "t"
+) -> tuple[list[str], list[list[Any]]]:
+    """The ranked table: ``rank`` and ``LEADERBOARD_COLUMNS`` (Δ named after the
+    baseline)."""
+    records = [e.record for e in board.entries]
+    labels = [e.label for e in board.entries]
+    s_head, s_rows = tables.summary_rows(records, labels, baseline, test)
+    c_head, c_rows = tables.cost_rows(records, labels)
+    headers = ["rank"]
+    picks: list[tuple[int, int]] = []  # (table, column)
+    metric_labels = [c.label for c in table_columns(c for r in records for c in r["cells"])]
+    for col in LEADERBOARD_COLUMNS:
+        if col == METRICS:
+            for label in metric_labels:
+                headers.append(label)
+                picks.append((0, s_head.index(label)))
+        elif col == "Δ":
+            matches = [i for i, h in enumerate(s_head) if h.startswith("Δ")]
+            if matches:
+                headers.append(s_head[matches[0]])
+                picks.append((0, matches[0]))
+        elif col in s_head:
+            headers.append(col)
+            picks.append((0, s_head.index(col)))
+        elif col in c_head:
+            headers.append(col)
+            picks.append((1, c_head.index(col)))
+    rows = []
+    for rank, (srow, crow) in enumerate(zip(s_rows, c_rows), start=1):
+        both = (srow, crow)
+        rows.append([str(rank), *[both[t][c] for t, c in picks]])
+    return headers, rows
+
+
+def _protocol_line(proto: dict[str, Any]) -> str:
+    return (
+        f"dataset {proto.get('dataset')}, shifts {', '.join(proto.get('shifts') or [])}, "
+        f"severities {', '.join(str(s) for s in proto.get('severities') or [])}, "
+        f"batch size {proto.get('batch_size')}, reset {proto.get('reset')}, "
+        f"images {proto.get('max_images') or 'all'}"
+    )
+
+
+def _provenance_rows(board: Leaderboard) -> tuple[list[str], list[list[str]]]:
+    headers = ["file", "method", "git sha", "tta-bench", "torch", "device", "created"]
+    rows = []
+    for e in board.entries:
+        prov = e.record.get("provenance") or {}
+        packages = prov.get("packages") or {}
+        device = prov.get("device") or {}
+        rows.append(
+            [
+                e.path.name,
+                e.label,
+                str(prov.get("git_sha") or "unknown"),
+                str(packages.get("tta-bench") or "unknown"),
+                str(prov.get("torch") or packages.get("torch") or "unknown"),
+                f"{device.get('type', '?')} ({device.get('name', '?')})",
+                str(e.record.get("created", "unknown")),
+            ]
+        )
+    return headers, rows
+
+
+def _notes(board: Leaderboard, baseline: str | None, test: str) -> list[str]:
+    proto = board.entries[0].record["protocol"] if board.entries else {}
+    test_name = "paired t" if test == "t" else "paired bootstrap (10,000 resamples)"
+    notes = [
+        f"Protocol `{board.protocol_id}`: {_protocol_line(proto)}." if proto else "",
+        "Accuracy: per seed the mean over all shift x severity cells, then the mean and the "
+        "95% confidence interval (Student t) over seeds.",
+        "Cost: measured during the runs (ms per sample split into data wait, adaptation = "
+        "forward + backward + step, and prediction; peak memory of the heaviest cell; image "
+        "encoder passes per sample).",
+    ]
+    _, label = tables.resolve_baseline([e.record for e in board.entries], baseline)
+    if label is not None:
+        note = (
+            f"Δ: difference to {label} on the same seeds and cells, {test_name} interval and "
+            "two-sided p-value."
+        )
+        if label != tables.baseline_name(baseline):
+            note += f" {label}: the frozen source model each run scored on its identical stream."
+        notes.insert(2, note)
+    return [n for n in notes if n]
