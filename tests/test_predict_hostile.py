@@ -183,7 +183,7 @@ def test_a_job_without_max_pixels_resumes_as_one_with_the_default(tmp_path, budg
 @pytest.mark.parametrize(
     ("value", "message"),
     [
-        (0, "predict job key 'max_pixels' must be >= 1, got 0"),
+        (0, "predict.max_pixels=0 is out of range: it must be >= 1"),
         ("40M", "predict job key 'max_pixels' must be an integer"),
         (True, "predict job key 'max_pixels' must be an integer"),
         (4e7, "predict job key 'max_pixels' must be an integer"),

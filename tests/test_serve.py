@@ -351,7 +351,7 @@ def test_missing_serve_extra_names_the_install_command():
     [
         (["--method", "mrua"], "Did you mean 'mura'"),
         (["--method", "tent", "stepz=2"], "unknown tent option(s) 'stepz'"),
-        (["--workers", "0"], "workers must be a positive number"),
+        (["--workers", "0"], "serve.workers=0 is out of range: it must be > 0"),
         (["--dataset", "digitz"], "unknown dataset 'digitz'"),
     ],
 )

@@ -1,8 +1,10 @@
 """``tta-bench predict --config job.json``: a test-time-adaptation batch job over an image folder.
 
 The job's images are cut into batches; a registered method adapts on each batch as it
-does in a benchmark run (``tta_bench.deploy.adapter.Adapter``) and predicts it. Layouts
-(``layout``):
+does in a benchmark run (``tta_bench.deploy.adapter.Adapter``) and predicts it. The job's
+keys are declared in ``tta_bench.deploy.job`` (``PredictJob``: each key's type, default and
+range or choices; a value out of range, also one of the method's config, is refused before
+anything is built), its batches planned by ``tta_bench.deploy.plan``. Layouts (``layout``):
 
 * ``folder``: the images directly in ``input_dir``, unlabeled, in sorted order, cut into
   batches of ``batch_size`` (``batch-00000``, ...);
@@ -54,24 +56,32 @@ reports it by path in the batch's result and the summary.
 
 from __future__ import annotations
 
-import copy
 import dataclasses
-import errno
 import hashlib
 import json
 import logging
-import os
-import random
 import time
-from collections.abc import Mapping
-from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+from tta_bench.deploy.job import (
+    DEFAULT_MAX_PIXELS,
+    LAYOUTS,
+    ON_BAD_IMAGE,
+    RESETS,
+    PredictJob,
+    load_job,
+)
+from tta_bench.deploy.plan import (
+    IMAGE_EXTENSIONS,
+    NOT_AN_IMAGE,
+    Plan,
+    PlannedBatch,
+    plan_batches,
+)
 from tta_bench.paths import AtomicLog, atomic_write_text
 from tta_bench.run.allocator import reuse_large_blocks
 from tta_bench.run.images import ImageDecodeError, ImageTooLargeError, decode_rgb
-from tta_bench.text_head import resolve_templates
 
 __all__ = [
     "PredictJob",
@@ -87,397 +97,8 @@ __all__ = [
     "DEFAULT_MAX_PIXELS",
 ]
 
-LAYOUTS = ("auto", "folder", "subfolders", "classes")
-NOT_AN_IMAGE = "not an image file (by its extension)"
-RESETS = ("per_batch", "per_folder", "never")
-ON_BAD_IMAGE = ("skip", "fail_batch")
-IMAGE_EXTENSIONS = (".png", ".jpg", ".jpeg", ".bmp", ".gif", ".webp", ".tif", ".tiff")
-#: The default per-image pixel budget (``max_pixels``): 40 megapixels, 120 MB as RGB.
-DEFAULT_MAX_PIXELS = 40_000_000
 RESULT_SUFFIX = "_result.json"
 LOG_NAME = "predict.jsonl"
-
-
-_REQUIRED = object()
-#: Config keys: (accepted JSON types, default, what it is).
-_FIELDS: dict[str, tuple[tuple[type, ...], Any, str]] = {
-    "input_dir": ((str,), _REQUIRED, "a folder of images"),
-    "output_dir": ((str,), _REQUIRED, "where results, logs and the summary go"),
-    "method": ((str, type(None)), None, "a registered method (default: the catalogues')"),
-    "overrides": ((dict, list), {}, "method config overrides, {key: value} or ['key=value']"),
-    "model": ((str, type(None)), None, "a registered model (default: the catalogues')"),
-    "model_args": ((dict,), {}, "the model factory's arguments, e.g. {arch, pretrained}"),
-    "dataset": ((str, type(None)), None, "a registered dataset whose class names to use"),
-    "classnames": ((list, type(None)), None, "class names (else the dataset's)"),
-    "templates": ((list, type(None)), None, "prompt templates with one '{}'"),
-    "batch_size": ((int,), 64, "images per batch"),
-    "device": ((str,), "auto", "auto, cpu, cuda or cuda:N"),
-    "max_retry": ((int,), 1, "retries of a failing batch"),
-    "reset": ((str,), "per_batch", f"one of {', '.join(RESETS)}"),
-    "on_bad_image": ((str,), "skip", f"one of {', '.join(ON_BAD_IMAGE)}"),
-    "max_pixels": ((int,), DEFAULT_MAX_PIXELS, "pixels per image, checked before decoding"),
-    "layout": ((str,), "auto", f"one of {', '.join(LAYOUTS)}"),
-    "top_k": ((int,), 5, "classes listed per image"),
-    "seed": ((int,), 0, "the method's seed (setup and per-batch randomness)"),
-    "shuffle": ((bool,), False, "shuffle the images (by seed) before batching"),
-    "resume": ((bool,), True, "skip batches finished by an earlier run of the same job"),
-    "progress": ((bool,), True, "show a progress bar"),
-}
-
-_TYPE_NAMES = {
-    str: "a string",
-    int: "an integer",
-    bool: "true or false",
-    dict: "an object",
-    list: "a list",
-    type(None): "null",
-}
-
-
-@dataclass
-class PredictJob:
-    """A validated job config (see the module docstring; ``load_job`` reads one)."""
-
-    input_dir: str
-    output_dir: str
-    method: str | None = None  # None: the catalogues' default method (set by the checks)
-    overrides: dict[str, Any] | list[str] = field(default_factory=dict)
-    model: str | None = None  # None: the catalogues' default model (set by the checks)
-    model_args: dict[str, Any] = field(default_factory=dict)
-    dataset: str | None = None
-    classnames: list[str] | None = None
-    templates: list[str] | None = None
-    batch_size: int = 64
-    device: str = "auto"
-    max_retry: int = 1
-    reset: str = "per_batch"
-    on_bad_image: str = "skip"
-    max_pixels: int = DEFAULT_MAX_PIXELS
-    layout: str = "auto"
-    top_k: int = 5
-    seed: int = 0
-    shuffle: bool = False
-    resume: bool = True
-    progress: bool = True
-
-    @classmethod
-    def from_dict(cls, data: Mapping[str, Any], base_dir: str | Path | None = None) -> PredictJob:
-        """Validate ``data`` (unknown keys, types, choices); relative paths are taken
-        relative to ``base_dir`` (the job file's folder)."""
-        if not isinstance(data, Mapping):
-            raise ValueError(f"a predict job is a JSON object, got {type(data).__name__}")
-        unknown = sorted(set(data) - set(_FIELDS))
-        if unknown:
-            raise ValueError(
-                f"unknown predict job key(s) {', '.join(map(repr, unknown))}; known keys: "
-                f"{', '.join(_FIELDS)}"
-            )
-        values: dict[str, Any] = {}
-        for key, (types, default, what) in _FIELDS.items():
-            if key not in data:
-                if default is _REQUIRED:
-                    raise ValueError(f"predict job key {key!r} ({what}) is required")
-                values[key] = copy.deepcopy(default)
-                continue
-            value = data[key]
-            ok = isinstance(value, types) and not (
-                isinstance(value, bool) and bool not in types and int in types
-            )
-            if not ok:
-                expected = " or ".join(_TYPE_NAMES[t] for t in types)
-                raise ValueError(
-                    f"predict job key {key!r} must be {expected} ({what}), got {value!r} "
-                    f"({type(value).__name__})"
-                )
-            values[key] = value
-        job = cls(**values)
-        job._check(base_dir)
-        return job
-
-    def _check(self, base_dir: str | Path | None) -> None:
-        from tta_bench import catalog
-
-        for key in ("method", "model"):  # None: the default the installed plugins name
-            if getattr(self, key) is None:
-                try:
-                    setattr(self, key, catalog.default(key))
-                except catalog.NoDefaultError as exc:
-                    raise ValueError(f"predict job key {key!r}: {exc}") from None
-        for key, choices in (
-            ("reset", RESETS),
-            ("on_bad_image", ON_BAD_IMAGE),
-            ("layout", LAYOUTS),
-        ):
-            if getattr(self, key) not in choices:
-                raise ValueError(
-                    f"predict job key {key!r} must be one of {', '.join(choices)}, got "
-                    f"{getattr(self, key)!r}"
-                )
-        for key, low in (("batch_size", 1), ("max_retry", 0), ("top_k", 1), ("max_pixels", 1)):
-            if getattr(self, key) < low:
-                raise ValueError(
-                    f"predict job key {key!r} must be >= {low}, got {getattr(self, key)}"
-                )
-        for key in ("classnames", "templates"):
-            value = getattr(self, key)
-            if value is not None and (not value or not all(isinstance(v, str) for v in value)):
-                raise ValueError(f"predict job key {key!r} must be a non-empty list of strings")
-        if self.templates is not None:
-            resolve_templates(self.templates, owner="predict job key 'templates'")
-        if self.classnames is None and self.dataset is None:
-            from tta_bench.deploy.adapter import default_dataset
-
-            self.dataset = default_dataset(self.model)  # the classes the model was made for
-            if self.dataset is None:
-                raise ValueError(
-                    "a predict job needs the class names: give 'classnames' (and 'templates'), "
-                    f"or 'dataset' (a registered dataset); model {self.model!r} has no default"
-                )
-        if base_dir is not None:
-            base = Path(base_dir)
-            self.input_dir = str(base / Path(self.input_dir).expanduser())
-            self.output_dir = str(base / Path(self.output_dir).expanduser())
-        if not Path(self.input_dir).is_dir():
-            raise ValueError(f"input_dir {self.input_dir!r} is not a folder")
-
-
-def load_job(path: str | Path) -> PredictJob:
-    """Read and validate a job file; relative paths in it are relative to its folder."""
-    path = Path(path)
-    try:
-        data = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError as exc:
-        raise ValueError(f"job file {str(path)!r} does not exist") from exc
-    except json.JSONDecodeError as exc:
-        raise ValueError(f"job file {str(path)!r} is not valid JSON: {exc}") from exc
-    return PredictJob.from_dict(data, base_dir=path.parent)
-
-
-# -- planning ------------------------------------------------------------------------------
-@dataclass
-class PlannedBatch:
-    name: str
-    folder: str  # relative to input_dir ("." for the folder layout)
-    files: list[str]  # posix paths relative to input_dir
-    labels: list[int] | None  # class indices (classes layout), never shown to the method
-
-
-@dataclass
-class Plan:
-    layout: str
-    batches: list[PlannedBatch]
-    labeled: bool
-    ignored: list[str]  # files that are not images, or outside the chosen layout
-    #: Why each ignored file is ignored (not an image, a dangling symlink, ...).
-    reasons: dict[str, str] = field(default_factory=dict)
-
-    def groups(self, reset: str) -> list[list[PlannedBatch]]:
-        """Batches that share adaptation state, in order (see the module docstring)."""
-        if reset == "per_batch":
-            return [[b] for b in self.batches]
-        if reset == "never":
-            return [list(self.batches)] if self.batches else []
-        out: dict[str, list[PlannedBatch]] = {}
-        for b in self.batches:
-            out.setdefault(b.folder, []).append(b)
-        return list(out.values())
-
-
-def _is_image(p: Path) -> bool:
-    return p.suffix.lower() in IMAGE_EXTENSIONS
-
-
-def _visible_files(
-    folder: Path, recursive: bool, unusable: dict[Path, str] | None = None
-) -> list[Path]:
-    """The files below ``folder`` (hidden ones left out), sorted. Entries that are neither
-    a file nor a folder (a dangling or looping symlink, a device, a pipe) are added to
-    ``unusable`` with the reason, instead of vanishing."""
-    items = folder.rglob("*") if recursive else folder.iterdir()
-    out = []
-    for p in items:
-        rel = p.relative_to(folder)
-        if any(part.startswith(".") for part in rel.parts):
-            continue
-        if p.is_file():
-            out.append(p)
-        elif not p.is_dir() and unusable is not None:
-            unusable[p] = _why_unusable(p)
-    return sorted(out)
-
-
-def _why_unusable(p: Path) -> str:
-    """Why ``p`` (neither a file nor a folder) cannot be read as an image."""
-    try:
-        p.stat()
-    except OSError as exc:
-        if not p.is_symlink():
-            return f"cannot be read: {exc.strerror or exc}"
-        target = os.readlink(p)
-        if exc.errno == errno.ELOOP:
-            return f"symlink loop: its target {target!r} leads back to it"
-        return f"dangling symlink: its target {target!r} does not exist"
-    return "not a regular file (a device, pipe or socket)"
-
-
-def _safe_name(name: str) -> str:
-    cleaned = "".join(c if c.isalnum() or c in "-_." else "_" for c in name).strip(".")
-    return cleaned or "batch"
-
-
-def plan_batches(
-    input_dir: str | Path,
-    layout: str,
-    batch_size: int,
-    classnames: list[str],
-    *,
-    shuffle: bool = False,
-    seed: int = 0,
-    reset: str = "per_batch",
-) -> Plan:
-    """The job's batches in order; raises ``ValueError`` for an ambiguous or empty folder."""
-    root = Path(input_dir)
-    unusable: dict[Path, str] = {}
-    top = _visible_files(root, recursive=False, unusable=unusable)
-    top_images = [p for p in top if _is_image(p)]
-    subdirs = sorted(p for p in root.iterdir() if p.is_dir() and not p.name.startswith("."))
-    image_dirs = [d for d in subdirs if any(_is_image(p) for p in _visible_files(d, True))]
-    if layout == "auto":
-        layout = _detect_layout(root, top_images, image_dirs, classnames)
-    if layout == "classes" and reset == "per_folder":
-        raise ValueError(
-            "reset=per_folder resets at folder boundaries, which in the classes layout are "
-            "class (label) boundaries: the method would learn the labels from the resets; "
-            "use reset=per_batch or never"
-        )
-    reasons = {_rel(root, p): NOT_AN_IMAGE for p in top if not _is_image(p)}
-    if layout == "folder":
-        reasons.update({_rel(root, d) + "/": "a subfolder (layout folder)" for d in image_dirs})
-        batches = _plan_folder(root, top_images, batch_size, shuffle, seed)
-    else:
-        reasons.update({_rel(root, p): f"a top-level image (layout {layout})" for p in top_images})
-        files = _folder_files(root, image_dirs, classnames, layout, reasons, unusable)
-        if layout == "classes":
-            batches = _plan_classes(files, batch_size, shuffle, seed)
-        else:
-            batches = _plan_subfolders(image_dirs, files, batch_size, shuffle, seed)
-    reasons.update({_rel(root, p): why for p, why in unusable.items()})
-    if not batches:
-        raise ValueError(
-            f"no images ({', '.join(IMAGE_EXTENSIONS)}) found in {str(root)!r} for layout {layout}"
-        )
-    ignored = sorted(reasons)
-    return Plan(layout, batches, layout == "classes", ignored, {k: reasons[k] for k in ignored})
-
-
-def _rel(root: Path, p: Path) -> str:
-    return p.relative_to(root).as_posix()
-
-
-def _plan_folder(
-    root: Path, images: list[Path], batch_size: int, shuffle: bool, seed: int
-) -> list[PlannedBatch]:
-    """``folder``: the top-level images cut into ``batch-00000``, ..."""
-    files = [_rel(root, p) for p in images]
-    if shuffle:
-        random.Random(seed).shuffle(files)
-    return [
-        PlannedBatch(f"batch-{i // batch_size:05d}", ".", files[i : i + batch_size], None)
-        for i in range(0, len(files), batch_size)
-    ]
-
-
-def _folder_files(
-    root: Path,
-    image_dirs: list[Path],
-    classnames: list[str],
-    layout: str,
-    reasons: dict[str, str],
-    unusable: dict[Path, str],
-) -> list[tuple[str, int | None, str]]:
-    """``(file, label or None, folder)`` of every image below the subfolders (non-images
-    are added to ``reasons``, unreadable entries to ``unusable``); in the classes layout
-    every subfolder must be a class."""
-    if layout == "classes":
-        unknown = [d.name for d in image_dirs if d.name not in classnames]
-        if unknown:
-            raise ValueError(
-                f"layout classes: subfolder(s) {unknown} of {str(root)!r} are not class "
-                f"names; the classes are: {', '.join(classnames)}"
-            )
-    out: list[tuple[str, int | None, str]] = []
-    for d in image_dirs:
-        files = _visible_files(d, recursive=True, unusable=unusable)
-        reasons.update({_rel(root, p): NOT_AN_IMAGE for p in files if not _is_image(p)})
-        label = classnames.index(d.name) if layout == "classes" else None
-        out += [(_rel(root, p), label, d.name) for p in files if _is_image(p)]
-    return out
-
-
-def _plan_classes(
-    files: list[tuple[str, int | None, str]], batch_size: int, shuffle: bool, seed: int
-) -> list[PlannedBatch]:
-    """``classes``: all labeled images (sorted, or shuffled by ``seed``) cut into batches."""
-    if shuffle:
-        random.Random(seed).shuffle(files)
-    batches = []
-    for i in range(0, len(files), batch_size):
-        chunk = files[i : i + batch_size]
-        labels = [int(lab) for _, lab, _ in chunk]  # type: ignore[arg-type]
-        batches.append(
-            PlannedBatch(f"batch-{i // batch_size:05d}", ".", [f for f, _, _ in chunk], labels)
-        )
-    return batches
-
-
-def _plan_subfolders(
-    image_dirs: list[Path],
-    files: list[tuple[str, int | None, str]],
-    batch_size: int,
-    shuffle: bool,
-    seed: int,
-) -> list[PlannedBatch]:
-    """``subfolders``: each subfolder a batch (cut into ``<name>-00000``, ... when larger)."""
-    names: set[str] = set()
-    batches = []
-    for d in image_dirs:
-        mine = [f for f, _, folder in files if folder == d.name]
-        if shuffle:
-            random.Random(f"{seed}/{d.name}").shuffle(mine)
-        base = _safe_name(d.name)
-        if base in names:  # two folder names that clean to the same file name
-            base = f"{base}-{len(names)}"
-        names.add(base)
-        chunks = [mine[i : i + batch_size] for i in range(0, len(mine), batch_size)]
-        for j, chunk in enumerate(chunks):
-            name = base if len(chunks) == 1 else f"{base}-{j:05d}"
-            batches.append(PlannedBatch(name, d.name, chunk, None))
-    return batches
-
-
-def _detect_layout(
-    root: Path, top_images: list[Path], image_dirs: list[Path], classnames: list[str]
-) -> str:
-    if top_images and image_dirs:
-        raise ValueError(
-            f"{str(root)!r} holds images ({len(top_images)}) and image subfolders "
-            f"({', '.join(d.name for d in image_dirs[:5])}): set layout to folder (the top-level "
-            "images), subfolders or classes"
-        )
-    if top_images:
-        return "folder"
-    if not image_dirs:
-        raise ValueError(f"no images ({', '.join(IMAGE_EXTENSIONS)}) found in {str(root)!r}")
-    named = [d.name for d in image_dirs if d.name in classnames]
-    if len(named) == len(image_dirs):
-        return "classes"
-    if not named:
-        return "subfolders"
-    others = [d.name for d in image_dirs if d.name not in classnames]
-    raise ValueError(
-        f"ambiguous layout of {str(root)!r}: subfolders {named[:5]} are class names but "
-        f"{others[:5]} are not; set layout to classes (all must be class names) or subfolders"
-    )
 
 
 # -- running -------------------------------------------------------------------------------
@@ -596,17 +217,7 @@ class _Job:
         if adapter is None:
             from tta_bench.deploy.adapter import Adapter
 
-            adapter = Adapter.from_registry(
-                job.model,
-                job.model_args,
-                classnames=job.classnames,
-                templates=job.templates,
-                dataset=job.dataset,
-                method=job.method,
-                overrides=job.overrides,
-                device=job.device,
-                seed=job.seed,
-            )
+            adapter = Adapter.from_settings(job)  # its method config checked before the model
         self.adapter = adapter
         self.plan = plan_batches(
             self.input_dir,

@@ -1,0 +1,181 @@
+"""The shared frozen backbone of standalone adapters (``SharedBackbone``): one classifier
+that any number of method instances adapt at once, each over its own copies of only the
+tensors its method changes.
+
+A ``SharedBackbone`` builds the method once on a throw-away copy (the *probe*) and learns
+which tensors of the classifier it changes: the base parameters it declares trainable
+(Tent's LayerNorm affines) or leaves requiring grad, and any base parameter or buffer whose
+value moves during ``setup()`` and two adaptation steps. Every other tensor is shared: each
+instance's method is built over a ``copy.deepcopy`` of the classifier whose memo maps every
+shared tensor (and the stateless tokenizer) to itself, then ``setup()``. An instance
+therefore owns only its module structure, its copies of the adapted tensors, and the
+method's own state (adapters, router, optimiser, snapshot, caches); ``owned_bytes()``
+measures it. Shared tensors keep ``requires_grad=False``, so concurrent instances in
+different threads never write them: a method's ``reset()`` writes back only the buffers
+whose values moved, never a shared one, whose version counter a concurrent backward may
+have saved.
+
+``setup()`` runs under a forked, seeded global RNG (the runner's seed
+``stable_seed(method, "setup", seed)``; a lock serialises setups across threads, and the
+caller's RNG state is left as it was).
+"""
+
+from __future__ import annotations
+
+import copy
+import threading
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+from torch import nn
+
+from tta_bench.method import Method
+from tta_bench.model import ZeroShotClassifier
+from tta_bench.registry import registry
+from tta_bench.rng import stable_seed
+
+__all__ = ["SharedBackbone", "default_method"]
+
+_SETUP_LOCK = threading.Lock()
+
+
+def default_method(method: str | None) -> str:
+    """``method``, or the catalogues' default method (``defaults: method``) when None."""
+    from tta_bench import catalog
+
+    return method if method is not None else catalog.default("method")
+
+
+def _named_tensors(model: nn.Module) -> list[tuple[str, torch.Tensor]]:
+    return [
+        *model.named_parameters(remove_duplicate=False),
+        *model.named_buffers(remove_duplicate=False),
+    ]
+
+
+def _storage_key(t: torch.Tensor) -> tuple[str, int]:
+    return (str(t.device), t.untyped_storage().data_ptr())
+
+
+def _storages(obj: Any, skip: set[int]) -> dict[tuple[str, int], int]:
+    """Bytes of every tensor storage reachable from ``obj`` (modules, dicts, sequences,
+    optimisers, plain objects' attributes), keyed by storage; objects in ``skip`` (by id)
+    are not entered."""
+    out: dict[tuple[str, int], int] = {}
+    seen: set[int] = set(skip)
+    stack = [obj]
+    while stack:
+        o = stack.pop()
+        if id(o) in seen or o is None or isinstance(o, (str, bytes, int, float, bool)):
+            continue
+        seen.add(id(o))
+        if isinstance(o, torch.Tensor):
+            if o.layout == torch.strided and o.numel():
+                st = o.untyped_storage()
+                out[_storage_key(o)] = max(out.get(_storage_key(o), 0), st.nbytes())
+            continue
+        if isinstance(o, torch.optim.Optimizer):
+            stack.extend([o.state, o.param_groups])
+        elif isinstance(o, Mapping):
+            stack.extend(o.values())
+        elif isinstance(o, (list, tuple, set, frozenset)):
+            stack.extend(o)
+        elif isinstance(o, (torch.Generator, torch.device, torch.dtype, type)) or callable(o):
+            if isinstance(o, nn.Module):
+                stack.append(vars(o))
+        elif hasattr(o, "__dict__"):
+            stack.append(vars(o))
+    return out
+
+
+class SharedBackbone:
+    """One frozen classifier that any number of method instances adapt concurrently, each
+    over its own copies of only the tensors that method changes (module docstring).
+
+    ``instantiate()`` returns a set-up method instance; ``adapted`` names the classifier
+    tensors every instance copies; ``shared_bytes`` is the size of the rest."""
+
+    def __init__(
+        self,
+        model: ZeroShotClassifier,
+        method: str | None = None,
+        config: Any = None,
+        *,
+        seed: int = 0,
+        source_images: torch.Tensor | None = None,
+    ):
+        self.model = model.eval()
+        method = default_method(method)
+        self.method_name = method
+        self.method_cls = registry("methods").get(method)
+        self.config = config if config is not None else self.method_cls.Config()
+        self.seed = int(seed)
+        self.source_images = source_images
+        for p in model.parameters():
+            p.requires_grad_(False)
+        self.adapted: list[str] = self._probe()
+        shared = [(n, t) for n, t in _named_tensors(model) if n not in set(self.adapted)]
+        self._memo: dict[int, Any] = {id(t): t for _, t in shared}
+        self._memo[id(model.tokenizer)] = model.tokenizer  # stateless; deepcopy takes ~1 s
+        self._shared_storages = {_storage_key(t) for _, t in shared if t.numel()}
+        every = {_storage_key(t): t.untyped_storage().nbytes() for _, t in _named_tensors(model)}
+        #: Bytes of the classifier's tensors: what a whole-model copy per adapter would cost.
+        self.model_bytes = sum(every.values())
+        #: Bytes of the tensors all adapters share.
+        self.shared_bytes = sum(n for k, n in every.items() if k in self._shared_storages)
+
+    @property
+    def device(self) -> torch.device:
+        return self.model.mean.device
+
+    def _build(self, model: ZeroShotClassifier) -> Method:
+        method = self.method_cls(model, copy.deepcopy(self.config))
+        needed = method.source_images_needed()
+        if needed:  # e.g. EATA's Fisher information; fewer images than asked: all of them
+            src = self.source_images
+            if src is None or not len(src):
+                raise ValueError(
+                    f"method {self.method_name!r} needs clean, unlabeled source images before "
+                    f"setup (up to {needed}); pass source_images=[N, 3, H, W] in [0, 1]"
+                )
+            method.set_source(src[:needed].to(self.device))
+        cuda = [self.device] if self.device.type == "cuda" else []
+        seed = stable_seed(self.method_name, "setup", self.seed) % 2**63
+        with _SETUP_LOCK, torch.random.fork_rng(devices=cuda):
+            torch.manual_seed(seed)
+            method.setup()
+        return method
+
+    def _probe(self) -> list[str]:
+        """Names of the classifier's tensors the method changes (see the module docstring)."""
+        probe_model = copy.deepcopy(
+            self.model, memo={id(self.model.tokenizer): self.model.tokenizer}
+        )
+        before = _named_tensors(probe_model)
+        method = self._build(probe_model)
+        trainable = {id(p) for p in method.trainable_parameters()}
+        size = self.model.preprocess.image_size
+        gen = torch.Generator().manual_seed(0)
+        x = torch.rand(2, 3, size, size, generator=gen).to(self.device)
+        for seed in (0, 1):
+            method.reseed(seed)
+            method.step(x)
+        base = dict(_named_tensors(self.model))
+        changed = set()
+        for name, t in before:
+            # declared trainable, moved in value, or left requiring grad (a backward through
+            # it would write .grad into a tensor every adapter shares)
+            if id(t) in trainable or t.requires_grad or not torch.equal(t.detach(), base[name]):
+                changed.add(name)
+        return sorted(changed)
+
+    def instantiate(self) -> Method:
+        """A set-up method over a classifier copy that shares every frozen tensor."""
+        model = copy.deepcopy(self.model, memo=dict(self._memo))
+        return self._build(model)
+
+    def owned_bytes(self, method: Method) -> int:
+        """Bytes of the tensor storages ``method`` holds that the backbone does not share."""
+        found = _storages(method, {id(self.model.tokenizer)})
+        return sum(n for k, n in found.items() if k not in self._shared_storages)
