@@ -24,6 +24,7 @@ from mura_plugin.methods.boostadapter import (
     official_input,
 )
 from mura_plugin.methods.tda import _Cache
+from tta_bench.run.profiles import method_settings
 
 
 # -- the official cache code, written separately (python lists, numpy float64) -------------
@@ -213,15 +214,17 @@ def test_rules_follow_the_dataset(classifier, test_images, dataset, input_, per_
 
 
 def test_tta_vlm_settings(classifier):
-    from tta_bench.run import profiles as tta_vlm
+    from tta_bench.run.profiles import method_rule
 
-    config, applied = tta_vlm.method_config(BoostAdapter, BoostAdapter.Config(), True)
-    assert applied == {**BoostAdapter.tta_vlm, "augmix": True}  # AugMix: fine-grained sets
-    digits = _build(classifier, dataset="digits", **BoostAdapter.tta_vlm)
+    settings = method_settings("tta_vlm", "boostadapter")
+    assert settings == {"input": "original", "entropy_eps": 1e-5, "default_delta": 1}
+    config, applied = method_rule("boostadapter", BoostAdapter.Config(), "tta_vlm")("dtd")
+    assert applied == {**settings, "augmix": True}  # AugMix: fine-grained sets
+    digits = _build(classifier, dataset="digits", **settings)
     assert (digits.input, digits.delta, digits.config.entropy_eps) == ("original", 1, 1e-5)
-    inet = _build(classifier, dataset="imagenet_a", **BoostAdapter.tta_vlm)
+    inet = _build(classifier, dataset="imagenet_a", **settings)
     assert (inet.input, inet.delta) == ("original", 3)
-    assert (_build(classifier, dataset="imagenet", **BoostAdapter.tta_vlm).delta) == 1
+    assert _build(classifier, dataset="imagenet", **settings).delta == 1
     assert not BoostAdapter.light and not BoostAdapter.adapts
     assert BoostAdapter.stream_kind == "online"
     with pytest.raises(ValueError, match="available: official, single, original, confident"):
@@ -249,7 +252,7 @@ def test_reset_returns_to_setup_and_seeding_is_deterministic(classifier, test_im
 def test_runs_through_the_runner(tmp_path, tta_vlm):
     record = run_method(tmp_path, "boostadapter", tta_vlm=tta_vlm)
     if tta_vlm:  # the harness's TTA-VLM option: single prompt, batch 1, tta_vlm values
-        assert record["config"]["tta_vlm_applied"]["protocol.batch_size"] == 1
+        assert record["config"]["profile_applied"]["protocol.batch_size"] == 1
     [cell] = record["cells"]
     assert cell["n"] == 32 and 0.0 <= cell["accuracy"] <= 1.0
     assert math.isfinite(cell["nll"])

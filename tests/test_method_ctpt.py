@@ -12,6 +12,7 @@ from method_runs import build_method, run_method
 
 from mura_plugin.methods.ctpt import CTPT, atfd, dataset_setting
 from mura_plugin.methods.tpt import TPT
+from tta_bench.run.profiles import method_settings
 
 FAST = {"views": 7}  # fewer views keep the tests fast; the defaults are checked separately
 
@@ -118,7 +119,7 @@ def test_reset_and_seed_reproduce(classifier, batch):
 
 def test_class_attributes():
     assert CTPT.stream_kind == "episodic" and CTPT.adapts and not CTPT.light
-    config = dataclasses.replace(CTPT.Config(), **CTPT.tta_vlm)
+    config = dataclasses.replace(CTPT.Config(), **method_settings("tta_vlm", "ctpt"))
     assert config.dataset_settings == "tta_vlm"
     default = CTPT.Config()
     assert (default.views, default.selection, default.lr, default.steps) == (63, 0.1, 5e-3, 1)

@@ -22,6 +22,7 @@ from mura_plugin.methods.dmn import (
     fuse,
     memory_readout,
 )
+from tta_bench.run.profiles import method_settings
 
 
 def _np_readout(mem, counts, text, q, beta, scale):
@@ -212,10 +213,10 @@ def test_runs_through_the_runner_with_its_defaults(tmp_path):
 
 def test_runs_through_the_runner_with_tta_vlm_settings(tmp_path):
     # TTA-VLM's settings on its stream of batch size 1; fewer views than its 63 for time
-    config = dataclasses.replace(DMN.Config(), **DMN.tta_vlm)
+    config = dataclasses.replace(DMN.Config(), **method_settings("tta_vlm", "dmn"))
     assert (config.n_views, config.replace, config.confident_mean) == (63, "always", "logit")
     record = run_method(tmp_path, "dmn", "method.n_views=3", tta_vlm=True, max_images=16)
-    assert record["config"]["tta_vlm_applied"]["protocol.batch_size"] == 1
+    assert record["config"]["profile_applied"]["protocol.batch_size"] == 1
     [cell] = record["cells"]
     assert cell["n"] == 16 and 0.0 <= cell["accuracy"] <= 1.0
     assert math.isfinite(cell["nll"])

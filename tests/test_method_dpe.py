@@ -170,7 +170,7 @@ def test_runs_through_the_runner_with_tta_vlm_settings(tmp_path):
     # TTA-VLM's settings on its stream of batch size 1 (digits: no AugMix, not a
     # fine-grained set); fewer views than its 63 for time
     record = run_method(tmp_path, "dpe", "method.n_views=3", tta_vlm=True, max_images=16)
-    assert record["config"]["tta_vlm_applied"]["method.augmix"] is False
+    assert record["config"]["profile_applied"]["method.augmix"] is False
     [cell] = record["cells"]
     assert cell["n"] == 16 and 0.0 <= cell["accuracy"] <= 1.0
     assert math.isfinite(cell["nll"])

@@ -12,6 +12,7 @@ from method_runs import build_method, run_method
 
 from mura_plugin.methods._views import configured_views
 from mura_plugin.methods.mta import MTA, mta_bandwidth, mta_solve
+from tta_bench.run.profiles import method_settings
 
 FAST = {"views": 7}  # fewer views keep the tests fast; the defaults are checked separately
 
@@ -148,7 +149,7 @@ def test_reset_and_seed_reproduce(classifier, batch):
 
 def test_class_attributes_and_defaults(classifier):
     assert MTA.stream_kind == "episodic" and not MTA.adapts and not MTA.light
-    assert MTA.tta_vlm == {}
+    assert method_settings("tta_vlm", "mta") == {}
     d = MTA.Config()
     assert (d.views, d.include_original, d.augmix, d.lambda_y, d.lambda_q) == (
         63,
@@ -174,7 +175,7 @@ def test_class_attributes_and_defaults(classifier):
 
 @pytest.mark.parametrize("augmix", [False, True])  # True: what TTA-VLM runs on fine-grained sets
 def test_end_to_end_through_the_runner(tmp_path, augmix):
-    assert MTA.tta_vlm == {}  # TTA-VLM runs the official setting
+    assert method_settings("tta_vlm", "mta") == {}  # TTA-VLM runs the official setting
     views = ["method.augmix=true"] if augmix else []
     record = run_method(tmp_path, "mta", *views, max_images=8 if augmix else 16)
     assert record["cells"], "no cell produced"

@@ -14,6 +14,7 @@ import torch
 from method_runs import run_method
 
 from mura_plugin.methods.onzeta import ONZETA_7, OnZeta, official_templates
+from tta_bench.run.profiles import method_settings
 
 
 def _official(xs, text, n, *, tau_t, tau_i, cw, cr, alpha, beta):
@@ -111,7 +112,7 @@ def test_heads_and_tta_vlm_beta_follow_the_dataset(classifier, monkeypatch):
     assert official_templates("imagenet_c") == list(ONZETA_7)
     assert official_templates("digits") == ["a photo of a {}."]
     assert not onzeta.fine_grained("digits") and not onzeta.fine_grained(None)
-    tta = dict(OnZeta.tta_vlm)
+    tta = dict(method_settings("tta_vlm", "onzeta"))
     assert _build(classifier, dataset="digits", **tta).beta == 0.8  # not fine-grained
     monkeypatch.setattr(onzeta, "fine_grained", lambda name: name == "digits")
     assert _build(classifier, dataset="digits", **tta).beta == 0.4
@@ -141,7 +142,7 @@ def test_reset_returns_to_setup_and_seeding_is_deterministic(classifier, test_im
 def test_runs_through_the_runner(tmp_path, tta_vlm):
     record = run_method(tmp_path, "onzeta", tta_vlm=tta_vlm)
     if tta_vlm:  # the harness's TTA-VLM option: single prompt, batch 1, tta_vlm values
-        applied = record["config"]["tta_vlm_applied"]
+        applied = record["config"]["profile_applied"]
         assert applied["protocol.batch_size"] == 1
         assert applied["method.beta_fine_grained"] == 0.4
     [cell] = record["cells"]

@@ -11,6 +11,7 @@ import torch
 from method_runs import build_method, run_method
 
 from mura_plugin.methods.rtpt import RTPT, reliability_ensemble, reliability_weights
+from tta_bench.run.profiles import method_settings
 
 FAST = {"views": 7}  # fewer views keep the tests fast; the defaults are checked separately
 
@@ -138,7 +139,7 @@ def test_class_attributes():
     assert (default.views, default.selection, default.lr, default.steps) == (63, 0.1, 5e-3, 1)
     assert (default.loss, default.neighbours, default.temperature) == ("entropy", 20, 0.01)
     assert (default.precision, default.grad_scale, default.augmix) == ("fp32", None, False)
-    tta = dataclasses.replace(default, **RTPT.tta_vlm)
+    tta = dataclasses.replace(default, **method_settings("tta_vlm", "rtpt"))
     assert (tta.precision, tta.grad_scale) == ("fp16", 1000.0)
 
 

@@ -20,6 +20,7 @@ from mura_plugin.methods.tps import (
     shifted_logits,
     tta_vlm_lr,
 )
+from tta_bench.run.profiles import method_settings
 from tta_bench.text_head import resolve_templates
 
 FAST = {"views": 7}  # fewer views keep the tests fast; the defaults are checked separately
@@ -166,7 +167,7 @@ def test_reset_and_seed_reproduce(classifier, batch):
 
 def test_class_attributes_and_defaults(classifier):
     assert TPS.stream_kind == "episodic" and not TPS.adapts and not TPS.light
-    assert TPS.tta_vlm == {"lr": None}
+    assert method_settings("tta_vlm", "tps") == {"lr": None}
     d = TPS.Config()
     assert (d.views, d.selection, d.lr, d.weight_decay, d.steps, d.per_class) == (
         63,

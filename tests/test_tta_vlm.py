@@ -1,13 +1,15 @@
-"""The TTA-VLM option (tta_vlm=true; tta_bench.run.profiles): TTA-VLM's single prompt, episodic
-methods per image, online methods on a stream of batch size 1, and each method's own
-TTA-VLM settings, each only where the run does not set it."""
+"""The TTA-VLM profile (profile=tta_vlm, or its switch tta_vlm=true; tta_bench.run.profiles,
+data in the plugin's catalogue): TTA-VLM's single prompt, episodic methods per image, online
+methods on a stream of batch size 1, and each method's own TTA-VLM settings, each only where
+the run does not set it."""
 
 from __future__ import annotations
 
 import pytest
 
 from tta_bench.run import runner
-from tta_bench.run.profiles import PROMPT
+
+PROMPT = "a photo of a {}."  # TTA-VLM's one prompt (the profile's protocol.templates)
 from tta_bench.run.resolve import resolve_run
 
 SMALL = ["protocol.shifts=[contrast]", "protocol.max_images=12", "seeds=[0]", "progress=false"]
@@ -19,7 +21,7 @@ def test_episodic_methods_run_per_image_with_the_single_prompt():
     p = spec.protocol
     assert (p.reset, p.batch_size, p.templates) == ("episodic_sample", 1, (PROMPT,))
     assert p.id != plain.protocol.id  # rows under the option never mix with the default's
-    assert spec.config["tta_vlm_applied"] == {
+    assert spec.config["profile_applied"] == {
         "protocol.templates": [PROMPT],
         "protocol.reset": "episodic_sample",
     }
@@ -54,7 +56,33 @@ def test_a_run_under_the_option_is_scored(tmp_path):
     record = runner.run(spec, tmp_path / "r.json")
     cell = record["cells"][0]
     assert cell["n"] == 12 and cell["batches"] == 12 and 0.0 <= cell["accuracy"] <= 1.0
-    assert record["config"]["tta_vlm"] is True
+    assert record["config"]["profile"] == "tta_vlm"
+
+
+def test_the_profile_and_its_switch_are_the_same_run():
+    """``profile=tta_vlm`` (the catalogue's profile) and ``tta_vlm=true`` (its switch, the
+    option's first spelling) resolve to the same spec; ``tta_vlm=false`` is no profile."""
+    _, named = resolve_run(method="dmn", overrides=["profile=tta_vlm"])
+    _, switched = resolve_run(method="dmn", overrides=["tta_vlm=true"])
+    _, off = resolve_run(method="dmn", overrides=["tta_vlm=false"])
+    _, plain = resolve_run(method="dmn")
+    assert named.config == switched.config and named.protocol.id == switched.protocol.id
+    assert named.method_config == switched.method_config != plain.method_config
+    assert off.config == plain.config
+
+
+@pytest.mark.parametrize(
+    ("override", "message"),
+    [
+        ("profile=tta_vml", "unknown profile='tta_vml'; available: tta_vlm"),
+        ("tta_vlm=maybe", "tta_vlm='maybe': expected true or false"),
+    ],
+)
+def test_a_bad_profile_exits_2_naming_it(capsys, override, message):
+    from tta_bench.cli import main
+
+    assert main(["run", "--method", "tpt", override]) == 2
+    assert message in capsys.readouterr().err
 
 
 TTA_VLM_METHODS = ("ctpt", "mta", "tps", "rtpt", "rlcf", "dmn", "boostadapter", "dpe",
@@ -95,7 +123,7 @@ def test_multi_dataset_suite_sets_augmix_per_dataset(tmp_path, tmp_cache, monkey
     _, spec = resolve_run("tpt", "vlm-15", "openclip", ["tta_vlm=true", *args], data_dir=str(data))
     assert spec.method_config.augmix is False
     assert {d: c.augmix for d, c in spec.method_configs.items()} == {"dtd": True}
-    assert spec.config["tta_vlm_applied"]["method.augmix@dtd"] is True
+    assert spec.config["profile_applied"]["method.augmix@dtd"] is True
     seen = {}
     fresh = runner.Evaluation._fresh_method
 

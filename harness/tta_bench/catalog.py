@@ -22,8 +22,9 @@ CATALOG_GROUP = "tta_bench.catalogs"
 HARNESS_CATALOG = str(Path(__file__).with_name("registry.yaml"))
 #: ``published``: figures a paper or an official repository reports (a source, the model,
 #: ``accuracy: {method: {dataset: percent}}``), the targets ``benchmarks/gpu_check.py``
-#: prints our runs beside.
-SECTIONS = (*KINDS, "suites", "templates", "defaults", "published")
+#: prints our runs beside. ``profiles``: the ways other benchmarks run methods, as data
+#: (``tta_bench.run.profiles``: a run's ``profile=NAME``).
+SECTIONS = (*KINDS, "suites", "templates", "defaults", "published", "profiles")
 
 _CATALOG: dict[str, dict[str, Any]] | None = None
 #: ``tta_bench.include.state()`` the merged catalogue was read under.
@@ -91,11 +92,16 @@ def entry(section: str, name: str) -> dict[str, Any]:
     return dict(catalog()[section].get(name) or {})
 
 
+def dataset_flag(dataset: str | None, flag: str) -> bool:
+    """Whether the catalogue entry of ``dataset`` says ``<flag>: true`` (a dataset family:
+    ``fine_grained``, ``imagenet_family``); an unknown name or None: no."""
+    return bool(dataset) and bool(entry("datasets", str(dataset)).get(flag, False))
+
+
 def fine_grained(dataset: str | None) -> bool:
-    """Whether the catalogue marks ``dataset`` ``fine_grained: true`` (the sets on which
-    the TPT family's official code turns AugMix on, TTA-VLM's ``len(set_id) > 1``); an
-    unknown name or None: no."""
-    return bool(dataset) and bool(entry("datasets", str(dataset)).get("fine_grained", False))
+    """``dataset_flag(dataset, "fine_grained")``: the sets on which several official codes
+    turn AugMix views on (the ten cross-domain sets)."""
+    return dataset_flag(dataset, "fine_grained")
 
 
 #: The choices a catalogue's ``defaults:`` section makes: what ``tta-bench run`` uses when

@@ -106,10 +106,10 @@ class RunConfig:
     #: Skip the cells already in ``output`` when it exists and holds the same run
     #: (model, method + config hash, protocol id); false starts the file afresh.
     resume: bool = True
-    #: TTA-VLM's protocol and settings (``tta_bench.run.profiles``): the single prompt "a photo
-    #: of a {}.", episodic methods per image, online ones on a stream of batch size 1,
-    #: AugMix on fine-grained sets, and TTA-VLM's departures from the official code.
-    tta_vlm: bool = False
+    #: A protocol profile from the catalogues' ``profiles:`` section (``tta_bench.run.profiles``;
+    #: ``tta-bench ls profiles``): the way another benchmark runs methods, applied where the
+    #: run does not set a value itself. None: the suite's protocol and the official settings.
+    profile: Optional[str] = None
     #: Decoded-image cache: auto (reuse entries; cache small splits, stream large ones),
     #: always (decode whole splits into the cache first) or never (decode on demand).
     cache: str = "auto"

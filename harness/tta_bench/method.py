@@ -88,18 +88,11 @@ class Method(abc.ABC):
     light: ClassVar[bool] = False
     #: How the method's own code runs it: ``"episodic"`` (its state is reset for every image
     #: or batch), ``"online"`` (it carries state, a cache or a memory, along the stream), or
-    #: None (the protocol decides: the TENT family and the CLIP batch methods). The TTA-VLM
-    #: option (``tta_vlm=true``) runs episodic methods per image and online ones on a
-    #: stream of batch size 1.
+    #: None (the protocol decides: the TENT family and the CLIP batch methods). A protocol
+    #: profile may set the stream by kind (``tta_bench.run.profiles``). A method's settings
+    #: per dataset family or per profile are catalogue data (its entry's ``dataset_flags``
+    #: and ``profiles``), not attributes.
     stream_kind: ClassVar[str | None] = None
-    #: Config values TTA-VLM's implementation uses where it departs from the official code
-    #: (``tta_vlm=true`` applies them; the defaults stay the official code's).
-    tta_vlm: ClassVar[dict[str, Any]] = {}
-    #: The official code turns AugMix on for the fine-grained sets only (TPT's
-    #: ``augmix=len(set_id) > 1``): where a run leaves the config's ``augmix`` at its
-    #: default, each domain's dataset decides (its catalogue entry's ``fine_grained``;
-    #: ``tta_bench.run.spec``), per dataset on a suite of several.
-    augmix_on_fine_grained: ClassVar[bool] = False
     #: Set by the runner before ``setup()``: how many samples the method sees until its
     #: next reset by the protocol (a schedule over the stream needs it, e.g. OnZeta's).
     stream_length: int | None = None

@@ -105,7 +105,6 @@ from tta_bench.method import PRECISIONS, Method, autocast_context, check_precisi
 __all__ = [
     "BoostAdapter",
     "BoostAdapterConfig",
-    "IMAGENET_FAMILY",
     "INPUTS",
     "boosted_cache",
     "official_input",
@@ -117,9 +116,6 @@ __all__ = [
 INPUTS = ("official", "single", "original", "confident")
 #: Where the official query is the confident views' mean (its natural-shift loaders).
 NATURAL_SHIFTS = ("imagenet_a", "imagenet_v2", "imagenet_r", "imagenet_sketch", "imagenet_ood")
-#: ImageNet and the sets with its classes (TTA-VLM's single-letter sets, and ImageNet-C):
-#: where the official heads are ImageNet's.
-IMAGENET_FAMILY = ("imagenet", "imagenet_c", *NATURAL_SHIFTS)
 #: (alpha, beta, delta) of the official configs/*.yaml (imagenet.yaml has no delta).
 OFFICIAL = {
     "imagenet": (2.0, 5.0, None),
@@ -238,7 +234,6 @@ class BoostAdapter(Method):
     Config = BoostAdapterConfig
     stream_kind = "online"
     adapts = False  # caches live in the method; the shared model is never changed
-    tta_vlm = {"input": "original", "entropy_eps": 1e-5, "default_delta": 1}
 
     def setup(self) -> None:
         cfg = self.config

@@ -146,10 +146,8 @@ class CTPTConfig(TPTConfig):
 
 
 class CTPT(TPT):
-    augmix_on_fine_grained = False  # its own per-dataset table (dataset_settings)
     Config = CTPTConfig
     stream_kind = "episodic"
-    tta_vlm = {"dataset_settings": "tta_vlm"}
 
     def configure(self, model: ZeroShotClassifier) -> None:
         cfg = self.config

@@ -107,13 +107,12 @@ from mura_plugin.methods._views import (
     encode_in_chunks,
 )
 from tta_bench.bounds import bounded, one_of
-from tta_bench.catalog import fine_grained
+from tta_bench.catalog import dataset_flag, fine_grained
 from tta_bench.method import PRECISIONS, Method, autocast_context, check_precision
 
 __all__ = [
     "DMN",
     "DMNConfig",
-    "IMAGENET_FAMILY",
     "SEARCHED_FUSION",
     "TIP_TEMPLATES",
     "DynamicMemory",
@@ -124,18 +123,9 @@ __all__ = [
     "official_templates",
 ]
 
-#: The sets DMN's code loads with single-letter ids (I, A, V, R, K), where its head is the
-#: TIP templates; ImageNet-C and the mixed ``imagenet_ood`` stream follow ImageNet.
-IMAGENET_FAMILY = (
-    "imagenet",
-    "imagenet_c",
-    "imagenet_a",
-    "imagenet_v2",
-    "imagenet_r",
-    "imagenet_sketch",
-    "imagenet_ood",
-)
-#: ``tip_imagenet_templates`` of data/imagnet_prompts.py (the ``tip`` part of ``tip_cupl``).
+#: ``tip_imagenet_templates`` of data/imagnet_prompts.py (the ``tip`` part of ``tip_cupl``),
+#: DMN's head on the sets its code loads with single-letter ids (I, A, V, R, K) and the
+#: others of the catalogue's ``imagenet_family``.
 TIP_TEMPLATES = (
     "a bad photo of the {}.",
     "a {} in a video game.",
@@ -172,13 +162,13 @@ CONFIDENT_MEANS = ("prob", "logit")
 def official_templates(dataset: str | None) -> list[str]:
     """DMN's templates for ``dataset``: the 7 TIP templates on the ImageNet family, else
     (no official loader here) its ``simple`` template "a photo of a {}."."""
-    return list(TIP_TEMPLATES if dataset in IMAGENET_FAMILY else SINGLE_PROMPT)
+    return list(TIP_TEMPLATES if dataset_flag(dataset, "imagenet_family") else SINGLE_PROMPT)
 
 
 def official_augmix(dataset: str | None) -> bool:
     """``AugMixAugmenter(augmix=len(set_id) > 1)``, true on DMN's fine-grained sets: here
     the sets whose catalogue entry says ``fine_grained: true``."""
-    return dataset not in IMAGENET_FAMILY and fine_grained(dataset)
+    return not dataset_flag(dataset, "imagenet_family") and fine_grained(dataset)
 
 
 @dataclass
@@ -296,13 +286,6 @@ def confident_label(logits: torch.Tensor, k: int, mean: str) -> tuple[int, float
 class DMN(Method):
     Config = DMNConfig
     stream_kind = "online"
-    #: TTA-VLM's online_method/dmn.py + online_tta.py (see the module docstring)
-    tta_vlm = {
-        "n_views": 63,
-        "crop_scale_min": 0.08,
-        "confident_mean": "logit",
-        "replace": "always",
-    }
 
     def setup(self) -> None:
         cfg = self.config

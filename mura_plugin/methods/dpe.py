@@ -233,12 +233,6 @@ def _entropy_of_mean_prob(logits: torch.Tensor) -> torch.Tensor:
 class DPE(Method):
     Config = DPEConfig
     stream_kind = "online"
-    #: TTA-VLM's online_method/dpe.py + online_tta.py (see the module docstring)
-    tta_vlm = {
-        "views": "multi",
-        "entropy_through_text": False,
-        "cache_entropy": "mean_logit",
-    }
 
     def setup(self) -> None:
         cfg = self.config

@@ -68,7 +68,7 @@ What differs and why:
   on CUDA fp16 only. ``int(V * 0.1)`` is at least one view (the official none below 10).
 * Views: torchvision's RandomResizedCrop boxes on the image at the model's size, one batched
   ``grid_sample`` (augment.py); AugMix on the fine-grained sets only, per dataset as for
-  tpt.py (``augmix_on_fine_grained``).
+  tpt.py (its catalogue entry's ``dataset_flags``).
 
 TTA-VLM (``tta_vlm``): a buffer of 10 prompts; lr 5e-3 on ImageNet and its variants, 3e-3
 elsewhere (``lr=None``); the AdamW state is never reset (its ``optim_state`` is saved, not
@@ -98,6 +98,7 @@ from mura_plugin.methods._views import (
 )
 from mura_plugin.methods.tpt import PromptTextEncoder
 from tta_bench.bounds import bounded, one_of
+from tta_bench.catalog import dataset_flag
 from tta_bench.method import (
     PRECISIONS,
     Method,
@@ -229,17 +230,11 @@ def buffer_loss(logits: torch.Tensor, selection: float) -> torch.Tensor:
     return -(log_mean.exp() * log_mean).sum(dim=-1).mean()
 
 
-def _imagenet(dataset: str | None) -> bool:
-    return bool(dataset) and str(dataset).startswith("imagenet")
-
-
 class DynaPrompt(Method):
-    augmix_on_fine_grained = True  # the official: AugMix on its fine-grained sets only
     Config = DynaPromptConfig
     #: the prompt buffer is this method's own (as TPT's context): ``trainable_parameters``
     adapts = True
     stream_kind = "online"
-    tta_vlm: dict[str, Any] = {"buffer_size": 10, "lr": None, "reset_optimizer": False}
 
     def setup(self) -> None:
         cfg = self.config
@@ -270,7 +265,7 @@ class DynaPrompt(Method):
         if cfg.lr is not None:
             self.lr = float(cfg.lr)
         else:
-            self.lr = 5e-3 if _imagenet(self.model.dataset) else 3e-3
+            self.lr = 5e-3 if dataset_flag(self.model.dataset, "imagenet_family") else 3e-3
         self.reset()
 
     def reset(self) -> None:

@@ -243,7 +243,6 @@ class ECALP(Method):
     stream_kind = "online"
     #: one forward of the image per sample, no backward: sweeps pack its jobs
     light = True
-    tta_vlm: dict = {}
 
     def setup(self) -> None:
         cfg = self.config

@@ -79,6 +79,3 @@ class LoRAConfig(MuRAConfig):
 class LoRA(MuRA):
     Config = LoRAConfig
     stream_kind = "episodic"  # the adapters and optimiser reset before every sample
-    # TomSheng21/tta-vlm's TTL: AdamW 5e-3, 1 step, 64 views as officially; its views get
-    # AugMix on the fine-grained sets, which the option's global rule gives (``augmix``)
-    tta_vlm: dict = {}

@@ -177,7 +177,6 @@ class MTA(Method):
     Config = MTAConfig
     stream_kind = "episodic"  # every image is its own MeanShift problem
     adapts = False  # the method's own head; the shared model is never changed
-    tta_vlm: dict = {}  # its solve_mta is the official; AugMix/head: the harness option
 
     def setup(self) -> None:
         cfg = self.config

@@ -74,9 +74,8 @@ from mura_plugin.methods._views import (
     check_text_head,
     class_head,
 )
-from mura_plugin.methods.boostadapter import IMAGENET_FAMILY
 from tta_bench.bounds import bounded, one_of
-from tta_bench.catalog import fine_grained
+from tta_bench.catalog import dataset_flag, fine_grained
 from tta_bench.method import PRECISIONS, Method, autocast_context, check_precision
 
 __all__ = [
@@ -102,7 +101,7 @@ ONZETA_7 = (
 
 def official_templates(dataset: str | None) -> list[str]:
     """The official head: the 7 templates on ImageNet-class sets, else the single prompt."""
-    return list(ONZETA_7 if dataset in IMAGENET_FAMILY else SINGLE_PROMPT)
+    return list(ONZETA_7 if dataset_flag(dataset, "imagenet_family") else SINGLE_PROMPT)
 
 
 @dataclass
@@ -155,7 +154,6 @@ class OnZeta(Method):
     adapts = False  # the proxies live in the method; the shared model is never changed
     #: one forward per sample, no backward
     light = True
-    tta_vlm = {"beta_fine_grained": 0.4}
 
     def setup(self) -> None:
         cfg = self.config

@@ -163,10 +163,8 @@ def rlcf_loss(
 
 
 class RLCF(TPT):
-    augmix_on_fine_grained = True  # the official: AugMix on its fine-grained sets only
     Config = RLCFConfig
     stream_kind: ClassVar[str] = "episodic"
-    tta_vlm: ClassVar[dict[str, Any]] = {"teacher": None}
 
     # -- setup ---------------------------------------------------------------------------
     def configure(self, model: ZeroShotClassifier) -> None:

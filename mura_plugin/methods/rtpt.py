@@ -97,10 +97,8 @@ class RTPTConfig(TPTConfig):
 
 class RTPT(TPT):
     predict_reads_original = False  # the prediction ensembles every view
-    augmix_on_fine_grained = True  # the official: AugMix on its fine-grained sets only
     Config = RTPTConfig
     stream_kind = "episodic"
-    tta_vlm = {"precision": "fp16", "grad_scale": 1000.0}
 
     def configure(self, model) -> None:
         cfg = self.config

@@ -232,9 +232,6 @@ class TDA(Method):
     #: suites (views=official is single-view there), no backward: sweeps pack its jobs
     light = True
     stream_kind = "online"
-    # TomSheng21/tta-vlm's TDA (online_method/tda.py) encodes the image alone on every set:
-    # no multi-view input on ImageNet-A/R/V2/Sketch
-    tta_vlm = {"views": "single"}
 
     def setup(self) -> None:
         cfg = self.config

@@ -231,12 +231,9 @@ def tta_vlm_lr(dataset: str | None) -> float:
 
 
 class TPS(Method):
-    augmix_on_fine_grained = True  # the official: AugMix on its fine-grained sets only
     Config = TPSConfig
     stream_kind = "episodic"  # shifts and optimiser reset before every image
     adapts = False  # the shifts live in the method; the shared model is never changed
-    #: TTA-VLM's per-dataset learning rate (its head and AugMix: the harness option)
-    tta_vlm = {"lr": None}
 
     def setup(self) -> None:
         cfg = self.config

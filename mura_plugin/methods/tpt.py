@@ -31,7 +31,7 @@ What differs and why:
   image (before Resize + CenterCrop) with PIL. AugMix (the official, augment.py) on the
   fine-grained sets only, as the official ``augmix=len(set_id) > 1``: the harness applies
   the rule per dataset (``augmix`` left at its default is on for a dataset the catalogue
-  marks ``fine_grained``: the ten cross-domain sets; ``augmix_on_fine_grained``).
+  marks ``fine_grained``: the ten cross-domain sets; its catalogue entry's ``dataset_flags``).
 * The image tower is frozen and the prompt only changes the text side, so the image
   features of all views of the whole batch are computed once, batched, without gradients
   (the official code re-runs the image encoder per step); the result is the same.
@@ -188,10 +188,8 @@ class PromptTextEncoder(nn.Module):
 
 class TPT(MultiViewMethod):
     predict_reads_original = True  # predict_episode reads view 0 only
-    augmix_on_fine_grained = True  # the official: AugMix on its fine-grained sets only
     Config = TPTConfig
     stream_kind = "episodic"  # the prompt and optimiser reset before every sample
-    tta_vlm: dict = {}  # TomSheng21/tta-vlm's TPT: the official settings (its AugMix rule)
 
     def configure(self, model: ZeroShotClassifier) -> None:
         cfg = self.config

@@ -129,7 +129,6 @@ def zero_votes(cosines: torch.Tensor, logit_scale: float, selection: float) -> t
 class Zero(Method):
     Config = ZeroConfig
     stream_kind = "episodic"  # one vote over each image's own views
-    tta_vlm: dict = {}  # TomSheng21/tta-vlm's ZERO: gamma 0.3, 64 views, as officially
 
     def setup(self) -> None:
         cfg = self.config

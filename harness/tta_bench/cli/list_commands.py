@@ -15,9 +15,12 @@ from tta_bench import catalog
 from tta_bench.registry import KINDS, SINGULAR, registry
 from tta_bench.run.resolve import NO_PLUGINS, UsageError
 
-LIST_KINDS = (*[k for k in KINDS if k != "configs"], "suites", "configs", "defaults", "published")
+LIST_KINDS = (
+    *[k for k in KINDS if k != "configs"],
+    *("suites", "configs", "defaults", "published", "profiles"),
+)
 #: Listed only when asked for by name (``tta-bench ls configs``, ``ls defaults``).
-_ON_REQUEST = ("configs", "defaults", "published")
+_ON_REQUEST = ("configs", "defaults", "published", "profiles")
 
 
 def cmd_ls(args: argparse.Namespace) -> int:
@@ -29,6 +32,8 @@ def cmd_ls(args: argparse.Namespace) -> int:
             _ls_defaults(into)
         elif kind == "published":
             _ls_published(into)
+        elif kind == "profiles":
+            _ls_profiles(into)
         elif kind == "configs":
             _ls_configs(into, heading=len(kinds) > 1)
         else:
@@ -66,6 +71,33 @@ def _ls_published(into: dict[str, Any] | None) -> None:
         print(tabulate(rows, headers=["method", *sets], tablefmt="simple"), end="\n\n")
     if not found:
         print("no published figures in the installed catalogues")
+
+
+def _ls_profiles(into: dict[str, Any] | None) -> None:
+    """The protocol profiles (``profile=NAME``) and the methods with settings for each."""
+    from tabulate import tabulate
+
+    found = catalog.catalog()["profiles"]
+    methods = catalog.catalog()["methods"]
+    listed = {
+        name: {
+            "switch": (entry or {}).get("switch"),
+            "methods": sorted(
+                m for m, e in methods.items() if name in ((e or {}).get("profiles") or {})
+            ),
+            "description": str((entry or {}).get("description", "")).strip(),
+        }
+        for name, entry in sorted(found.items())
+    }
+    if into is not None:
+        into["profiles"] = listed
+        return
+    rows = []
+    for n, p in listed.items():
+        switch = f"{p['switch']}=true" if p["switch"] else "-"
+        rows.append([f"profile={n}", switch, ", ".join(p["methods"]) or "-", p["description"]])
+    headers = ["profile", "switch", "methods with own settings", "description"]
+    print(tabulate(rows, headers=headers, tablefmt="simple") if rows else "no profiles")
 
 
 def _ls_configs(into: dict[str, Any] | None, heading: bool) -> None:

@@ -98,9 +98,11 @@ def _print_skipped_images(record: dict[str, Any]) -> None:
 # -- sweep / profile ---------------------------------------------------------------------
 def cmd_sweep(args: argparse.Namespace) -> int:
     from tta_bench.run import sweep
+    from tta_bench.run.profiles import rewrite_switches
 
     overrides = list(args.overrides)
     with usage_errors():
+        overrides = rewrite_switches(overrides)  # a profile's ``<switch>=true``
         sweep.check_launcher(overrides)  # before anything is composed or submitted
         if args.shards is not None:
             overrides = sweep.shard_overrides(overrides, args.shards)

@@ -1,72 +1,142 @@
-"""The TTA-VLM protocol option (``tta_vlm=true``): run a method as TTA-VLM (Sheng et al.,
-NeurIPS 2025 Datasets and Benchmarks, TomSheng21/tta-vlm, read at commit
-bcc735fe49cbd2ab5b683781c41c66e1d3f78589: instance_tta.py, online_tta.py,
-data/datautils.py) runs it, so that rows can be set beside its tables.
+"""Protocol profiles and per-dataset method settings, read from the catalogues.
 
-What the option sets (each only where the run does not set it itself):
+A **profile** is the way another benchmark runs methods, written as data in a catalogue's
+``profiles:`` section and chosen with ``profile=NAME`` (``tta-bench ls profiles`` lists
+them). An entry may hold:
 
-* the text head: the single prompt ``"a photo of a {}."`` for every method
-  (``protocol.templates``; part of the protocol id);
-* episodic methods (``Method.stream_kind == "episodic"``): reset per image, batch size 1
-  (``protocol.reset=episodic_sample``); their views stay the method's (TTA-VLM: the
-  original + 63);
-* online methods (``stream_kind == "online"``): one stream per shift of batch size 1
-  (``protocol.reset=reset_each_shift``, ``protocol.batch_size=1``), shuffled with the seed
-  as every stream here is;
-* AugMix views on the fine-grained sets only (TTA-VLM's ``augmix=len(set_id) > 1``): a
-  method config with an ``augmix`` field gets ``augmix = fine_grained``, where a dataset's
-  catalogue entry says ``fine_grained: true``; on a suite whose domains are several
-  datasets per dataset (``RunSpec.method_configs``, recorded as
-  ``method.augmix@<dataset>`` in ``tta_vlm_applied``);
-* then the method's own ``Method.tta_vlm`` values: where TTA-VLM's implementation departs
-  from the method's official code (a view count, a fusion weight, a single view), the
-  official code stays the default and the option gives TTA-VLM's setting.
+* ``protocol``: protocol fields it sets (e.g. ``templates``);
+* ``stream_kind``: ``{episodic: {...}, online: {...}}``, protocol fields set for methods
+  of that ``Method.stream_kind`` (the method's own code resets per image, or carries state
+  along the stream); methods of neither kind keep the suite's stream;
+* ``dataset_flags``: ``{config field: dataset flag}``, a method config field set, per
+  domain, to whether the domain's dataset has that flag in its catalogue entry
+  (``tta_bench.catalog.dataset_flag``), for every method whose config has the field;
+* ``switch``: a name whose ``<switch>=true`` override means ``profile=NAME`` (a profile's
+  earlier spelling keeps working).
 
-A method config value the run sets to something other than its default wins over the
-option; a protocol field the run overrides (``protocol.batch_size=...``) wins too. Methods
-with neither kind (the TENT family, the CLIP batch methods) keep the suite's stream and
-get the single prompt only: TTA-VLM does not run them.
+A method's departures under a profile live in the method's catalogue entry,
+``profiles: {NAME: {field: value}}``; its own per-dataset rule (what its official code
+sets per dataset, applied with or without a profile) is ``dataset_flags: {field: flag}``.
+
+Each value is set only where the run leaves the field at its default: a method config
+value or a protocol field the run sets itself wins. On a suite whose domains are several
+datasets whose configs differ, the configs are kept per dataset (``RunSpec.method_configs``,
+recorded as ``method.<field>@<dataset>``). The record says what was set: under a profile,
+``profile_applied``; a method's own rule outside a profile, ``per_dataset_applied``.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable, Sequence
 from typing import Any
 
-#: TTA-VLM's one prompt for every method and dataset.
-PROMPT = "a photo of a {}."
+SECTION = "profiles"
+#: The keys a profile entry may hold (any other is an error naming it).
+KEYS = ("description", "source", "switch", "protocol", "stream_kind", "dataset_flags")
 
 
-def protocol_overrides(given: dict[str, Any], stream_kind: str | None) -> dict[str, Any]:
-    """``given`` (the run's protocol overrides) completed with the option's settings."""
-    out = dict(given)
-    out.setdefault("templates", [PROMPT])
-    if stream_kind == "episodic":
-        out.setdefault("reset", "episodic_sample")
-    elif stream_kind == "online":
-        out.setdefault("reset", "reset_each_shift")
-        out.setdefault("batch_size", 1)
+def names() -> list[str]:
+    from tta_bench.catalog import catalog
+
+    return sorted(catalog()[SECTION])
+
+
+def profile(name: str) -> dict[str, Any]:
+    """The catalogue entry of profile ``name``; an unknown name or a malformed entry is a
+    ``ValueError`` naming it and the options."""
+    from tta_bench.catalog import entry
+
+    if name not in names():
+        available = ", ".join(names()) or "none (no catalogue has a profiles: section)"
+        raise ValueError(f"unknown profile={name!r}; available: {available}")
+    data = entry(SECTION, name)
+    unknown = sorted(set(data) - set(KEYS))
+    if unknown:
+        raise ValueError(f"profile {name!r} has unknown keys {unknown}; known: {list(KEYS)}")
+    return data
+
+
+def switches() -> dict[str, str]:
+    """``{switch: profile name}``: the ``<switch>=true`` spellings of the profiles."""
+    from tta_bench.catalog import catalog
+
+    return {str(e["switch"]): n for n, e in catalog()[SECTION].items() if e and e.get("switch")}
+
+
+def rewrite_switches(overrides: Sequence[str]) -> list[str]:
+    """``<switch>=true`` -> ``profile=NAME``, ``<switch>=false`` -> ``profile=null`` (and a
+    sweep's ``<switch>=true,false`` -> ``profile=NAME,null``); other overrides as given."""
+    table = switches()
+    out = []
+    for o in overrides:
+        key, eq, value = str(o).partition("=")
+        if not eq or key.strip() not in table:
+            out.append(str(o))
+            continue
+        name, parts = table[key.strip()], [v.strip().lower() for v in value.split(",")]
+        if not parts or any(v not in ("true", "false") for v in parts):
+            raise ValueError(f"{key.strip()}={value!r}: expected true or false")
+        out.append("profile=" + ",".join(name if v == "true" else "null" for v in parts))
     return out
 
 
-def method_config(method_cls: Any, mcfg: Any, fine_grained: bool) -> tuple[Any, dict[str, Any]]:
-    """``(the method config under the option, {field: value} it set)``: AugMix on
-    fine-grained sets, then ``method_cls.tta_vlm``, each only where ``mcfg`` still holds the
-    class default."""
+def protocol_overrides(name: str, given: dict[str, Any], stream_kind: str | None) -> dict[str, Any]:
+    """``given`` (the run's protocol overrides) completed with the profile's settings."""
+    entry = profile(name)
+    out = dict(given)
+    for key, value in (entry.get("protocol") or {}).items():
+        out.setdefault(key, value)
+    for key, value in ((entry.get("stream_kind") or {}).get(stream_kind) or {}).items():
+        out.setdefault(key, value)
+    return out
+
+
+def method_settings(name: str, method: str) -> dict[str, Any]:
+    """The method's departures under profile ``name`` (its catalogue entry's
+    ``profiles: {NAME: {...}}``)."""
+    from tta_bench.catalog import entry
+
+    return dict((entry("methods", method).get(SECTION) or {}).get(name) or {})
+
+
+Rule = Callable[[Any], tuple[Any, dict[str, Any]]]
+
+
+def method_rule(method: str, mcfg: Any, name: str | None) -> Rule | None:
+    """``dataset -> (method config, {field: value set})`` for the domains of a run, or None
+    when nothing is set per dataset: the method's own ``dataset_flags``, then (under profile
+    ``name``) the profile's ``dataset_flags`` for the fields the config has and the method's
+    settings for the profile; each only where ``mcfg`` still holds the class default."""
+    from tta_bench.catalog import dataset_flag, entry
+    from tta_bench.registry import registry
+
     if not dataclasses.is_dataclass(mcfg):
-        return mcfg, {}
-    defaults = method_cls.Config()
-    names = {f.name for f in dataclasses.fields(mcfg)}
-    wanted: dict[str, Any] = {}
-    if "augmix" in names:
-        wanted["augmix"] = bool(fine_grained)
-    wanted.update(getattr(method_cls, "tta_vlm", {}) or {})
-    unknown = sorted(set(wanted) - names)
+        return None
+    fields = {f.name for f in dataclasses.fields(mcfg)}
+    flags = dict(entry("methods", method).get("dataset_flags") or {})
+    settings: dict[str, Any] = {}
+    if name is not None:
+        own = profile(name).get("dataset_flags") or {}
+        flags.update({k: v for k, v in own.items() if k in fields})
+        settings = method_settings(name, method)
+    unknown = sorted((set(flags) | set(settings)) - fields)
     if unknown:
-        raise ValueError(f"{method_cls.__name__}.tta_vlm names fields its Config lacks: {unknown}")
-    applied = {
-        k: v
-        for k, v in wanted.items()
-        if getattr(mcfg, k) == getattr(defaults, k) and getattr(mcfg, k) != v
-    }
-    return dataclasses.replace(mcfg, **applied), applied
+        raise ValueError(
+            f"the catalogue entry of method {method!r} names fields its config lacks: {unknown}"
+        )
+    if not flags and not settings:
+        return None
+    defaults = registry("methods").get(method).Config()
+
+    def rule(dataset: Any) -> tuple[Any, dict[str, Any]]:
+        wanted = {k: dataset_flag(dataset, flag) for k, flag in flags.items()}
+        wanted.update(settings)
+        applied = {
+            k: v
+            for k, v in wanted.items()
+            if getattr(mcfg, k) == getattr(defaults, k) and getattr(mcfg, k) != v
+        }
+        return (dataclasses.replace(mcfg, **applied) if applied else mcfg), applied
+
+    return rule

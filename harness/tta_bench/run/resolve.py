@@ -4,11 +4,17 @@ Python API). Shared by ``tta-bench run/profile`` and ``tta_bench.evaluate``."""
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from tta_bench import catalog
 from tta_bench.registry import registry
+
+if TYPE_CHECKING:
+    from omegaconf import DictConfig
+
+    from tta_bench.run.spec import RunSpec
 
 
 class UsageError(ValueError):
@@ -58,7 +64,7 @@ def resolve_run(
     output: str | None = None,
     data_dir: str | None = None,
     dataset: str | None = None,
-) -> tuple[Any, Any]:
+) -> tuple[DictConfig, RunSpec]:
     """``(composed config, RunSpec)`` of a run; bad input raises ``UsageError`` (a
     ``ValueError``) or ``RegistryError`` naming the value, before anything is built.
     ``method``/``suite``/``model``/``dataset`` may also come as ``method=...`` overrides.
@@ -72,7 +78,12 @@ def resolve_run(
     from tta_bench.config import compose
 
     _require_plugins("methods")
-    overrides = [str(o) for o in overrides]
+    from tta_bench.run.profiles import rewrite_switches
+
+    try:  # a profile's switch (``<switch>=true``) is ``profile=NAME``
+        overrides = rewrite_switches([str(o) for o in overrides])
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
     o_method, overrides = _split_choice(overrides, "method")
     o_model, overrides = _split_choice(overrides, "model")
     o_suite, overrides = _split_choice(overrides, "suite")
@@ -118,21 +129,20 @@ def resolve_run(
     from tta_bench.run.spec import spec_from_config
 
     try:
-        spec = spec_from_config(cfg, method, model)
-        spec.method_preset = preset
+        spec = spec_from_config(cfg, method, model, preset)
     except ValueError as exc:  # protocol values (reset policy, severities, ...)
         raise UsageError(str(exc)) from exc
     except Exception as exc:  # the method config failed OmegaConf's validation
         if type(exc).__module__.startswith("omegaconf"):
             raise UsageError(f"bad method configuration: {exc}") from exc
         raise
-    _finish_spec(spec, dataset, adhoc)
-    return cfg, spec
+    return cfg, _finish_spec(spec, dataset, adhoc)
 
 
-def _finish_spec(spec: Any, dataset: str | None, adhoc: dict[str, Any] | None) -> None:
+def _finish_spec(spec: Any, dataset: str | None, adhoc: dict[str, Any] | None) -> Any:
     """What a resolved spec still needs before it is checked: the clean shift of a synthetic
-    suite that runs one, the ad-hoc dataset in the record; then ``_check_spec``."""
+    suite that runs one, the ad-hoc dataset in the record (a new frozen spec); then
+    ``_check_spec``. Returns the spec."""
     from tta_bench.run.protocol import CLEAN, register_clean_shift
 
     if CLEAN in spec.protocol.shifts and spec.protocol.shift_source == "synthetic":
@@ -141,8 +151,9 @@ def _finish_spec(spec: Any, dataset: str | None, adhoc: dict[str, Any] | None) -
         items = list(spec.config.items())
         at = next((i + 1 for i, (k, _) in enumerate(items) if k == "suite"), len(items))
         items.insert(at, ("dataset", {"name": dataset, **adhoc}))
-        spec.config = dict(items)
+        spec = dataclasses.replace(spec, config=dict(items))
     _check_spec(spec)
+    return spec
 
 
 def _choose_suite(

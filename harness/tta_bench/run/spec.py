@@ -19,7 +19,7 @@ __all__ = ["DEVICES", "RunSpec", "resolve_device", "spec_from_config"]
 DEVICES = ("auto", "cpu", "cuda", "cuda:N")
 
 
-@dataclass
+@dataclass(frozen=True)
 class RunSpec:
     method: str
     method_config: Any
@@ -57,8 +57,8 @@ class RunSpec:
     #: Part of every cell this run computes (``protocol.shard=i/N``; ``tta_bench.run.shard``).
     shard: Any = None
     #: ``{dataset: method config}`` where a suite's domains are several datasets whose
-    #: configs differ (``tta_vlm=true`` on a suite of ImageNet and fine-grained sets: AugMix
-    #: on the fine-grained ones only);
+    #: configs differ (a per-dataset rule on a suite of several datasets, e.g. AugMix on the
+    #: fine-grained ones only: ``tta_bench.run.profiles``);
     #: a dataset not in it runs ``method_config``. Part of the run key when set.
     method_configs: dict[str, Any] | None = None
 
@@ -69,12 +69,13 @@ class RunSpec:
         return self.method_config
 
 
-def spec_from_config(cfg: Any, method: str, model: str) -> RunSpec:
+def spec_from_config(cfg: Any, method: str, model: str, preset: str | None = None) -> RunSpec:
     """The ``RunSpec`` of a composed run config (``tta_bench.config``); ``method`` and
-    ``model`` are the config-group choices. Callers adjust CLI-only fields with
+    ``model`` are the config-group choices, ``preset`` the named preset the method config
+    came from. The spec is frozen: callers adjust CLI-only fields with
     ``dataclasses.replace``. Bad values are ``ValueError``s raised before anything is built:
-    out-of-range settings, an unknown ``logger`` name, a chosen tracker whose library (the
-    extra ``tta-bench[<name>]``) is not installed."""
+    out-of-range settings, an unknown ``logger`` name or profile, a chosen tracker whose
+    library (the extra ``tta-bench[<name>]``) is not installed."""
     from omegaconf import OmegaConf
 
     from tta_bench.bounds import check_values
@@ -91,40 +92,18 @@ def spec_from_config(cfg: Any, method: str, model: str) -> RunSpec:
     check_values(mcfg, "method")
     overrides = {k: v for k, v in to_container(cfg.protocol).items() if v is not None}
     part = shard.parse(overrides.pop("shard", None))  # not the protocol's: not in its id
-    applied: dict[str, Any] = {}
-    if cfg.get("tta_vlm"):  # TTA-VLM's protocol and settings (tta_bench.run.profiles)
-        from tta_bench.registry import registry
-        from tta_bench.run import profiles as tta_vlm
-
-        method_cls = registry("methods").get(method)
-        given = dict(overrides)
-        overrides = tta_vlm.protocol_overrides(given, getattr(method_cls, "stream_kind", None))
-        applied.update({f"protocol.{k}": v for k, v in overrides.items() if k not in given})
+    name = cfg.get("profile")
+    overrides, applied = _profile_protocol(name, method, overrides)
     protocol = load_protocol(cfg.suite, **overrides)
-    mcfg, by_dataset, changed = _per_dataset_configs(
-        method, mcfg, protocol, bool(cfg.get("tta_vlm"))
-    )
-    official: dict[str, Any] = {}
-    if cfg.get("tta_vlm"):
-        applied.update({f"method.{k}": v for k, v in changed.items()})
-    else:  # the official per-dataset AugMix rule: what ran, not the option's doing
-        official = {f"method.{k}": v for k, v in changed.items()}
+    mcfg, by_dataset, changed = _per_dataset_configs(method, mcfg, protocol, name)
+    changed = {f"method.{k}": v for k, v in changed.items()}
+    official = {} if name else changed  # the method's own per-dataset rule: what ran
+    applied.update(changed if name else {})
     log_samples = samples_mode(cfg.get("log_samples", False))
     if part is not None:
         shard.check_shardable(protocol.reset, protocol.name, part)
         log_samples = "logits"  # the merge recomputes every metric from the parts' logits
-    cfg_dict = to_container(cfg)
-    cfg_dict.pop("defaults", None)
-    cfg_dict["method"] = {"name": method, **cfg_dict["method"]}
-    for key, value in {**applied, **official}.items():  # the record says what ran
-        node, name = key.split(".", 1)
-        if "@" not in name:  # per-dataset values: method_configs, recorded by dataset
-            cfg_dict[node][name] = value
-    if applied:  # what the TTA-VLM option set, beside what it set it on
-        cfg_dict["tta_vlm_applied"] = applied
-    if official:  # what the method's official per-dataset rule set (fine-grained AugMix)
-        cfg_dict["per_dataset_applied"] = official
-    cfg_dict["model"] = {"name": model, **cfg_dict["model"]}
+    cfg_dict = _record_config(cfg, method, model, applied, official)
     return RunSpec(
         method=method,
         method_config=mcfg,
@@ -145,26 +124,65 @@ def spec_from_config(cfg: Any, method: str, model: str) -> RunSpec:
         log_samples_top_k=int(cfg.get("log_samples_top_k", 5)),
         flops=bool(cfg.get("flops", False)),
         cache=str(cfg.get("cache", "auto")),
+        method_preset=preset,
         loggers=loggers,
         shard=part,
         method_configs=by_dataset,
     )
 
 
+def _profile_protocol(
+    name: str | None, method: str, overrides: dict[str, Any]
+) -> tuple[dict[str, Any], dict[str, Any]]:
+    """``(protocol overrides, {protocol.<field>: value the profile set})`` under profile
+    ``name`` (``tta_bench.run.profiles``); without one, the overrides as given."""
+    if not name:
+        return overrides, {}
+    from tta_bench.registry import registry
+    from tta_bench.run import profiles
+
+    kind = getattr(registry("methods").get(method), "stream_kind", None)
+    completed = profiles.protocol_overrides(name, overrides, kind)
+    return completed, {f"protocol.{k}": v for k, v in completed.items() if k not in overrides}
+
+
+def _record_config(
+    cfg: Any, method: str, model: str, applied: dict[str, Any], official: dict[str, Any]
+) -> dict[str, Any]:
+    """The resolved config as the record keeps it: the method and model named, the values
+    a profile or a method's per-dataset rule set written in (per-dataset ones are recorded
+    in ``profile_applied``/``per_dataset_applied`` only), and those two beside it."""
+    from tta_bench.config import to_container
+
+    cfg_dict = to_container(cfg)
+    cfg_dict.pop("defaults", None)
+    cfg_dict["method"] = {"name": method, **cfg_dict["method"]}
+    for key, value in {**applied, **official}.items():  # the record says what ran
+        node, field_name = key.split(".", 1)
+        if "@" not in field_name:  # per-dataset values: method_configs, recorded by dataset
+            cfg_dict[node][field_name] = value
+    if applied:  # what the profile set, beside what it set it on
+        cfg_dict["profile_applied"] = applied
+    if official:  # what the method's own per-dataset rule set (e.g. fine-grained AugMix)
+        cfg_dict["per_dataset_applied"] = official
+    cfg_dict["model"] = {"name": model, **cfg_dict["model"]}
+    return cfg_dict
+
+
 def _per_dataset_configs(
-    method: str, mcfg: Any, protocol: Protocol, tta_vlm_on: bool
+    method: str, mcfg: Any, protocol: Protocol, profile: str | None
 ) -> tuple[Any, dict[str, Any] | None, dict[str, Any]]:
     """``(method config, {dataset: config} or None, {field[@dataset]: value set})`` under the
-    run's per-dataset rule (``_per_dataset_rule``): one config when every dataset of the
-    suite gets the same, else the datasets whose config differs from ``mcfg``."""
+    run's per-dataset rule (``tta_bench.run.profiles.method_rule``): one config when every
+    dataset of the suite gets the same, else the datasets whose config differs from
+    ``mcfg``."""
     from tta_bench.bounds import check_values
+    from tta_bench.run.profiles import method_rule
 
-    rule = _per_dataset_rule(method, mcfg, tta_vlm_on)
+    rule = method_rule(method, mcfg, profile)
     if rule is None:
         return mcfg, None, {}
-    from tta_bench.catalog import fine_grained
-
-    configs = {d: rule(fine_grained(d)) for d in protocol.domain_datasets()}
+    configs = {d: rule(d) for d in protocol.domain_datasets()}
     first, changed = next(iter(configs.values()))
     by_dataset: dict[str, Any] | None = None
     if all(c == first for c, _ in configs.values()):
@@ -178,37 +196,6 @@ def _per_dataset_configs(
     for c in [mcfg, *(by_dataset or {}).values()]:
         check_values(c, "method")
     return mcfg, by_dataset, changed
-
-
-def _per_dataset_rule(method: str, mcfg: Any, tta_vlm_on: bool) -> Any:
-    """``fine_grained -> (config, {field: value set})`` for the datasets of a run, or None:
-    the TTA-VLM option's settings under ``tta_vlm=true``; else, for a method whose official
-    code turns AugMix on for the fine-grained sets (``Method.augmix_on_fine_grained``) and
-    a run that leaves ``augmix`` at its default, that rule (``augmix = fine_grained``, the
-    catalogue's flag of each domain's dataset)."""
-    import dataclasses
-
-    from tta_bench.registry import registry
-    from tta_bench.run import profiles as tta_vlm
-
-    method_cls = registry("methods").get(method)
-    if tta_vlm_on:
-        return lambda fine: tta_vlm.method_config(method_cls, mcfg, fine)
-    if not getattr(method_cls, "augmix_on_fine_grained", False):
-        return None
-    if not dataclasses.is_dataclass(mcfg) or "augmix" not in {
-        f.name for f in dataclasses.fields(mcfg)
-    }:
-        return None
-    if mcfg.augmix != method_cls.Config().augmix:  # the run set it: it wins
-        return None
-
-    def rule(fine: bool) -> tuple[Any, dict[str, Any]]:
-        if bool(fine) == mcfg.augmix:
-            return mcfg, {}
-        return dataclasses.replace(mcfg, augmix=bool(fine)), {"augmix": bool(fine)}
-
-    return rule
 
 
 def resolve_device(name: str) -> torch.device:

@@ -161,14 +161,14 @@ def register_configs() -> None:
     ConfigStore.instance().store(name=CONFIG_NAME, node=run_config())
 
 
-def build_spec(cfg: DictConfig, method: str, model: str) -> Any:
+def build_spec(cfg: DictConfig, method: str, model: str, preset: str | None = None) -> Any:
     """The ``RunSpec`` of one composed job config (``method``/``model``: the group choices).
     ``batch_log`` is a single path that parallel jobs would share, so sweeps leave it off."""
     import dataclasses
 
     from tta_bench.run.spec import spec_from_config
 
-    return dataclasses.replace(spec_from_config(cfg, method, model), batch_log=None)
+    return dataclasses.replace(spec_from_config(cfg, method, model, preset), batch_log=None)
 
 
 def job_filename(spec: Any) -> str:
@@ -316,8 +316,7 @@ def job(cfg: DictConfig) -> str:
 
     method, model = hc.runtime.choices["method"], hc.runtime.choices["model"]
     method, preset = resolve_method(method)
-    spec = build_spec(cfg, method, model)
-    spec.method_preset = preset
+    spec = build_spec(cfg, method, model, preset)
     members = _members(hc)
     sweep_dir = Path(hc.sweep.dir)
     outputs = [_run_one(spec, sweep_dir, hc.job.num, f" (packed, 1 of {1 + len(members)})"
@@ -427,7 +426,9 @@ def main(
     from hydra.core.config_store import ConfigStore
 
     from tta_bench.config import _search_path_overrides
+    from tta_bench.run.profiles import rewrite_switches
 
+    overrides = rewrite_switches(overrides)  # ``<switch>=true``: ``profile=NAME``
     register_configs()
     ConfigStore.instance().store(
         group="hydra/sweeper",
