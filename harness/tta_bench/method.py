@@ -98,8 +98,13 @@ class Method(abc.ABC):
     stream_length: int | None = None
 
     def __init__(self, model: ZeroShotClassifier, config: Any = None):
+        from tta_bench.bounds import check_values
+
         self.model = model
         self.config = config if config is not None else self.Config()
+        # the declared ranges and choices, as a run checks them before anything is built:
+        # a method made directly (tests, notebooks) refuses the same values in the same words
+        check_values(self.config, "method")
         self.generator = torch.Generator()
 
     @property
@@ -246,7 +251,6 @@ class GradientMethod(Method):
 
     # -- lifecycle ---------------------------------------------------------------------
     def setup(self) -> None:
-        check_precision(self.config.precision)
         self.model.requires_grad_(False)
         self.configure(self.model)
         self.params = list(self.collect_params(self.model))

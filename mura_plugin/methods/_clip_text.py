@@ -27,7 +27,6 @@ from tta_bench.text_head import encode_text_cut
 
 __all__ = [
     "TEXT_HEADS",
-    "check_text_head",
     "clipartt_loss",
     "clipartt_targets",
     "encode_text",
@@ -38,13 +37,6 @@ __all__ = [
 ]
 
 TEXT_HEADS = ("protocol", "official")
-
-
-def check_text_head(text_head: str, method: str) -> None:
-    if text_head not in TEXT_HEADS:
-        raise ValueError(
-            f"{method}: unknown text_head {text_head!r}; available: {', '.join(TEXT_HEADS)}"
-        )
 
 
 def _causal_open_clip(clip: nn.Module) -> bool:

@@ -140,7 +140,9 @@ class MultiViewConfig(GradientConfig):
     # RandomResizedCrop's default lower area bound
     crop_scale_min: float = bounded(0.08, gt=0, le=1)
     flip: bool = True
-    episodic: str = "sample"
+    episodic: str = one_of("sample", EPISODIC)
+    #: optimiser steps per episode; 0: no adaptation (the views' prediction alone)
+    steps: int = bounded(1, ge=0)
     adapt_every: int = bounded(1, ge=1)  # adapt on every N-th batch, predict only on the others
     episode_batching: bool = True  # episodic=sample: all episodes of a batch in parallel
     # Images per chunk of the batched forward/backward (whole samples, at least one): chunks
@@ -451,19 +453,6 @@ class MultiViewMethod(GradientMethod):
 
     def setup(self) -> None:
         cfg = self.config
-        if cfg.episodic not in EPISODIC:
-            raise ValueError(f"unknown episodic {cfg.episodic!r}; available: {', '.join(EPISODIC)}")
-        if cfg.adapt_every < 1:
-            raise ValueError(f"adapt_every must be >= 1, got {cfg.adapt_every}")
-        if cfg.steps < 0:
-            raise ValueError(f"steps must be >= 0, got {cfg.steps}")
-        check_text_head(cfg.text_head)
-        if cfg.chunk_views < 1:
-            raise ValueError(f"chunk_views must be >= 1, got {cfg.chunk_views}")
-        if not cfg.view_memory_mb > 0:
-            raise ValueError(f"view_memory_mb must be > 0, got {cfg.view_memory_mb}")
-        if not 0.0 < cfg.crop_scale_min <= 1.0:
-            raise ValueError(f"crop_scale_min must be in (0, 1], got {cfg.crop_scale_min}")
         self._batches = 0
         self._chunk_images = 1  # images per chunk of the last view_inputs (the budget's)
         #: The first sample of the chunk ``view_loss`` is called on (None: the whole batch

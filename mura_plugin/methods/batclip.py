@@ -65,7 +65,6 @@ import torch.nn.functional as F
 from torch import nn
 
 from mura_plugin.methods._clip_text import (
-    check_text_head,
     ensemble_features,
     names_per_chunk,
     prompt_tokens,
@@ -144,7 +143,6 @@ class BATCLIP(GradientMethod):
     predict_from_last_forward = True
 
     def configure(self, model: ZeroShotClassifier) -> None:
-        check_text_head(self.config.text_head, "batclip")
         if self.config.text_head == "official":
             self.templates = [BATCLIP_TEMPLATE]
         else:

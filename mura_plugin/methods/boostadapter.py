@@ -93,14 +93,13 @@ from mura_plugin.losses import view_entropy
 from mura_plugin.methods._views import (
     TEXT_HEADS,
     VIEW_MEMORY_MB,
-    check_text_head,
     class_head,
     encode_flat,
     encode_in_chunks,
 )
 from mura_plugin.methods.tda import _Cache, official_templates
 from tta_bench.bounds import bounded, one_of
-from tta_bench.method import PRECISIONS, Method, autocast_context, check_precision
+from tta_bench.method import PRECISIONS, Method, autocast_context
 
 __all__ = [
     "BoostAdapter",
@@ -237,14 +236,6 @@ class BoostAdapter(Method):
 
     def setup(self) -> None:
         cfg = self.config
-        check_precision(cfg.precision)
-        check_text_head(cfg.text_head)
-        if cfg.input not in INPUTS:
-            raise ValueError(f"unknown input {cfg.input!r}; available: {', '.join(INPUTS)}")
-        if not 0.0 < cfg.selection <= 1.0:
-            raise ValueError(f"selection must be in (0, 1], got {cfg.selection}")
-        if cfg.pos_shots < 1 or cfg.neg_shots < 1 or cfg.n_views < 1:
-            raise ValueError("pos_shots, neg_shots and n_views must be >= 1")
         dataset = self.model.dataset
         self.input = official_input(dataset) if cfg.input == "official" else cfg.input
         alpha, beta, delta = OFFICIAL.get(dataset or "", OFFICIAL["imagenet"])

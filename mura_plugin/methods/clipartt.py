@@ -64,7 +64,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
-from mura_plugin.methods._clip_text import check_text_head, clipartt_loss, prompt_features
+from mura_plugin.methods._clip_text import clipartt_loss, prompt_features
 from mura_plugin.methods._norm import vision_layer_norm_parameters
 from tta_bench.bounds import bounded, one_of
 from tta_bench.method import PRECISIONS, GradientMethod
@@ -113,7 +113,6 @@ class CLIPArTT(GradientMethod):
     # -- lifecycle ---------------------------------------------------------------------
     def check_config(self) -> None:
         cfg = self.config
-        check_text_head(cfg.text_head, "clipartt")
         if cfg.episodic not in EPISODIC:
             raise ValueError(
                 f"clipartt: unknown episodic {cfg.episodic!r}; available: {', '.join(EPISODIC)}"

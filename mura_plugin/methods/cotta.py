@@ -88,11 +88,13 @@ __all__ = [
 class CoTTAConfig(GradientConfig):
     """The official CoTTA CIFAR-10 setting."""
 
-    loss: str = "entropy"  # unused: CoTTA's objective is the cross-entropy to its teacher
+    loss: str = one_of(
+        "entropy", ("entropy",)
+    )  # unused: CoTTA's objective is the cross-entropy to its teacher
     optimizer: str = "adam"
     lr: float = 1e-3
     weight_decay: float = 0.0
-    steps: int = 1
+    steps: int = bounded(1, ge=1)
     precision: str = one_of("fp32", PRECISIONS)
     #: Teacher EMA momentum (official MT).
     teacher_momentum: float = bounded(0.999, ge=0, le=1)
@@ -197,22 +199,6 @@ class CoTTA(GradientMethod):
     predict_from_last_forward = True
 
     def setup(self) -> None:
-        cfg = self.config
-        if cfg.loss != "entropy":
-            raise ValueError(
-                "cotta's objective is the cross-entropy to its teacher: loss is not "
-                f"configurable (got {cfg.loss!r}; leave the default 'entropy')"
-            )
-        if cfg.steps < 1:
-            raise ValueError(f"steps must be >= 1, got {cfg.steps}")
-        if not 0.0 <= cfg.teacher_momentum <= 1.0:
-            raise ValueError(f"teacher_momentum must be in [0, 1], got {cfg.teacher_momentum}")
-        if not 0.0 <= cfg.restore_prob <= 1.0:
-            raise ValueError(f"restore_prob must be in [0, 1], got {cfg.restore_prob}")
-        if cfg.augmentations < 1:
-            raise ValueError(f"augmentations must be >= 1, got {cfg.augmentations}")
-        if cfg.noise_std < 0:
-            raise ValueError(f"noise_std must be >= 0, got {cfg.noise_std}")
         super().setup()
         names = {id(p): n for n, p in self.model.named_parameters()}
         self._names = [names[id(p)] for p in self.params]

@@ -51,7 +51,7 @@ from torch import nn
 
 from mura_plugin.methods._norm import top_excluded_norm_parameters
 from mura_plugin.methods.eta import ReliableEntropyConfig, ReliableEntropyMethod
-from tta_bench.bounds import bounded
+from tta_bench.bounds import bounded, one_of
 from tta_bench.model import ZeroShotClassifier
 
 __all__ = [
@@ -74,11 +74,11 @@ class DeYOConfig(ReliableEntropyConfig):
     #: Entropy filter threshold as a fraction of ln C (official deyo_margin 0.5).
     e_margin: float = 0.5
     #: Entropy margin of the sample weights as a fraction of ln C (deyo_margin_e0 0.4).
-    reweight_margin: float = 0.4
+    reweight_margin: float = bounded(0.4, gt=0)
     plpd_threshold: float = 0.2
     #: Patches per row and column of the shuffled image (4 x 4 grid).
     patch_len: int = bounded(4, ge=1)
-    aug_type: str = "patch"
+    aug_type: str = one_of("patch", AUG_TYPES)
     filter_ent: bool = True
     filter_plpd: bool = True
     reweight_ent: bool = True
@@ -152,15 +152,6 @@ class DeYO(ReliableEntropyMethod):
     double_lr_at_batch_one = True
 
     def setup(self) -> None:
-        cfg = self.config
-        if cfg.aug_type not in AUG_TYPES:
-            raise ValueError(
-                f"unknown aug_type {cfg.aug_type!r}; available: {', '.join(AUG_TYPES)}"
-            )
-        if cfg.patch_len < 1:
-            raise ValueError(f"patch_len must be >= 1, got {cfg.patch_len}")
-        if cfg.reweight_margin <= 0:
-            raise ValueError(f"reweight_margin must be > 0, got {cfg.reweight_margin}")
         #: Samples past the entropy filter / both filters since setup or reset.
         self.counts = {"entropy": 0, "selected": 0}
         super().setup()

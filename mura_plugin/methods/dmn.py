@@ -102,13 +102,12 @@ from mura_plugin.methods._views import (
     SINGLE_PROMPT,
     TEXT_HEADS,
     VIEW_MEMORY_MB,
-    check_text_head,
     encode_flat,
     encode_in_chunks,
 )
 from tta_bench.bounds import bounded, one_of
 from tta_bench.catalog import dataset_flag, fine_grained
-from tta_bench.method import PRECISIONS, Method, autocast_context, check_precision
+from tta_bench.method import PRECISIONS, Method, autocast_context
 
 __all__ = [
     "DMN",
@@ -289,22 +288,6 @@ class DMN(Method):
 
     def setup(self) -> None:
         cfg = self.config
-        check_precision(cfg.precision)
-        check_text_head(cfg.text_head)
-        if cfg.replace not in REPLACE_RULES:
-            raise ValueError(f"unknown replace {cfg.replace!r}; available: {REPLACE_RULES}")
-        if cfg.confident_mean not in CONFIDENT_MEANS:
-            raise ValueError(
-                f"unknown confident_mean {cfg.confident_mean!r}; available: {CONFIDENT_MEANS}"
-            )
-        if cfg.memory_size < 1:
-            raise ValueError(f"memory_size must be >= 1, got {cfg.memory_size}")
-        if not 0.0 < cfg.selection <= 1.0:
-            raise ValueError(f"selection must be in (0, 1], got {cfg.selection}")
-        if not 0.0 < cfg.crop_scale_min <= 1.0:
-            raise ValueError(f"crop_scale_min must be in (0, 1], got {cfg.crop_scale_min}")
-        if cfg.n_views < 0 or cfg.chunk_views < 1:
-            raise ValueError(f"need n_views >= 0 and chunk_views >= 1, got {cfg}")
         dataset = self.model.dataset
         self.fusion_weight = (
             SEARCHED_FUSION.get(dataset or "", 1.0)

@@ -109,7 +109,6 @@ from mura_plugin.methods._dmn_dpe_prompts import method_head
 from mura_plugin.methods._views import (
     TEXT_HEADS,
     VIEW_MEMORY_MB,
-    check_text_head,
     encode_flat,
     encode_in_chunks,
 )
@@ -119,7 +118,6 @@ from tta_bench.method import (
     PRECISIONS,
     Method,
     autocast_context,
-    check_precision,
     release_optimizer,
 )
 
@@ -236,18 +234,6 @@ class DPE(Method):
 
     def setup(self) -> None:
         cfg = self.config
-        check_precision(cfg.precision)
-        check_text_head(cfg.text_head)
-        if cfg.views not in VIEWS:
-            raise ValueError(f"unknown views {cfg.views!r}; available: {', '.join(VIEWS)}")
-        if cfg.predict_views not in PREDICT_VIEWS:
-            raise ValueError(f"unknown predict_views {cfg.predict_views!r}: {PREDICT_VIEWS}")
-        if cfg.cache_entropy not in CACHE_ENTROPIES:
-            raise ValueError(f"unknown cache_entropy {cfg.cache_entropy!r}: {CACHE_ENTROPIES}")
-        if cfg.shots < 1 or cfg.steps < 0 or cfg.n_views < 0 or cfg.chunk_views < 1:
-            raise ValueError(f"need shots >= 1, steps, n_views >= 0, chunk_views >= 1: {cfg}")
-        if not 0.0 < cfg.selection <= 1.0:
-            raise ValueError(f"selection must be in (0, 1], got {cfg.selection}")
         dataset = self.model.dataset or ""
         alpha, beta, lr_text, lr_image, align = SETTINGS.get(dataset, SETTINGS["imagenet"])
         self.alpha = alpha if cfg.alpha is None else float(cfg.alpha)

@@ -92,7 +92,6 @@ from mura_plugin.losses import view_entropy
 from mura_plugin.methods._views import (
     VIEW_MEMORY_MB,
     LossScaler,
-    check_text_head,
     encode_flat,
     encode_in_chunks,
 )
@@ -103,7 +102,6 @@ from tta_bench.method import (
     PRECISIONS,
     Method,
     autocast_context,
-    check_precision,
     effective_precision,
     release_optimizer,
 )
@@ -238,17 +236,6 @@ class DynaPrompt(Method):
 
     def setup(self) -> None:
         cfg = self.config
-        check_precision(cfg.precision)
-        check_text_head(cfg.text_head)
-        if cfg.buffer_size < 1 or cfg.steps < 1 or cfg.views < 1:
-            raise ValueError(
-                f"buffer_size, steps and views must be >= 1, got {cfg.buffer_size}, "
-                f"{cfg.steps}, {cfg.views}"
-            )
-        if not 0.0 < cfg.selection <= 1.0:
-            raise ValueError(f"selection must be in (0, 1], got {cfg.selection}")
-        if cfg.prompt_rule not in PROMPT_RULES:
-            raise ValueError(f"unknown prompt_rule {cfg.prompt_rule!r}")
         if cfg.text_head == "protocol":
             templates = self.model.templates
         else:

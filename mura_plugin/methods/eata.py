@@ -104,12 +104,6 @@ class EATA(ETA):
 
     def setup(self) -> None:
         cfg = self.config
-        if cfg.fisher_size < 1:
-            raise ValueError(f"fisher_size must be >= 1, got {cfg.fisher_size}")
-        if cfg.fisher_batch_size < 1:
-            raise ValueError(f"fisher_batch_size must be >= 1, got {cfg.fisher_batch_size}")
-        if cfg.fisher_alpha < 0:
-            raise ValueError(f"fisher_alpha must be >= 0, got {cfg.fisher_alpha}")
         if self.source is None or self.source.shape[0] == 0:
             raise ValueError(
                 f"eata needs {cfg.fisher_size} clean source images for its Fisher regulariser: "

@@ -70,9 +70,9 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from mura_plugin.methods._views import SINGLE_PROMPT, check_text_head, class_head
+from mura_plugin.methods._views import SINGLE_PROMPT, class_head
 from tta_bench.bounds import bounded, one_of
-from tta_bench.method import PRECISIONS, Method, autocast_context, check_precision
+from tta_bench.method import PRECISIONS, Method, autocast_context
 
 __all__ = ["ECALP", "ECALPConfig", "LabelGraph", "propagate"]
 
@@ -246,13 +246,6 @@ class ECALP(Method):
 
     def setup(self) -> None:
         cfg = self.config
-        check_precision(cfg.precision)
-        check_text_head(cfg.text_head)
-        for name in ("k_text", "k_image", "num_iterations"):
-            if getattr(cfg, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(cfg, name)}")
-        if not 0.0 <= cfg.alpha <= 1.0:
-            raise ValueError(f"alpha must be in [0, 1], got {cfg.alpha}")
         # the method's own head: the shared model is never changed (adapts = False)
         self.head = class_head(self.model, cfg.text_head, SINGLE_PROMPT)
         self.reset()

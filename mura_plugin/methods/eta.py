@@ -155,16 +155,16 @@ def update_moving_probs(
 class ReliableEntropyConfig(GradientConfig):
     """What ETA/EATA, SAR and DeYO share: SGD on norm affine parameters, float32."""
 
-    loss: str = "entropy"
+    loss: str = one_of("entropy", ("entropy",))
     optimizer: str = "sgd"
     #: None = the official rule (``official_sgd_lr``) for the tower and batch size.
     lr: float | None = None
     weight_decay: float = 0.0
     momentum: float = 0.9
-    steps: int = 1
+    steps: int = bounded(1, ge=1)
     precision: str = one_of("fp32", PRECISIONS)
     #: Reliable-entropy threshold as a fraction of ln C (E0 = e_margin * ln C).
-    e_margin: float = bounded(0.4, ge=0)
+    e_margin: float = bounded(0.4, gt=0)
 
 
 class ReliableEntropyMethod(GradientMethod):
@@ -179,16 +179,6 @@ class ReliableEntropyMethod(GradientMethod):
 
     def setup(self) -> None:
         cfg = self.config
-        name = type(self).__name__.lower()
-        if cfg.loss != "entropy":
-            raise ValueError(
-                f"{name} filters and weights the entropy: loss must be 'entropy', got "
-                f"{cfg.loss!r}; available: entropy"
-            )
-        if cfg.steps < 1:
-            raise ValueError(f"steps must be >= 1, got {cfg.steps}")
-        if cfg.e_margin <= 0:
-            raise ValueError(f"e_margin must be > 0 (a fraction of ln C), got {cfg.e_margin}")
         self._official_lr = cfg.lr is None
         if self._official_lr:
             if cfg.optimizer.lower() != "sgd":
@@ -259,9 +249,9 @@ class ETAConfig(ReliableEntropyConfig):
     """The official ETA setting (EATA without the Fisher regulariser)."""
 
     #: Redundancy threshold on the cosine to the moving average (official d_margin).
-    d_margin: float = bounded(0.05, ge=-1, le=1)
+    d_margin: float = bounded(0.05, gt=0)  # above 1: no sample is redundant
     #: Momentum of the moving average of probability vectors (official 0.9).
-    probs_momentum: float = bounded(0.9, ge=0, le=1)
+    probs_momentum: float = bounded(0.9, ge=0, lt=1)
 
 
 class ETA(ReliableEntropyMethod):
@@ -270,11 +260,6 @@ class ETA(ReliableEntropyMethod):
     Config = ETAConfig
 
     def setup(self) -> None:
-        cfg = self.config
-        if not cfg.d_margin > 0:
-            raise ValueError(f"d_margin must be > 0, got {cfg.d_margin}")
-        if not 0.0 <= cfg.probs_momentum < 1.0:
-            raise ValueError(f"probs_momentum must be in [0, 1), got {cfg.probs_momentum}")
         self.moving_probs: torch.Tensor | None = None
         #: Samples that passed the reliability filter / both filters since setup or reset.
         self.counts = {"reliable": 0, "selected": 0}

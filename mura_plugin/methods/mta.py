@@ -75,13 +75,12 @@ import torch
 from mura_plugin.methods._views import (
     SINGLE_PROMPT,
     VIEW_MEMORY_MB,
-    check_text_head,
     class_head,
     encode_flat,
     encode_in_chunks,
 )
 from tta_bench.bounds import bounded, one_of
-from tta_bench.method import PRECISIONS, Method, autocast_context, check_precision
+from tta_bench.method import PRECISIONS, Method, autocast_context
 
 __all__ = ["MTA", "MTAConfig", "mta_bandwidth", "mta_solve"]
 
@@ -180,15 +179,8 @@ class MTA(Method):
 
     def setup(self) -> None:
         cfg = self.config
-        check_precision(cfg.precision)
-        check_text_head(cfg.text_head)
         if cfg.views + int(cfg.include_original) < 2:
             raise ValueError("mta needs at least two views (the MeanShift runs over views)")
-        for name in ("lambda_y", "temperature", "neighbours"):
-            if not getattr(cfg, name) > 0:
-                raise ValueError(f"{name} must be > 0, got {getattr(cfg, name)}")
-        if cfg.max_iter < 1 or cfg.chunk_views < 1:
-            raise ValueError("max_iter and chunk_views must be >= 1")
         self.head = class_head(self.model, cfg.text_head, SINGLE_PROMPT)
 
     def class_embeddings(self) -> torch.Tensor:

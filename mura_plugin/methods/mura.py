@@ -133,9 +133,9 @@ class MuRAConfig(MultiViewConfig):
     # each component's LoRA alpha: component k is scaled by alpha / rank_k
     alpha: float = bounded(32.0, gt=0)
     #: per-component scale: alpha_over_rank (alpha / rank_k) or none (1; alpha unused)
-    scale: str = "alpha_over_rank"
-    init: str = "svd"  # svd | zero | default (adapters.INITS)
-    fusion: str = "router"  # FUSIONS
+    scale: str = one_of("alpha_over_rank", SCALES)
+    init: str = one_of("svd", INITS)  # adapters.INITS
+    fusion: str = one_of("router", FUSIONS)
     router_persist: bool = True
     loss: str = "weighted_entropy"
     optimizer: str = "adamw"
@@ -168,19 +168,11 @@ class MuRA(MultiViewMethod):
 
     def configure(self, model: ZeroShotClassifier) -> None:
         cfg = self.config
-        if cfg.fusion not in FUSIONS:
-            raise ValueError(f"unknown fusion {cfg.fusion!r}; available: {', '.join(FUSIONS)}")
-        if cfg.init not in INITS:
-            raise ValueError(f"unknown init {cfg.init!r}; available: {', '.join(INITS)}")
-        if cfg.scale not in SCALES:
-            raise ValueError(f"unknown scale {cfg.scale!r}; available: {', '.join(SCALES)}")
         if not cfg.crop_scale_min <= cfg.crop_scale_max <= 1.0:
             raise ValueError(
                 f"crop_scale_max must be in [crop_scale_min, 1] = [{cfg.crop_scale_min}, 1], "
                 f"got {cfg.crop_scale_max}"
             )
-        if not 0.0 <= cfg.rotate_degrees <= 180.0:
-            raise ValueError(f"rotate_degrees must be in [0, 180], got {cfg.rotate_degrees}")
         self.copies_wait()  # a ValueError naming the options
         blocks = vision_blocks(model.visual)
         if not 1 <= cfg.blocks <= len(blocks):

@@ -71,12 +71,11 @@ import torch.nn.functional as F
 from mura_plugin.methods._views import (
     SINGLE_PROMPT,
     TEXT_HEADS,
-    check_text_head,
     class_head,
 )
 from tta_bench.bounds import bounded, one_of
 from tta_bench.catalog import dataset_flag, fine_grained
-from tta_bench.method import PRECISIONS, Method, autocast_context, check_precision
+from tta_bench.method import PRECISIONS, Method, autocast_context
 
 __all__ = [
     "ONZETA_7",
@@ -157,8 +156,6 @@ class OnZeta(Method):
 
     def setup(self) -> None:
         cfg = self.config
-        check_precision(cfg.precision)
-        check_text_head(cfg.text_head)
         dataset = self.model.dataset
         self.head = class_head(self.model, cfg.text_head, official_templates(dataset)).float()
         ratio = 100.0 / float(self.model.logit_scale) if cfg.scale_tau else 1.0

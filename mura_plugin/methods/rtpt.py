@@ -100,14 +100,6 @@ class RTPT(TPT):
     Config = RTPTConfig
     stream_kind = "episodic"
 
-    def configure(self, model) -> None:
-        cfg = self.config
-        if cfg.neighbours < 1:
-            raise ValueError(f"neighbours must be >= 1, got {cfg.neighbours}")
-        if not cfg.temperature > 0:
-            raise ValueError(f"temperature must be > 0, got {cfg.temperature}")
-        super().configure(model)
-
     @torch.no_grad()
     def predict_episode(self, images: torch.Tensor, feats: torch.Tensor) -> torch.Tensor:
         """The reliability-weighted ensemble of every view's logits under the updated

@@ -77,7 +77,7 @@ class SARConfig(ReliableEntropyConfig):
     #: Model recovery: reset when the moving average of the loss falls below this.
     reset_threshold: float = 0.2
     #: Momentum of the loss's moving average (official 0.9).
-    ema_momentum: float = bounded(0.9, ge=0, le=1)
+    ema_momentum: float = bounded(0.9, ge=0, lt=1)
     #: Fraction of the deepest blocks (ViT) / stages (ResNet) whose norms stay frozen.
     exclude_top: float = bounded(0.25, ge=0, le=1)
     #: Keep the tower's final norm (CLIP ``ln_post``, timm ``norm``) frozen too.
@@ -122,11 +122,6 @@ class SAR(ReliableEntropyMethod):
     double_lr_at_batch_one = True
 
     def setup(self) -> None:
-        cfg = self.config
-        if cfg.rho < 0:
-            raise ValueError(f"rho must be >= 0, got {cfg.rho}")
-        if not 0.0 <= cfg.ema_momentum < 1.0:
-            raise ValueError(f"ema_momentum must be in [0, 1), got {cfg.ema_momentum}")
         self.loss_ema: float | None = None
         #: Model recoveries since setup or reset.
         self.recoveries = 0

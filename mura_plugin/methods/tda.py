@@ -76,13 +76,12 @@ from mura_plugin.methods._clip_text import TEXT_HEADS as TEXT_HEAD_CHOICES
 from mura_plugin.methods._views import (
     SINGLE_PROMPT,
     VIEW_MEMORY_MB,
-    check_text_head,
     class_head,
     encode_flat,
     encode_in_chunks,
 )
 from tta_bench.bounds import bounded, one_of
-from tta_bench.method import PRECISIONS, Method, autocast_context, check_precision
+from tta_bench.method import PRECISIONS, Method, autocast_context
 from tta_bench.text_head import resolve_templates
 
 __all__ = ["TDA", "TDAConfig", "VIEWS", "official_templates", "uses_views"]
@@ -152,11 +151,11 @@ def uses_views(views: str, dataset: str | None) -> bool:
 class TDAConfig:
     hash_omit_at_default = ("view_memory_mb",)  # changes no cell
 
-    pos_shots: int = bounded(3, ge=0)
+    pos_shots: int = bounded(3, ge=1)
     # None: the official value for the dataset (POSITIVE)
     pos_alpha: float | None = bounded(None, ge=0)
     pos_beta: float | None = bounded(None, ge=0)
-    neg_shots: int = bounded(2, ge=0)
+    neg_shots: int = bounded(2, ge=1)
     neg_alpha: float = bounded(0.117, ge=0)
     neg_beta: float = bounded(1.0, ge=0)
     neg_entropy_lower: float = bounded(0.2, ge=0, le=1)
@@ -166,7 +165,7 @@ class TDAConfig:
     scale_alpha: bool = True  # alphas are tuned for logit scale 100: rescale to the model's
     views: str = "official"  # official | single | multi (see VIEWS)
     # the multi-view input (official: original + 63 AugMix views, 10% lowest-entropy kept)
-    n_views: int = bounded(63, ge=0)
+    n_views: int = bounded(63, ge=1)
     selection: float = bounded(0.1, gt=0, le=1)
     augmix: bool = True
     crop_scale_min: float = bounded(0.08, gt=0, le=1)
@@ -235,14 +234,6 @@ class TDA(Method):
 
     def setup(self) -> None:
         cfg = self.config
-        check_precision(cfg.precision)
-        check_text_head(cfg.text_head)
-        if cfg.pos_shots < 1 or cfg.neg_shots < 1:
-            raise ValueError(f"shots must be >= 1, got {cfg.pos_shots} and {cfg.neg_shots}")
-        if not 0.0 < cfg.selection <= 1.0:
-            raise ValueError(f"selection must be in (0, 1], got {cfg.selection}")
-        if cfg.n_views < 1:
-            raise ValueError(f"n_views must be >= 1, got {cfg.n_views}")
         dataset = self.model.dataset
         self.multi_view = uses_views(cfg.views, dataset)
         alpha, beta = POSITIVE.get(dataset or "", POSITIVE["imagenet"])

@@ -95,7 +95,6 @@ from mura_plugin.losses import view_entropy
 from mura_plugin.methods._clip_text import encode_text
 from mura_plugin.methods._views import (
     VIEW_MEMORY_MB,
-    check_text_head,
     encode_flat,
     encode_in_chunks,
 )
@@ -105,7 +104,6 @@ from tta_bench.method import (
     PRECISIONS,
     Method,
     autocast_context,
-    check_precision,
     release_optimizer,
 )
 from tta_bench.model import ZeroShotClassifier
@@ -237,14 +235,8 @@ class TPS(Method):
 
     def setup(self) -> None:
         cfg = self.config
-        check_precision(cfg.precision)
-        check_text_head(cfg.text_head)
-        if not 0.0 < cfg.selection <= 1.0:
-            raise ValueError(f"selection must be in (0, 1], got {cfg.selection}")
         if cfg.views + int(cfg.include_original) < 1:
             raise ValueError("tps needs at least one view")
-        if cfg.chunk_views < 1 or cfg.chunk_episodes < 1 or cfg.steps < 0:
-            raise ValueError("chunk_views and chunk_episodes must be >= 1, steps >= 0")
         self.lr = float(cfg.lr) if cfg.lr is not None else tta_vlm_lr(self.model.dataset)
         if not self.lr > 0:
             raise ValueError(f"lr must be > 0, got {self.lr}")

@@ -65,7 +65,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mura_plugin.losses import view_entropy
-from mura_plugin.methods._views import MultiViewConfig, MultiViewMethod, check_text_head
+from mura_plugin.methods._views import MultiViewConfig, MultiViewMethod
 from tta_bench.bounds import bounded
 from tta_bench.model import ZeroShotClassifier
 
@@ -193,9 +193,6 @@ class TPT(MultiViewMethod):
 
     def configure(self, model: ZeroShotClassifier) -> None:
         cfg = self.config
-        if not 0.0 < cfg.selection <= 1.0:
-            raise ValueError(f"selection must be in (0, 1], got {cfg.selection}")
-        check_text_head(cfg.text_head)
         if cfg.text_head == "protocol":
             templates = model.templates
         else:

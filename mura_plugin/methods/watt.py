@@ -62,7 +62,7 @@ from typing import Optional
 import torch
 
 from mura_plugin.methods._clip_text import TEXT_HEADS as TEXT_HEAD_CHOICES
-from mura_plugin.methods._clip_text import check_text_head, clipartt_loss
+from mura_plugin.methods._clip_text import clipartt_loss
 from mura_plugin.methods.clipartt import CLIPArTT
 from tta_bench.bounds import bounded, one_of
 from tta_bench.method import PRECISIONS
@@ -119,7 +119,6 @@ class WATT(CLIPArTT):
 
     def check_config(self) -> None:
         cfg = self.config
-        check_text_head(cfg.text_head, "watt")
         if cfg.mode not in MODES:
             raise ValueError(f"watt: unknown mode {cfg.mode!r}; available: {', '.join(MODES)}")
         if cfg.iterations < 1:

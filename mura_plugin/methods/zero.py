@@ -55,13 +55,12 @@ from mura_plugin.methods._clip_text import TEXT_HEADS as TEXT_HEAD_CHOICES
 from mura_plugin.methods._views import (
     SINGLE_PROMPT,
     VIEW_MEMORY_MB,
-    check_text_head,
     class_head,
     encode_flat,
     encode_in_chunks,
 )
 from tta_bench.bounds import bounded, one_of
-from tta_bench.method import PRECISIONS, Method, autocast_context, check_precision
+from tta_bench.method import PRECISIONS, Method, autocast_context
 
 __all__ = ["Zero", "ZeroConfig", "zero_votes"]
 
@@ -70,7 +69,7 @@ __all__ = ["Zero", "ZeroConfig", "zero_votes"]
 class ZeroConfig:
     hash_omit_at_default = ("view_memory_mb",)  # changes no cell
 
-    views: int = bounded(63, ge=1)
+    views: int = bounded(63, ge=0)  # 0 with include_original: the image alone
     include_original: bool = True
     crop_scale_min: float = bounded(0.08, gt=0, le=1)
     flip: bool = True
@@ -132,12 +131,8 @@ class Zero(Method):
 
     def setup(self) -> None:
         cfg = self.config
-        check_precision(cfg.precision)
-        check_text_head(cfg.text_head)
-        if not 0.0 < cfg.selection <= 1.0:
-            raise ValueError(f"selection must be in (0, 1], got {cfg.selection}")
-        if cfg.chunk_views < 1:
-            raise ValueError(f"chunk_views must be >= 1, got {cfg.chunk_views}")
+        if cfg.views + int(cfg.include_original) < 1:
+            raise ValueError("zero needs a view: views=0 keeps only the image (include_original)")
         # the method's own head: the shared model is never changed (adapts = False)
         self.head = class_head(self.model, cfg.text_head, SINGLE_PROMPT)
 
