@@ -15,7 +15,8 @@ import pytest
 import torch
 from method_runs import run_method
 
-from mura_plugin.methods._views import configured_views
+from mura_plugin.methods._cache import EntropyCache as _Cache
+from mura_plugin.methods._view_budget import configured_views
 from mura_plugin.methods.boostadapter import (
     BoostAdapter,
     _FifoCache,
@@ -23,7 +24,6 @@ from mura_plugin.methods.boostadapter import (
     boosted_cache,
     official_input,
 )
-from mura_plugin.methods.tda import _Cache
 from tta_bench.run.profiles import method_settings
 
 

@@ -10,7 +10,7 @@ import pytest
 import torch
 from method_runs import build_method, run_method
 
-from mura_plugin.methods._views import configured_views
+from mura_plugin.methods._view_budget import configured_views
 from mura_plugin.methods.mta import MTA, mta_bandwidth, mta_solve
 from tta_bench.run.profiles import method_settings
 

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 from method_runs import build_method, run_method
 
-from mura_plugin.methods._views import configured_views
+from mura_plugin.methods._view_budget import configured_views
 from mura_plugin.methods.tps import (
     TPS,
     descriptor_prompt,

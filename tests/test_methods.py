@@ -11,7 +11,7 @@ import torch
 from method_runs import build_method
 
 from mura_plugin.losses import view_entropy
-from mura_plugin.methods._views import LossScaler
+from mura_plugin.methods._loss_scaler import LossScaler
 from mura_plugin.methods.lora import LoRA
 from mura_plugin.methods.mura import MuRA
 from mura_plugin.methods.tda import TDA
@@ -381,7 +381,7 @@ def _official_cache(offers, shots):
 
 
 def test_tda_cache_evicts_the_entry_the_official_sorted_list_evicts_on_ties():
-    from mura_plugin.methods.tda import _Cache
+    from mura_plugin.methods._cache import EntropyCache as _Cache
 
     # ties on the highest entropy: the official list evicts the most recently inserted
     # (entropies exact in float32, as the cache stores them)
@@ -448,7 +448,7 @@ def test_tda_multi_view_keeps_the_confident_views(classifier, batch):
 
 
 def _tda_views(tda, images):
-    from mura_plugin.methods._views import configured_views
+    from mura_plugin.methods._view_budget import configured_views
     from mura_plugin.methods.tda import _view_settings
 
     return configured_views(images, _view_settings(tda.config), tda.generator)

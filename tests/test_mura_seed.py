@@ -18,7 +18,7 @@ from torchvision.transforms import functional as TF
 
 from mura_plugin.adapters import MultiRankLinear, attach_adapters, vision_blocks
 from mura_plugin.augment import make_views, random_rotations, rotate
-from mura_plugin.methods._views import configured_views
+from mura_plugin.methods._view_budget import configured_views
 from mura_plugin.methods.mura import MuRA
 from tta_bench.run.resolve import resolve_run
 

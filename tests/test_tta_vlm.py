@@ -8,9 +8,9 @@ from __future__ import annotations
 import pytest
 
 from tta_bench.run import runner
+from tta_bench.run.resolve import resolve_run
 
 PROMPT = "a photo of a {}."  # TTA-VLM's one prompt (the profile's protocol.templates)
-from tta_bench.run.resolve import resolve_run
 
 SMALL = ["protocol.shifts=[contrast]", "protocol.max_images=12", "seeds=[0]", "progress=false"]
 

@@ -9,7 +9,7 @@ import torch
 from method_runs import build_method, run_method
 
 from mura_plugin import augment
-from mura_plugin.methods import _views
+from mura_plugin.methods import _view_budget as _views
 from tta_bench.registry import registry
 
 #: A budget below one image's views: one image per chunk, nothing kept (``LazyViews``).

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from mura_plugin.methods._views import check_text_head, class_head
+from mura_plugin.methods._text_heads import check_text_head, class_head
 from tta_bench.model import ZeroShotClassifier
 from tta_bench.text_head import encode_text_cut
 

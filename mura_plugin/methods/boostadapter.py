@@ -21,7 +21,7 @@ logits and normalised features.
   with CLIP's single-view preprocess there: one view, no boosting samples, so BoostAdapter
   is TDA with its FIFO negative cache (``single``). ``input=official`` picks per dataset.
 * Historical positive cache: TDA's, 3 shots per pseudo-class, the lowest-entropy entries
-  kept (stable sort; ``tda._Cache``), one-hot values.
+  kept (stable sort; ``_cache.EntropyCache``), one-hot values.
 * Boosting samples: the ``int(64 * 0.1) = 6`` lowest-entropy of all 64 views (the original
   included) are offered, with their own prediction and entropy, to a copy of the positive
   cache with ``3 + delta`` shots per class (the same lowest-entropy rule: boosting samples
@@ -73,7 +73,7 @@ What differs and why:
   batched ``grid_sample`` (augment.py), not PIL crops of the raw image (the official
   ``resize_crop.RandomResizedCrop`` is torchvision's with bilinear, antialiased resizing).
 * Ranking ties: a stable sort (the official ``torch.argsort`` is not stable).
-* Caches are TDA's fixed-size tensors per class (``tda._Cache``, which reproduces the
+* Caches are TDA's fixed-size tensors per class (``_cache.EntropyCache``, which reproduces the
   official stable-sort eviction); the boosted copy is a tensor copy with ``delta`` more
   slots; the FIFO negative cache replaces its oldest entry.
 
@@ -90,14 +90,11 @@ from typing import Optional
 import torch
 
 from mura_plugin.losses import view_entropy
-from mura_plugin.methods._views import (
-    TEXT_HEADS,
-    VIEW_MEMORY_MB,
-    class_head,
-    encode_flat,
-    encode_in_chunks,
-)
-from mura_plugin.methods.tda import _Cache, official_templates
+from mura_plugin.methods._cache import EntropyCache
+from mura_plugin.methods._text_heads import TEXT_HEADS, OwnHead, class_head
+from mura_plugin.methods._view_budget import encode_flat, encode_in_chunks
+from mura_plugin.methods._view_config import ViewFields, original_first
+from mura_plugin.methods.tda import official_templates
 from tta_bench.bounds import bounded, one_of
 from tta_bench.method import PRECISIONS, Method, autocast_context
 
@@ -146,9 +143,7 @@ def official_input(dataset: str | None) -> str:
 
 
 @dataclass
-class BoostAdapterConfig:
-    hash_omit_at_default = ("view_memory_mb",)  # changes no cell
-
+class BoostAdapterConfig(ViewFields):
     pos_shots: int = bounded(3, ge=1)
     # None: the official value for the dataset (OFFICIAL, else ImageNet's)
     pos_alpha: Optional[float] = bounded(None, ge=0)
@@ -170,12 +165,7 @@ class BoostAdapterConfig:
     # fraction of the views kept: the confident query and the boosting samples (int(V * 0.1))
     selection: float = bounded(0.1, gt=0, le=1)
     augmix: bool = False  # AugMix each view (official: crops + flips only)
-    crop_scale_min: float = bounded(0.08, gt=0, le=1)
-    flip: bool = True
     entropy_eps: float = bounded(0.0, ge=0)  # TTA-VLM's -sum p log(p + 1e-5); 0: exact
-    chunk_views: int = bounded(256, ge=1)  # views per forward
-    # views built per chunk of images within this many MB (no cell depends on it)
-    view_memory_mb: float = bounded(VIEW_MEMORY_MB, gt=0)
     text_head: str = one_of("protocol", TEXT_HEADS)  # protocol | official (official_templates)
     precision: str = one_of(
         "fp16", PRECISIONS
@@ -196,14 +186,14 @@ def _prob_entropy(probs: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def boosted_cache(
-    pos: _Cache, keys: torch.Tensor, preds: torch.Tensor, ents: torch.Tensor, delta: int
-) -> _Cache:
+    pos: EntropyCache, keys: torch.Tensor, preds: torch.Tensor, ents: torch.Tensor, delta: int
+) -> EntropyCache:
     """A copy of the historical positive cache with ``delta`` more slots per class, offered
     the boosting samples (``keys [k, D]``, predictions ``[k]``, entropies ``[k]``) in order:
     the official ``deepcopy(pos_cache)`` + ``update_cache(..., shot_capacity + delta,
     fifo=False)``. ``pos`` is not changed."""
     c, shots, d = pos.keys.shape
-    out = _Cache(c, shots + delta, d, pos.values.shape[-1], pos.keys.device)
+    out = EntropyCache(c, shots + delta, d, pos.values.shape[-1], pos.keys.device)
     out.keys[:, :shots] = pos.keys
     out.entropy[:, :shots] = pos.entropy
     out.values[:, :shots] = pos.values
@@ -215,7 +205,7 @@ def boosted_cache(
     return out
 
 
-class _FifoCache(_Cache):
+class _FifoCache(EntropyCache):
     """A cache that keeps the latest ``shots`` entries per class (the official
     ``update_cache(..., fifo=True)``): a free slot, else the oldest entry's."""
 
@@ -229,7 +219,7 @@ class _FifoCache(_Cache):
         self.inserted += 1
 
 
-class BoostAdapter(Method):
+class BoostAdapter(OwnHead, Method):
     Config = BoostAdapterConfig
     stream_kind = "online"
     adapts = False  # caches live in the method; the shared model is never changed
@@ -256,15 +246,11 @@ class BoostAdapter(Method):
             "delta": self.delta,
         }
 
-    def class_embeddings(self) -> torch.Tensor:
-        """The text head this method classifies with ``[C, D]`` (``text_head``)."""
-        return self.head
-
     def reset(self) -> None:
         c, d = self.head.shape
         dev = self.device
-        self.pos = _Cache(c, self.config.pos_shots, d, c, dev)
-        neg = _FifoCache if self.config.neg_fifo else _Cache
+        self.pos = EntropyCache(c, self.config.pos_shots, d, c, dev)
+        neg = _FifoCache if self.config.neg_fifo else EntropyCache
         self.neg = neg(c, self.config.neg_shots, d, c, dev)
 
     def _encode(self, images: torch.Tensor) -> torch.Tensor:
@@ -323,7 +309,7 @@ class BoostAdapter(Method):
         return q_feat, q_logits, q_ent, q_probs, boost
 
     def final_logits(
-        self, feature: torch.Tensor, logits: torch.Tensor, positive: _Cache
+        self, feature: torch.Tensor, logits: torch.Tensor, positive: EntropyCache
     ) -> torch.Tensor:
         """``logits + A(feature; positive) - A(feature; self.neg)`` for one image."""
         cfg = self.config
@@ -358,10 +344,4 @@ class BoostAdapter(Method):
 
 def _view_settings(cfg: BoostAdapterConfig) -> SimpleNamespace:
     """``configured_views``' fields (the original always first)."""
-    return SimpleNamespace(
-        views=cfg.n_views,
-        include_original=True,
-        crop_scale_min=cfg.crop_scale_min,
-        flip=cfg.flip,
-        augmix=cfg.augmix,
-    )
+    return original_first(cfg, cfg.n_views, cfg.augmix)

@@ -49,8 +49,8 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from mura_plugin.methods._norm import top_excluded_norm_parameters
 from mura_plugin.methods.eta import ReliableEntropyConfig, ReliableEntropyMethod
+from mura_plugin.methods.sar import sar_parameters
 from tta_bench.bounds import bounded, one_of
 from tta_bench.model import ZeroShotClassifier
 
@@ -161,11 +161,7 @@ class DeYO(ReliableEntropyMethod):
         self.counts = {"entropy": 0, "selected": 0}
 
     def collect_params(self, model: ZeroShotClassifier) -> list[nn.Parameter]:
-        cfg = self.config
-        params = top_excluded_norm_parameters(model.visual, cfg.exclude_top, cfg.exclude_final_norm)
-        if not params:
-            raise ValueError("deyo found no adaptable normalisation layers in the vision tower")
-        return params
+        return sar_parameters(model, self.config, "deyo")
 
     def destroy(self, images: torch.Tensor) -> torch.Tensor:
         """The configured object destruction of ``images`` (drawn from ``self.generator``)."""

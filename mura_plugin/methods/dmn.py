@@ -92,19 +92,14 @@ TTA-VLM variant; no run of the full suite was made in this change).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any, Optional
 
 import torch
 
 from mura_plugin.methods._dmn_dpe_prompts import method_head
-from mura_plugin.methods._views import (
-    SINGLE_PROMPT,
-    TEXT_HEADS,
-    VIEW_MEMORY_MB,
-    encode_flat,
-    encode_in_chunks,
-)
+from mura_plugin.methods._text_heads import SINGLE_PROMPT, TEXT_HEADS, OwnHead
+from mura_plugin.methods._view_budget import encode_flat, encode_in_chunks
+from mura_plugin.methods._view_config import ViewFields, original_first
 from tta_bench.bounds import bounded, one_of
 from tta_bench.catalog import dataset_flag, fine_grained
 from tta_bench.method import PRECISIONS, Method, autocast_context
@@ -171,9 +166,7 @@ def official_augmix(dataset: str | None) -> bool:
 
 
 @dataclass
-class DMNConfig:
-    hash_omit_at_default = ("view_memory_mb",)  # changes no cell
-
+class DMNConfig(ViewFields):
     memory_size: int = bounded(50, ge=1)  # --memory_size
     beta: float = bounded(5.5, ge=0)  # --beta: sharpness of the read-out weights
     # p_zs + w * p_mem; None: the per-set weight its logs chose on test labels (SEARCHED_FUSION)
@@ -186,10 +179,6 @@ class DMNConfig:
     selection: float = bounded(0.1, gt=0, le=1)  # --selection_p
     augmix: Optional[bool] = None  # None: the official rule (on fine-grained sets only)
     crop_scale_min: float = bounded(0.5, gt=0, le=1)  # get_preaugment: scale=(0.5, 1)
-    flip: bool = True
-    chunk_views: int = bounded(256, ge=1)  # views per forward
-    # views built per chunk of images within this many MB (no cell depends on it)
-    view_memory_mb: float = bounded(VIEW_MEMORY_MB, gt=0)
     text_head: str = one_of("protocol", TEXT_HEADS)  # protocol | official
     prompts: Optional[str] = None  # JSON {classname: [description, ...]} added to the head
     precision: str = one_of("fp16", PRECISIONS)  # autocast on CUDA; CPU: fp32
@@ -282,7 +271,7 @@ def confident_label(logits: torch.Tensor, k: int, mean: str) -> tuple[int, float
     raise ValueError(f"unknown confident_mean {mean!r}; available: {', '.join(CONFIDENT_MEANS)}")
 
 
-class DMN(Method):
+class DMN(OwnHead, Method):
     Config = DMNConfig
     stream_kind = "online"
 
@@ -304,10 +293,6 @@ class DMN(Method):
     def resolved_settings(self) -> dict[str, Any]:
         return {"fusion_weight": self.fusion_weight, "augmix": self.augmix}
 
-    def class_embeddings(self) -> torch.Tensor:
-        """The text head this method classifies with ``[C, D]``."""
-        return self.head
-
     def reset(self) -> None:
         c, d = self.head.shape
         self.memory = DynamicMemory(c, self.config.memory_size, d, self.device)
@@ -316,13 +301,7 @@ class DMN(Method):
         """Normalised features ``[V, B, D]`` of the image (first) and its views, or
         ``reduce`` of each chunk's (``encode_in_chunks``)."""
         cfg = self.config
-        settings = SimpleNamespace(
-            views=cfg.n_views,
-            include_original=True,
-            crop_scale_min=cfg.crop_scale_min,
-            flip=cfg.flip,
-            augmix=self.augmix,
-        )
+        settings = original_first(cfg, cfg.n_views, self.augmix)
 
         def encode(views: torch.Tensor) -> torch.Tensor:
             with autocast_context(cfg.precision, self.device):

@@ -25,7 +25,7 @@ textual prototypes (initially the zero-shot head) and ``s`` the logit scale:
    gives its feature, logits and softmax entropy. The logits keep their graph to ``R_t``;
 2. visual prototypes: ``(x, entropy / log2 C)`` enters the pseudo-class's priority queue of
    ``shots`` 3 (TDA's rule: a free slot, else replaces the highest-entropy entry if lower;
-   ``tda._Cache``); the prototype of each class in the cache is the mean of its entries,
+   ``_cache.EntropyCache``); the prototype of each class in the cache is the mean of its entries,
    with a fresh residual ``R_v = 0 [K, D]``: ``P = normalize(mean + R_v)``;
 3. one AdamW step (eps 1e-3, weight decay 0.1; ``lr_text`` on ``R_t``, ``lr_image`` on
    ``R_v``) on ``H(softmax(clip + alpha exp(-beta (1 - x . P)) onehot)) + align *
@@ -73,7 +73,7 @@ What differs and why:
   their graph) in later steps; here they are recomputed from the current ``R_t``. The
   official builds a new AdamW per step; so does this code.
 * A prototype is the sum of its entries divided by their count (the official adds
-  ``entry / count``): equal up to float rounding. Ties in the queue follow ``tda._Cache``.
+  ``entry / count``): equal up to float rounding. Ties in the queue follow ``_cache.EntropyCache``.
 * ``int(V * selection)`` is at least 1.
 * Sets the official code does not cover use the nearest rule: ImageNet-C and
   ``imagenet_ood`` as ImageNet (views, ImageNet's config); other sets (digits, CIFAR) as
@@ -98,21 +98,18 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any, Optional
 
 import torch
 import torch.nn.functional as F
 
 from mura_plugin.losses import view_entropy
+from mura_plugin.methods._cache import EntropyCache
 from mura_plugin.methods._dmn_dpe_prompts import method_head
-from mura_plugin.methods._views import (
-    TEXT_HEADS,
-    VIEW_MEMORY_MB,
-    encode_flat,
-    encode_in_chunks,
-)
-from mura_plugin.methods.tda import MULTI_VIEW_SETS, VIEWS, _Cache, official_templates
+from mura_plugin.methods._text_heads import TEXT_HEADS
+from mura_plugin.methods._view_budget import encode_flat, encode_in_chunks
+from mura_plugin.methods._view_config import ViewFields, original_first
+from mura_plugin.methods.tda import MULTI_VIEW_SETS, VIEWS, official_templates
 from tta_bench.bounds import bounded, one_of
 from tta_bench.method import (
     PRECISIONS,
@@ -167,9 +164,7 @@ def dpe_templates(dataset: str | None) -> list[str]:
 
 
 @dataclass
-class DPEConfig:
-    hash_omit_at_default = ("view_memory_mb",)  # changes no cell
-
+class DPEConfig(ViewFields):
     shots: int = bounded(3, ge=1)  # shot_capacity
     # None: the official value for the dataset (SETTINGS)
     alpha: Optional[float] = bounded(None, ge=0)
@@ -193,11 +188,6 @@ class DPEConfig:
     n_views: int = bounded(63, ge=0)
     selection: float = bounded(0.1, gt=0, le=1)
     augmix: bool = True  # AugMix the views (official: always, where it uses views)
-    crop_scale_min: float = bounded(0.08, gt=0, le=1)
-    flip: bool = True
-    chunk_views: int = bounded(256, ge=1)  # views per forward
-    # views built per chunk of images within this many MB (no cell depends on it)
-    view_memory_mb: float = bounded(VIEW_MEMORY_MB, gt=0)
     text_head: str = one_of("protocol", TEXT_HEADS)  # protocol | official
     prompts: Optional[str] = None  # JSON {classname: [description, ...]} added to the head
     precision: str = one_of("fp16", PRECISIONS)  # autocast on CUDA; CPU: fp32
@@ -212,7 +202,7 @@ def info_nce(query: torch.Tensor, keys: torch.Tensor, temperature: float) -> tor
     return F.cross_entropy(q @ k.t() / temperature, target)
 
 
-def prototypes(cache: _Cache) -> tuple[torch.Tensor, torch.Tensor]:
+def prototypes(cache: EntropyCache) -> tuple[torch.Tensor, torch.Tensor]:
     """``(classes [K], mean keys [K, D])``: the classes with entries in ``cache``
     (ascending, as the official ``sorted(cache.keys())``) and the mean of their entries."""
     valid = torch.isfinite(cache.entropy)
@@ -275,7 +265,7 @@ class DPE(Method):
     def reset(self) -> None:
         c, d = self.head.shape
         self.text_global = self.head.clone()
-        self.cache = _Cache(c, self.config.shots, d, 1, self.device)
+        self.cache = EntropyCache(c, self.config.shots, d, 1, self.device)
         self.updates = 0  # the official ``num_avg``
 
     # -- pieces -------------------------------------------------------------------------
@@ -293,16 +283,9 @@ class DPE(Method):
             with self.timed("adapt"):
                 feats = encode(images.unsqueeze(0))
             return feats if reduce is None else reduce(feats)
-        settings = SimpleNamespace(
-            views=cfg.n_views,
-            include_original=True,
-            crop_scale_min=cfg.crop_scale_min,
-            flip=cfg.flip,
-            augmix=self.augmix,
-        )
         return encode_in_chunks(
             images,
-            settings,
+            original_first(cfg, cfg.n_views, self.augmix),
             self.generator,
             encode,
             cfg.view_memory_mb,

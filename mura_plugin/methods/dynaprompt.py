@@ -64,7 +64,7 @@ What differs and why:
   cut after the end token (tpt.py).
 * ``adapts = True`` and ``trainable_parameters()`` is the buffer of offsets, as tpt.py's
   context: the method's own prompts; the shared CLIP model is never changed.
-* Loss scaling with ``_views.LossScaler`` (GradScaler's rule, one scale along the stream),
+* Loss scaling with ``_loss_scaler.LossScaler`` (GradScaler's rule, one scale along the stream),
   on CUDA fp16 only. ``int(V * 0.1)`` is at least one view (the official none below 10).
 * Views: torchvision's RandomResizedCrop boxes on the image at the model's size, one batched
   ``grid_sample`` (augment.py); AugMix on the fine-grained sets only, per dataset as for
@@ -82,19 +82,15 @@ from __future__ import annotations
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
-from types import SimpleNamespace
 from typing import Any, Optional
 
 import torch
 from torch import nn
 
 from mura_plugin.losses import view_entropy
-from mura_plugin.methods._views import (
-    VIEW_MEMORY_MB,
-    LossScaler,
-    encode_flat,
-    encode_in_chunks,
-)
+from mura_plugin.methods._loss_scaler import LossScaler
+from mura_plugin.methods._view_budget import encode_flat, encode_in_chunks
+from mura_plugin.methods._view_config import ViewFields, original_first
 from mura_plugin.methods.tpt import PromptTextEncoder
 from tta_bench.bounds import bounded, one_of
 from tta_bench.catalog import dataset_flag
@@ -121,9 +117,7 @@ PROMPT_RULES = ("official", "ids")
 
 
 @dataclass
-class DynaPromptConfig:
-    hash_omit_at_default = ("view_memory_mb",)  # changes no cell
-
+class DynaPromptConfig(ViewFields):
     buffer_size: int = bounded(12, ge=1)  # run_dynap.sh: num_p=12
     # None: TTA-VLM's rule (5e-3 on ImageNet and its variants, 3e-3 elsewhere)
     lr: Optional[float] = bounded(5e-3, gt=0)
@@ -134,12 +128,7 @@ class DynaPromptConfig:
     reset_optimizer: bool = True  # a fresh AdamW state per sample (official); TTA-VLM: no
     ctx_init: str = "a photo of a"  # the official head's context (text_head=official)
     views: int = bounded(63, ge=1)  # augmented views besides the original (always first)
-    crop_scale_min: float = bounded(0.08, gt=0, le=1)
-    flip: bool = True
     augmix: bool = False  # AugMix each crop (the official: on its fine-grained sets only)
-    chunk_views: int = bounded(256, ge=1)  # images per forward of the frozen tower
-    # views built per chunk of images within this many MB (no cell depends on it)
-    view_memory_mb: float = bounded(VIEW_MEMORY_MB, gt=0)
     text_head: str = one_of(
         "protocol", ("protocol", "official")
     )  # official: ("a photo of a" + "{class}.")
@@ -316,13 +305,6 @@ class DynaPrompt(Method):
         or ``reduce`` of each chunk's (``encode_in_chunks``, with gradients: DynaPrompt's
         episodes). Encoding counts as ``adapt`` and runs without gradients."""
         cfg = self.config
-        settings = SimpleNamespace(
-            views=cfg.views,
-            include_original=True,
-            crop_scale_min=cfg.crop_scale_min,
-            flip=cfg.flip,
-            augmix=cfg.augmix,
-        )
 
         @torch.no_grad()
         def encode(views: torch.Tensor) -> torch.Tensor:
@@ -331,7 +313,7 @@ class DynaPrompt(Method):
 
         return encode_in_chunks(
             images,
-            settings,
+            original_first(cfg, cfg.views, cfg.augmix),
             self.generator,
             encode,
             cfg.view_memory_mb,

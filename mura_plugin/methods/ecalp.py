@@ -70,7 +70,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from mura_plugin.methods._views import SINGLE_PROMPT, class_head
+from mura_plugin.methods._text_heads import SINGLE_PROMPT, class_head
 from tta_bench.bounds import bounded, one_of
 from tta_bench.method import PRECISIONS, Method, autocast_context
 

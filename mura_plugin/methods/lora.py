@@ -37,13 +37,13 @@ What differs and why:
   fine-grained sets, but ``AugMixAugmenter`` (data/datautils.py) then sets an empty
   operation list (``aug_list = []``), so every view is a crop and flip on every set, as
   here.
-* Loss scaling per episode (``_views.LossScaler``) instead of one GradScaler over the
-  sample stream: the same unless an fp16 step overflows (see _views.py).
+* Loss scaling per episode (``_loss_scaler.LossScaler``) instead of one GradScaler over the
+  sample stream: the same unless an fp16 step overflows (see _episodes.py).
 * Implementation: MuRA's adapter machinery with one component and fixed weight 1
   (``fusion=none``, ``init=zero``), so MuRA with ``ranks=[16]`` and the same placement
   computes exactly this (tests/test_methods.py checks it). The 64 per-sample episodes of a
   batch run in parallel, each with its own adapter copy, and the blocks below the adapted
-  ones run once per batch without gradients (see mura.py and _views.py): the same
+  ones run once per batch without gradients (see mura.py and _episodes.py): the same
   computation as the per-sample loop, to ~1e-6 (``method.episode_batching=false`` runs it).
 
 Before this parameterisation (digits-c@v1, seed 0): 35.62% against 35.42% now, within one

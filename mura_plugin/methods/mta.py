@@ -72,13 +72,9 @@ from dataclasses import dataclass
 
 import torch
 
-from mura_plugin.methods._views import (
-    SINGLE_PROMPT,
-    VIEW_MEMORY_MB,
-    class_head,
-    encode_flat,
-    encode_in_chunks,
-)
+from mura_plugin.methods._text_heads import SINGLE_PROMPT, OwnHead, class_head
+from mura_plugin.methods._view_budget import encode_flat, encode_in_chunks
+from mura_plugin.methods._view_config import ViewFields
 from tta_bench.bounds import bounded, one_of
 from tta_bench.method import PRECISIONS, Method, autocast_context
 
@@ -86,13 +82,9 @@ __all__ = ["MTA", "MTAConfig", "mta_bandwidth", "mta_solve"]
 
 
 @dataclass
-class MTAConfig:
-    hash_omit_at_default = ("view_memory_mb",)  # changes no cell
-
+class MTAConfig(ViewFields):
     views: int = bounded(63, ge=1)  # augmented views per image, besides the original
     include_original: bool = True  # the original is view 0 and the mode's initialisation
-    crop_scale_min: float = bounded(0.08, gt=0, le=1)  # RandomResizedCrop's default
-    flip: bool = True
     augmix: bool = False  # the official: no AugMix under --mta on any set
     lambda_y: float = bounded(0.2, gt=0)  # weight of the inlierness entropy term
     lambda_q: float = bounded(4.0, ge=0)  # weight of the affinity (quadratic) term
@@ -101,9 +93,6 @@ class MTAConfig:
     # fraction of the other views whose mean squared distance sets a view's bandwidth
     neighbours: float = bounded(0.3, gt=0, le=1)
     temperature: float = bounded(1.0, gt=0)  # of the affinity's softmax over the logits
-    chunk_views: int = bounded(256, ge=1)  # views per forward
-    # views built per chunk of images within this many MB (no cell depends on it)
-    view_memory_mb: float = bounded(VIEW_MEMORY_MB, gt=0)
     text_head: str = one_of("protocol", ("protocol", "official"))  # official: SINGLE_PROMPT
     precision: str = one_of("fp16", PRECISIONS)  # autocast on CUDA, as the official; CPU: fp32
 
@@ -172,7 +161,7 @@ def mta_solve(
     return mode, y
 
 
-class MTA(Method):
+class MTA(OwnHead, Method):
     Config = MTAConfig
     stream_kind = "episodic"  # every image is its own MeanShift problem
     adapts = False  # the method's own head; the shared model is never changed
@@ -182,10 +171,6 @@ class MTA(Method):
         if cfg.views + int(cfg.include_original) < 2:
             raise ValueError("mta needs at least two views (the MeanShift runs over views)")
         self.head = class_head(self.model, cfg.text_head, SINGLE_PROMPT)
-
-    def class_embeddings(self) -> torch.Tensor:
-        """The text head this method classifies with ``[C, D]`` (``text_head``)."""
-        return self.head
 
     @torch.no_grad()
     def step(self, images: torch.Tensor) -> torch.Tensor:

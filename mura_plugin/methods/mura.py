@@ -65,7 +65,7 @@ first adapted block instead), the adaptation forward/backward covers only the ad
 block(s), and the prediction on the original image restarts from its cached tokens (view 0).
 With ``episodic=sample`` the B per-sample episodes of a batch run in batched
 forward/backward passes, each sample with its own adapter copy (``episode_batching``,
-default; exactly the per-sample loop, see _views.py), group by group within the view
+default; exactly the per-sample loop, see _episodes.py), group by group within the view
 memory budget (one image at a time at 224 px, the whole batch at 32 px). Router
 persistence in batched mode (CRU, ``router_persist=true``): the shared router is updated
 once per batch, by one optimiser step on the gradient of the *sum* of the batch's
@@ -96,13 +96,9 @@ from mura_plugin.adapters import (
     split_vision_forward,
     vision_blocks,
 )
-from mura_plugin.methods._views import (
-    COPIES_WAIT,
-    SINGLE_PROMPT,
-    MultiViewConfig,
-    MultiViewMethod,
-    class_head,
-)
+from mura_plugin.methods._episodes import MultiViewConfig, MultiViewMethod
+from mura_plugin.methods._text_heads import SINGLE_PROMPT, OwnHead, class_head
+from mura_plugin.methods._view_budget import COPIES_WAIT
 from tta_bench.bounds import bounded, one_of
 from tta_bench.model import ZeroShotClassifier
 
@@ -161,7 +157,7 @@ def _detach_inputs(_module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]
     return tuple(a.detach() if isinstance(a, torch.Tensor) else a for a in args)
 
 
-class MuRA(MultiViewMethod):
+class MuRA(OwnHead, MultiViewMethod):
     predict_reads_original = True  # predict_episode reads view 0 only
     Config = MuRAConfig
     stream_kind = "episodic"  # adapters reset per sample (episodic=sample) or per batch
@@ -208,10 +204,6 @@ class MuRA(MultiViewMethod):
         self._episode_merge_all: torch.Tensor | None = None
         # no official code: the official head is TTL's ("a photo of a {}.")
         self.head = class_head(model, cfg.text_head, SINGLE_PROMPT)
-
-    def class_embeddings(self) -> torch.Tensor:
-        """The text head this method classifies with ``[C, D]`` (``text_head``)."""
-        return self.head
 
     def collect_params(self, model: ZeroShotClassifier) -> list[nn.Parameter]:
         params: list[nn.Parameter] = [] if self.merge_logits is None else [self.merge_logits]

@@ -68,11 +68,7 @@ from typing import Optional
 import torch
 import torch.nn.functional as F
 
-from mura_plugin.methods._views import (
-    SINGLE_PROMPT,
-    TEXT_HEADS,
-    class_head,
-)
+from mura_plugin.methods._text_heads import SINGLE_PROMPT, TEXT_HEADS, class_head
 from tta_bench.bounds import bounded, one_of
 from tta_bench.catalog import dataset_flag, fine_grained
 from tta_bench.method import PRECISIONS, Method, autocast_context

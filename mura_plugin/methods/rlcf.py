@@ -88,7 +88,7 @@ import torch
 import torch.nn.functional as F
 
 from mura_plugin.losses import view_entropy
-from mura_plugin.methods._views import class_head
+from mura_plugin.methods._text_heads import class_head
 from mura_plugin.methods.tpt import TPT, TPTConfig
 from tta_bench.bounds import bounded
 from tta_bench.model import ZeroShotClassifier

@@ -64,6 +64,7 @@ __all__ = [
     "SARConfig",
     "sam_ascent",
     "sam_restore",
+    "sar_parameters",
     "update_loss_ema",
 ]
 
@@ -115,6 +116,16 @@ def update_loss_ema(ema: float | None, value: float, momentum: float = 0.9) -> f
     return momentum * ema + (1 - momentum) * float(value)
 
 
+def sar_parameters(model: ZeroShotClassifier, cfg: Any, method: str) -> list[nn.Parameter]:
+    """The norm affine parameters SAR and DeYO adapt (``top_excluded_norm_parameters`` with
+    ``cfg.exclude_top`` and ``cfg.exclude_final_norm``); a ValueError naming ``method``
+    when the vision tower has none."""
+    params = top_excluded_norm_parameters(model.visual, cfg.exclude_top, cfg.exclude_final_norm)
+    if not params:
+        raise ValueError(f"{method} found no adaptable normalisation layers in the vision tower")
+    return params
+
+
 class SAR(ReliableEntropyMethod):
     """Reliable entropy minimisation with SAM and model recovery."""
 
@@ -128,11 +139,7 @@ class SAR(ReliableEntropyMethod):
         super().setup()
 
     def collect_params(self, model: ZeroShotClassifier) -> list[nn.Parameter]:
-        cfg = self.config
-        params = top_excluded_norm_parameters(model.visual, cfg.exclude_top, cfg.exclude_final_norm)
-        if not params:
-            raise ValueError("sar found no adaptable normalisation layers in the vision tower")
-        return params
+        return sar_parameters(model, self.config, "sar")
 
     def extra_state(self) -> dict[str, Any]:
         return {"loss_ema": self.loss_ema}

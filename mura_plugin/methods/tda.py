@@ -72,14 +72,11 @@ from types import SimpleNamespace
 import torch
 
 from mura_plugin.losses import view_entropy
-from mura_plugin.methods._clip_text import TEXT_HEADS as TEXT_HEAD_CHOICES
-from mura_plugin.methods._views import (
-    SINGLE_PROMPT,
-    VIEW_MEMORY_MB,
-    class_head,
-    encode_flat,
-    encode_in_chunks,
-)
+from mura_plugin.methods._cache import EntropyCache
+from mura_plugin.methods._text_heads import SINGLE_PROMPT, OwnHead, class_head
+from mura_plugin.methods._text_heads import TEXT_HEADS as TEXT_HEAD_CHOICES
+from mura_plugin.methods._view_budget import encode_flat, encode_in_chunks
+from mura_plugin.methods._view_config import ViewFields, original_first
 from tta_bench.bounds import bounded, one_of
 from tta_bench.method import PRECISIONS, Method, autocast_context
 from tta_bench.text_head import resolve_templates
@@ -148,9 +145,7 @@ def uses_views(views: str, dataset: str | None) -> bool:
 
 
 @dataclass
-class TDAConfig:
-    hash_omit_at_default = ("view_memory_mb",)  # changes no cell
-
+class TDAConfig(ViewFields):
     pos_shots: int = bounded(3, ge=1)
     # None: the official value for the dataset (POSITIVE)
     pos_alpha: float | None = bounded(None, ge=0)
@@ -168,11 +163,6 @@ class TDAConfig:
     n_views: int = bounded(63, ge=1)
     selection: float = bounded(0.1, gt=0, le=1)
     augmix: bool = True
-    crop_scale_min: float = bounded(0.08, gt=0, le=1)
-    flip: bool = True
-    chunk_views: int = bounded(256, ge=1)  # views per forward
-    # views built per chunk of images within this many MB (no cell depends on it)
-    view_memory_mb: float = bounded(VIEW_MEMORY_MB, gt=0)
     text_head: str = one_of(
         "protocol", TEXT_HEAD_CHOICES
     )  # protocol | official (official_templates)
@@ -181,51 +171,7 @@ class TDAConfig:
     )  # autocast on CUDA (the official code runs CLIP in fp16); CPU: fp32
 
 
-class _Cache:
-    """Per-class slots of (feature, entropy, value); entropy inf marks an empty slot.
-
-    The official cache is a list per class kept sorted by entropy with Python's stable sort,
-    a new entry appended (or put in the last place) before sorting: among equal entropies
-    the older entry comes first, and a full class evicts its last entry, the most recently
-    inserted of its highest-entropy ones. ``stamp`` (insertion order) reproduces that."""
-
-    def __init__(self, classes: int, shots: int, dim: int, value_dim: int, device):
-        self.keys = torch.zeros(classes, shots, dim, device=device)
-        self.entropy = torch.full((classes, shots), math.inf, device=device)
-        self.values = torch.zeros(classes, shots, value_dim, device=device)
-        self.stamp = torch.full((classes, shots), -1, dtype=torch.long, device=device)
-        self.inserted = 0
-
-    def evictable(self, cls: int) -> int:
-        """The slot a new entry of class ``cls`` would take: a free one, else the most
-        recently inserted of the highest-entropy entries (the official list's last)."""
-        ent = self.entropy[cls]
-        top = ent.max()
-        tied = torch.nonzero(ent == top).flatten()
-        return int(tied[self.stamp[cls, tied].argmax()])
-
-    def offer(self, cls: int, key: torch.Tensor, ent: float, value: torch.Tensor) -> None:
-        """Insert into a free slot, else replace the highest-entropy one if ``ent`` is lower
-        (ties: ``evictable``)."""
-        slot = self.evictable(cls)
-        if ent < float(self.entropy[cls, slot]):
-            self.keys[cls, slot] = key
-            self.entropy[cls, slot] = ent
-            self.values[cls, slot] = value
-            self.stamp[cls, slot] = self.inserted
-            self.inserted += 1
-
-    def logits(self, feature: torch.Tensor, alpha: float, beta: float) -> torch.Tensor:
-        valid = torch.isfinite(self.entropy).flatten()
-        if not bool(valid.any()):
-            return torch.zeros(self.values.shape[-1], device=feature.device)
-        keys = self.keys.flatten(0, 1)[valid]
-        values = self.values.flatten(0, 1)[valid]
-        affinity = keys @ feature
-        return alpha * (torch.exp(-beta * (1 - affinity)) @ values)
-
-
-class TDA(Method):
+class TDA(OwnHead, Method):
     Config = TDAConfig
     #: one forward of the image per sample with the defaults on the digits and corruption
     #: suites (views=official is single-view there), no backward: sweeps pack its jobs
@@ -243,15 +189,11 @@ class TDA(Method):
         self.head = class_head(self.model, cfg.text_head, official_templates(dataset))
         self.reset()
 
-    def class_embeddings(self) -> torch.Tensor:
-        """The text head this method classifies with ``[C, D]`` (``text_head``)."""
-        return self.head
-
     def reset(self) -> None:
         c, d = self.head.shape
         dev = self.device
-        self.pos = _Cache(c, self.config.pos_shots, d, c, dev)
-        self.neg = _Cache(c, self.config.neg_shots, d, c, dev)
+        self.pos = EntropyCache(c, self.config.pos_shots, d, c, dev)
+        self.neg = EntropyCache(c, self.config.neg_shots, d, c, dev)
 
     def _inputs(self, images: torch.Tensor):
         """Per image: cache key ``[B, D]``, CLIP logits ``[B, C]``, entropy ``[B]`` (nats),
@@ -313,10 +255,4 @@ class TDA(Method):
 
 def _view_settings(cfg: TDAConfig) -> SimpleNamespace:
     """``configured_views``' fields for TDA's multi-view input (the original always first)."""
-    return SimpleNamespace(
-        views=cfg.n_views,
-        include_original=True,
-        crop_scale_min=cfg.crop_scale_min,
-        flip=cfg.flip,
-        augmix=cfg.augmix,
-    )
+    return original_first(cfg, cfg.n_views, cfg.augmix)

@@ -93,11 +93,8 @@ from torch import nn
 
 from mura_plugin.losses import view_entropy
 from mura_plugin.methods._clip_text import encode_text
-from mura_plugin.methods._views import (
-    VIEW_MEMORY_MB,
-    encode_flat,
-    encode_in_chunks,
-)
+from mura_plugin.methods._view_budget import encode_flat, encode_in_chunks
+from mura_plugin.methods._view_config import ViewFields
 from tta_bench.bounds import bounded, one_of
 from tta_bench.catalog import fine_grained
 from tta_bench.method import (
@@ -124,13 +121,9 @@ OFFICIAL_TEMPLATES = "clip-imagenet-80"
 
 
 @dataclass
-class TPSConfig:
-    hash_omit_at_default = ("view_memory_mb",)  # changes no cell
-
+class TPSConfig(ViewFields):
     views: int = bounded(63, ge=0)  # augmented views per image, besides the original
     include_original: bool = True  # predict on the original (else: one more forward)
-    crop_scale_min: float = bounded(0.08, gt=0, le=1)  # RandomResizedCrop's default
-    flip: bool = True
     augmix: bool = False  # official: AugMix on its fine-grained sets only
     selection: float = bounded(0.1, gt=0, le=1)  # fraction of lowest-entropy views kept
     #: AdamW learning rate; None: TTA-VLM's rule (1e-3 on fine-grained sets, else 5e-3)
@@ -141,9 +134,6 @@ class TPSConfig:
     #: JSON {classname: [description, ...]}: the official "micro" pooling with the head
     prompts: Optional[str] = None
     descriptor_sentence: bool = True  # "{classname}, which ... {description}" (official)
-    chunk_views: int = bounded(256, ge=1)  # views per forward
-    # views built per chunk of images within this many MB (no cell depends on it)
-    view_memory_mb: float = bounded(VIEW_MEMORY_MB, gt=0)
     chunk_episodes: int = bounded(16, ge=1)  # episodes optimised together
     text_head: str = one_of("protocol", ("protocol", "official"))  # official: CLIP's 80
     precision: str = one_of("fp16", PRECISIONS)  # autocast on CUDA, as the official; CPU: fp32

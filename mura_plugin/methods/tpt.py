@@ -38,10 +38,10 @@ What differs and why:
 * The text transformer is causal, so features at the end-of-text token do not depend on
   later (padding) positions: sequences are cut after the longest prompt's end token. Exact,
   and several times cheaper with 77-token contexts.
-* The per-sample episodes of a batch run in parallel (``episode_batching``, see _views.py):
+* The per-sample episodes of a batch run in parallel (``episode_batching``, see _episodes.py):
   each sample gets its own context copy and all B x T x C prompts go through one text
   forward; exactly the per-sample loop, since the context is the only adapted parameter.
-* Loss scaling per episode (``_views.LossScaler``) instead of one GradScaler over the
+* Loss scaling per episode (``_loss_scaler.LossScaler``) instead of one GradScaler over the
   sample stream: the same unless an fp16 step overflows.
 * The official ``avg_entropy`` clamps the log of the mean probability at the dtype's
   minimum; here it is computed in float32 log space (no clamp is reached).
@@ -65,7 +65,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mura_plugin.losses import view_entropy
-from mura_plugin.methods._views import MultiViewConfig, MultiViewMethod
+from mura_plugin.methods._episodes import MultiViewConfig, MultiViewMethod
 from tta_bench.bounds import bounded
 from tta_bench.model import ZeroShotClassifier
 

@@ -51,14 +51,10 @@ from dataclasses import dataclass
 import torch
 
 from mura_plugin.losses import view_entropy
-from mura_plugin.methods._clip_text import TEXT_HEADS as TEXT_HEAD_CHOICES
-from mura_plugin.methods._views import (
-    SINGLE_PROMPT,
-    VIEW_MEMORY_MB,
-    class_head,
-    encode_flat,
-    encode_in_chunks,
-)
+from mura_plugin.methods._text_heads import SINGLE_PROMPT, OwnHead, class_head
+from mura_plugin.methods._text_heads import TEXT_HEADS as TEXT_HEAD_CHOICES
+from mura_plugin.methods._view_budget import encode_flat, encode_in_chunks
+from mura_plugin.methods._view_config import ViewFields
 from tta_bench.bounds import bounded, one_of
 from tta_bench.method import PRECISIONS, Method, autocast_context
 
@@ -66,19 +62,11 @@ __all__ = ["Zero", "ZeroConfig", "zero_votes"]
 
 
 @dataclass
-class ZeroConfig:
-    hash_omit_at_default = ("view_memory_mb",)  # changes no cell
-
+class ZeroConfig(ViewFields):
     views: int = bounded(63, ge=0)  # 0 with include_original: the image alone
     include_original: bool = True
-    crop_scale_min: float = bounded(0.08, gt=0, le=1)
-    flip: bool = True
     selection: float = bounded(0.3, gt=0, le=1)  # fraction of most confident views that vote
     tie_eps: float = bounded(1e-3, gt=0, lt=1)
-    # views per forward: cache-sized chunks run ~2x faster on CPU
-    chunk_views: int = bounded(256, ge=1)
-    # views built per chunk of images within this many MB (no cell depends on it)
-    view_memory_mb: float = bounded(VIEW_MEMORY_MB, gt=0)
     text_head: str = one_of(
         "protocol", TEXT_HEAD_CHOICES
     )  # protocol | official ("a photo of a {}.")
@@ -125,7 +113,7 @@ def zero_votes(cosines: torch.Tensor, logit_scale: float, selection: float) -> t
     return votes
 
 
-class Zero(Method):
+class Zero(OwnHead, Method):
     Config = ZeroConfig
     stream_kind = "episodic"  # one vote over each image's own views
 
@@ -135,10 +123,6 @@ class Zero(Method):
             raise ValueError("zero needs a view: views=0 keeps only the image (include_original)")
         # the method's own head: the shared model is never changed (adapts = False)
         self.head = class_head(self.model, cfg.text_head, SINGLE_PROMPT)
-
-    def class_embeddings(self) -> torch.Tensor:
-        """The text head this method classifies with ``[C, D]`` (``text_head``)."""
-        return self.head
 
     @torch.no_grad()
     def step(self, images: torch.Tensor) -> torch.Tensor:

@@ -1,0 +1,55 @@
+"""The per-class feature cache of TDA, shared with DPE and BoostAdapter: a fixed number of
+slots per class holding (feature, entropy, value), the lowest-entropy entries kept, with
+the official code's tie and eviction order (see ``EntropyCache``)."""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+__all__ = ["EntropyCache"]
+
+
+class EntropyCache:
+    """Per-class slots of (feature, entropy, value); entropy inf marks an empty slot.
+
+    The official cache is a list per class kept sorted by entropy with Python's stable sort,
+    a new entry appended (or put in the last place) before sorting: among equal entropies
+    the older entry comes first, and a full class evicts its last entry, the most recently
+    inserted of its highest-entropy ones. ``stamp`` (insertion order) reproduces that."""
+
+    def __init__(self, classes: int, shots: int, dim: int, value_dim: int, device):
+        self.keys = torch.zeros(classes, shots, dim, device=device)
+        self.entropy = torch.full((classes, shots), math.inf, device=device)
+        self.values = torch.zeros(classes, shots, value_dim, device=device)
+        self.stamp = torch.full((classes, shots), -1, dtype=torch.long, device=device)
+        self.inserted = 0
+
+    def evictable(self, cls: int) -> int:
+        """The slot a new entry of class ``cls`` would take: a free one, else the most
+        recently inserted of the highest-entropy entries (the official list's last)."""
+        ent = self.entropy[cls]
+        top = ent.max()
+        tied = torch.nonzero(ent == top).flatten()
+        return int(tied[self.stamp[cls, tied].argmax()])
+
+    def offer(self, cls: int, key: torch.Tensor, ent: float, value: torch.Tensor) -> None:
+        """Insert into a free slot, else replace the highest-entropy one if ``ent`` is lower
+        (ties: ``evictable``)."""
+        slot = self.evictable(cls)
+        if ent < float(self.entropy[cls, slot]):
+            self.keys[cls, slot] = key
+            self.entropy[cls, slot] = ent
+            self.values[cls, slot] = value
+            self.stamp[cls, slot] = self.inserted
+            self.inserted += 1
+
+    def logits(self, feature: torch.Tensor, alpha: float, beta: float) -> torch.Tensor:
+        valid = torch.isfinite(self.entropy).flatten()
+        if not bool(valid.any()):
+            return torch.zeros(self.values.shape[-1], device=feature.device)
+        keys = self.keys.flatten(0, 1)[valid]
+        values = self.values.flatten(0, 1)[valid]
+        affinity = keys @ feature
+        return alpha * (torch.exp(-beta * (1 - affinity)) @ values)
