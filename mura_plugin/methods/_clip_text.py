@@ -22,6 +22,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mura_plugin.methods._text_heads import TEXT_HEADS
 from tta_bench.model import ZeroShotClassifier
 from tta_bench.text_head import encode_text_cut
 
@@ -36,7 +37,6 @@ __all__ = [
     "prompt_tokens",
 ]
 
-TEXT_HEADS = ("protocol", "official")
 
 
 def _causal_open_clip(clip: nn.Module) -> bool:
