@@ -42,11 +42,9 @@ from __future__ import annotations
 import argparse
 import contextlib
 import copy
-import gc
 import json
 import math
 import os
-import platform
 import sys
 import tempfile
 import time
@@ -57,6 +55,24 @@ from pathlib import Path
 from typing import Any
 
 import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # its siblings, however it is loaded
+from gpu_check_methods import (  # noqa: E402, F401 - the names the command and its tests use
+    GOLDEN_SOURCE,
+    check_golden,
+    check_methods,
+    golden_set,
+    imagenet_classnames,
+    run_method,
+    synthetic_images,
+)
+from gpu_check_report import (  # noqa: E402
+    _finite,
+    _tf32_flags,
+    environment,
+    overall_status,
+    print_summary,
+)
 
 OPENAI_MEAN = (0.48145466, 0.4578275, 0.40821073)
 OPENAI_STD = (0.26862954, 0.26130258, 0.27577711)
@@ -141,35 +157,12 @@ def settings_for(quick: bool, tiny: bool) -> Settings:
     return QUICK if quick else FULL
 
 
-# -- inputs ------------------------------------------------------------------------------
-def synthetic_images(n: int, size: int, seed: int = 0) -> torch.Tensor:
-    """``n`` fixed 8-bit RGB images ``[n, size, size, 3]`` (the decoded cache's format):
-    smooth colour fields plus fine texture and a few hard edges, so blurs, thresholds and
-    8-bit steps all have something to act on."""
-    import torch.nn.functional as F
-
-    g = torch.Generator().manual_seed(seed)
-    low = F.interpolate(torch.rand(n, 3, 6, 6, generator=g), size=(size, size), mode="bicubic")
-    texture = torch.rand(n, 3, size, size, generator=g)
-    img = 0.75 * low + 0.25 * texture
-    edge = size // 3
-    img[:, :, edge : 2 * edge, edge : 2 * edge] = torch.rand(n, 3, 1, 1, generator=g)
-    u8 = img.clamp(0, 1).mul(255).round().to(torch.uint8)
-    return u8.permute(0, 2, 3, 1).contiguous()
-
-
 def suite_tables() -> list[str]:
     """Severity tables named by the catalogue's suites (synthetic shifts or not)."""
     from tta_bench.catalog import catalog
 
     suites = catalog()["suites"].values()
     return sorted({s.get("severity_table", "cifar") for s in suites})
-
-
-def imagenet_classnames(n: int) -> list[str]:
-    from tta_bench.catalog import catalog
-
-    return list(catalog()["datasets"]["imagenet"]["classnames"])[:n]
 
 
 # -- (a) shift kernels -------------------------------------------------------------------
@@ -380,457 +373,14 @@ def check_text_head(bundle: Any, device: torch.device, settings: Settings) -> di
     }
 
 
-# -- (b) methods through the runner ------------------------------------------------------
-def write_dataset(path: Path, settings: Settings, n: int, seed: int) -> Path:
-    """``n`` synthetic JPEG images with random ImageNet labels as a parquet file (the
-    plugin's ``parquet`` dataset reads it like any local set)."""
-    import io
-
-    import datasets
-    from PIL import Image
-
-    datasets.disable_progress_bars()
-    u8 = synthetic_images(n, settings.image_size, seed=seed).numpy()
-    gen = torch.Generator().manual_seed(seed)
-    labels = torch.randint(0, settings.classes, (n,), generator=gen).tolist()
-    blobs = []
-    for img in u8:
-        buf = io.BytesIO()
-        Image.fromarray(img).save(buf, format="JPEG", quality=95)
-        blobs.append({"bytes": buf.getvalue(), "path": None})
-    features = datasets.Features({"image": datasets.Image(), "label": datasets.Value("int64")})
-    ds = datasets.Dataset.from_dict({"image": blobs, "label": labels}, features=features)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    ds.to_parquet(str(path))
-    return path
-
-
-def source_images_needed(names: Sequence[str]) -> int:
-    """The most clean source images any of these methods asks for with its default config
-    (EATA: its Fisher information's official 2,000); 0 when none asks."""
-    from tta_bench.method import Method
-    from tta_bench.registry import registry
-
-    needed = 0
-    for name in names:
-        cls = registry("methods").get(name)
-        if cls.source_images_needed is Method.source_images_needed:
-            continue
-        # the contract: __init__ only stores, so the question needs no model
-        needed = max(needed, int(cls(None, cls.Config()).source_images_needed()))
-    return needed
-
-
-def check_protocol(settings: Settings, data: Path, source: Path | None) -> Any:
-    """The cell every method runs: ``gaussian_noise`` at severity 5 on the synthetic set,
-    the suite's batch size and reset policy (``reset_each_shift``), the text head of
-    ``settings.templates``; ``source`` is the declared clean source split."""
-    from dataclasses import fields
-
-    from tta_bench.run.protocol import Protocol
-
-    classnames = imagenet_classnames(settings.classes)
-    templates = settings.templates
-    templates = templates if isinstance(templates, str) else list(templates)
-    extra: dict[str, Any] = {}
-    if source is not None and "source" in {f.name for f in fields(Protocol)}:
-        extra["source"] = {
-            "dataset": "parquet",
-            "dataset_args": {"data_dir": str(source), "classnames": classnames},
-        }
-    return Protocol(
-        name="gpu-check",
-        version=1,
-        dataset="parquet",
-        dataset_args={"data_dir": str(data), "classnames": classnames, "templates": templates},
-        shifts=("gaussian_noise",),
-        severities=(5,),
-        batch_size=settings.batch_size,
-        reset="reset_each_shift",
-        shift_source="synthetic",
-        severity_table="imagenet" if settings.image_size >= 128 else "cifar",
-        max_images=settings.max_images,
-        **extra,
-    )
-
-
-def method_order(names: Sequence[str]) -> list[str]:
-    """zeroshot first (the reference), the rest alphabetically."""
-    return sorted(names, key=lambda n: (n != "zeroshot", n))
-
-
-def steady_images_per_s(batch_log: Path) -> float | None:
-    """Images/s from the cell's second batch on (the first pays one-time costs: kernel
-    selection, allocator growth, lazy initialisation); None with a single batch."""
-    lines = [json.loads(x) for x in batch_log.read_text().splitlines() if x.strip()]
-    later = lines[1:]
-    seconds = sum(sum(line["seconds"].values()) for line in later)
-    return sum(line["n"] for line in later) / seconds if later and seconds > 0 else None
-
-
-def run_method(
-    name: str, bundle: Any, protocol: Any, device: torch.device, workdir: Path
-) -> dict[str, Any]:
-    from tta_bench.method import config_dict
-    from tta_bench.registry import registry
-    from tta_bench.run import runner
-    from tta_bench.run.spec import RunSpec
-
-    method_cls = registry("methods").get(name)
-    config = method_cls.Config()
-    batch_log = workdir / f"{name}.batches.jsonl"
-    spec = RunSpec(
-        method=name,
-        method_config=config,
-        model=bundle.name,
-        model_args={"arch": bundle.name},
-        protocol=protocol,
-        seeds=[0],
-        device=str(device),
-        progress=False,
-        reference=False,
-        resume=False,
-        batch_log=str(batch_log),
-    )
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    start = time.perf_counter()
-    record = runner.run(spec, workdir / f"{name}.json", bundle=bundle)
-    wall = time.perf_counter() - start
-    (cell,) = record["cells"]
-    total = cell.get("time_per_sample_s") or 0.0
-    wait_only = cell.get("data_wait_time_per_sample_s") or 0.0
-    finite = all(
-        isinstance(cell.get(k), (int, float)) and math.isfinite(cell[k])
-        for k in ("accuracy", "nll")
-    )
-    ok = cell["n"] == protocol.max_images and finite
-    return {
-        "status": "pass" if ok else "fail",
-        **(
-            {}
-            if ok
-            else {"error": f"cell n={cell['n']} (want {protocol.max_images}), finite={finite}"}
-        ),
-        "images": cell["n"],
-        "batches": cell["batches"],
-        "images_per_s": cell.get("samples_per_s"),
-        "images_per_s_after_first_batch": steady_images_per_s(batch_log),
-        "data_wait_share": cell.get("data_wait_share"),
-        "data_wait_only_share": wait_only / total if total else None,
-        "peak_memory_bytes": cell.get("peak_memory_bytes"),
-        "peak_memory_kind": cell.get("peak_memory_kind"),
-        "peak_cuda_bytes_with_setup": (
-            int(torch.cuda.max_memory_allocated(device)) if device.type == "cuda" else None
-        ),
-        "accuracy": cell.get("accuracy"),  # random weights: chance level (~1/classes)
-        "trainable_parameters": (record.get("parameters") or {}).get("trainable"),
-        "precision": record["provenance"].get("precision"),
-        "wall_s": wall,
-        "method_config": config_dict(config),
-    }
-
-
-def check_methods(
-    bundle: Any,
-    device: torch.device,
-    settings: Settings,
-    names: Sequence[str],
-    workdir: Path,
-    deadline: float,
-) -> dict[str, Any]:
-    data = write_dataset(workdir / "data" / "stream.parquet", settings, settings.max_images, 1)
-    n_source = source_images_needed(names)
-    source = (
-        write_dataset(workdir / "source" / "clean.parquet", settings, n_source, 2)
-        if n_source
-        else None
-    )
-    protocol = check_protocol(settings, data, source)
-    per_method: dict[str, dict[str, Any]] = {}
-    for name in method_order(names):
-        if time.perf_counter() > deadline:
-            per_method[name] = {"status": "skipped", "error": "time budget (--budget-s) spent"}
-            print(f"  {name}: skipped (time budget)", flush=True)
-            continue
-        try:
-            per_method[name] = run_method(name, bundle, protocol, device, workdir)
-        except Exception as exc:  # noqa: BLE001 - an OOM or a crash is this check's finding
-            per_method[name] = {
-                "status": "fail",
-                "error": f"{type(exc).__name__}: {exc}",
-                "traceback": traceback.format_exc(limit=8),
-            }
-        finally:
-            gc.collect()
-            if device.type == "cuda":
-                torch.cuda.empty_cache()
-        r = per_method[name]
-        print(
-            f"  {name}: {r['status']}"
-            + (f" {r['images_per_s']:.1f} img/s" if r.get("images_per_s") else "")
-            + (f" ({r['error']})" if r.get("error") else ""),
-            flush=True,
-        )
-    status = "pass" if all(r["status"] == "pass" for r in per_method.values()) else "fail"
-    return {
-        "status": status,
-        "protocol": {
-            "id": protocol.id,
-            "shift": "gaussian_noise",
-            "severity": 5,
-            "batch_size": protocol.batch_size,
-            "images": protocol.max_images,
-            "source_images": n_source,
-            "classes": settings.classes,
-            "templates": settings.templates,
-        },
-        "model": {
-            "name": bundle.name,
-            "weights": bundle.weights,
-            "image_size": bundle.preprocess.image_size,
-        },
-        "per_method": per_method,
-    }
-
-
 # -- the report --------------------------------------------------------------------------
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _tf32_flags() -> dict[str, bool]:
-    return {
-        "matmul": bool(torch.backends.cuda.matmul.allow_tf32),
-        "cudnn": bool(torch.backends.cudnn.allow_tf32),
-    }
-
-
-def environment(device: torch.device) -> dict[str, Any]:
-    from tta_bench.run import results
-
-    env: dict[str, Any] = {
-        "device": str(device),
-        "device_name": (
-            torch.cuda.get_device_name(device) if device.type == "cuda" else results.cpu_model()
-        ),
-        "torch": torch.__version__,
-        "cuda": torch.version.cuda,
-        "cudnn": torch.backends.cudnn.version() if torch.backends.cudnn.is_available() else None,
-        "python": platform.python_version(),
-        "platform": platform.platform(),
-        "cpu_threads": torch.get_num_threads(),
-        "tf32": _tf32_flags(),
-        "git_sha": results.git_sha(),
-        "packages": results.package_versions(),
-    }
-    if device.type == "cuda":
-        props = torch.cuda.get_device_properties(device)
-        env["capability"] = f"{props.major}.{props.minor}"
-        env["memory_bytes"] = int(props.total_memory)
-        env["multiprocessors"] = int(props.multi_processor_count)
-    return env
-
-
-def _finite(obj: Any) -> Any:
-    """The report as strict JSON: NaN/inf floats become None."""
-    if isinstance(obj, float):
-        return obj if math.isfinite(obj) else None
-    if isinstance(obj, dict):
-        return {str(k): _finite(v) for k, v in obj.items()}
-    if isinstance(obj, (list, tuple)):
-        return [_finite(v) for v in obj]
-    return obj
-
-
-def overall_status(checks: dict[str, dict[str, Any]]) -> str:
-    """``pass`` when some check passed and every other one passed or was skipped (the
-    golden step without its data or weights)."""
-    statuses = [c.get("status") for c in checks.values()]
-    ok = "pass" in statuses and all(s in ("pass", "skip") for s in statuses)
-    return "pass" if ok else "fail"
-
-
-def print_summary(report: dict[str, Any]) -> None:
-    from tabulate import tabulate
-
-    checks = report["checks"]
-    golden = checks.get("golden") or {}
-    if golden.get("rows"):
-        rows = [
-            [
-                m,
-                r["dataset"],
-                r["images"],
-                f"{r['accuracy']:.2f}",
-                _fmt(r["published"], ".2f"),
-                _fmt(r["difference"], "+.2f"),
-            ]  # fmt: skip
-            for m, r in golden["rows"].items()
-        ]
-        print(f"\ngolden: ours beside {golden['source']}")
-        print(tabulate(rows, headers=["method", "set", "images", "ours %", "published %", "diff"]))
-    elif golden:
-        print(f"\ngolden: {golden['status']} ({golden.get('reason') or golden.get('error')})")
-    if "shifts" in checks:
-        rows = [
-            [
-                n,
-                s["kind"],
-                s["cases"],
-                _fmt(s["max_abs"]),
-                _fmt(s["mean_abs"]),
-                _fmt(s["share_above"]),
-                f"{s['cpu_s']:.2f}",
-                f"{s['device_s']:.2f}",
-                s["status"],
-            ]
-            for n, s in checks["shifts"]["per_shift"].items()
-        ]
-        print("\nshift kernels, device vs CPU")
-        print(
-            tabulate(
-                rows,
-                headers=[
-                    "shift",
-                    "kind",
-                    "cases",
-                    "max |d|",
-                    "mean |d|",
-                    f"share > {FLOAT_TOL:g}",
-                    "cpu s",
-                    "device s",
-                    "status",
-                ],
-            )
-        )
-    if "text_head" in checks:
-        t = checks["text_head"]
-        if "build_s" in t:
-            print(
-                f"\ntext head: {t['classes']} x {t['templates']} prompts in {t['build_s']:.1f} s "
-                f"(peak {t['peak_memory_bytes'] / 2**20:.0f} MiB {t['peak_memory_kind']}), "
-                f"cached rebuild {t['cached_rebuild_s']:.2f} s, equal {t['cached_equals_built']}, "
-                f"vs CPU max |d| {t['cpu_max_abs_diff']:.2e}: {t['status']}"
-            )
-        else:
-            print(f"\ntext head: {t['status']} ({t.get('error')})")
-    if "methods" in checks:
-        rows = []
-        for n, r in checks["methods"]["per_method"].items():
-            peak = r.get("peak_memory_bytes")
-            rows.append(
-                [
-                    n,
-                    _fmt(r.get("images_per_s"), ".1f"),
-                    _fmt(r.get("images_per_s_after_first_batch"), ".1f"),
-                    f"{peak / 2**20:.0f}" if peak is not None else "-",
-                    _fmt(r.get("data_wait_share"), ".3f"),
-                    _fmt(r.get("wall_s"), ".1f"),
-                    r["status"],
-                ]
-            )
-        print("\nmethods, one cell each")
-        print(
-            tabulate(
-                rows,
-                headers=[
-                    "method",
-                    "img/s",
-                    "img/s (2nd batch on)",
-                    "peak MiB",
-                    "data-wait share",
-                    "wall s",
-                    "status",
-                ],
-            )
-        )
-    print(f"\noverall: {report['status']}  ({report['wall_s']:.0f} s)")
-
-
-def _fmt(value: Any, spec: str = ".2e") -> str:
-    return "-" if value is None else format(value, spec)
-
-
 # -- the command -------------------------------------------------------------------------
 CHECKS = ("shifts", "text_head", "methods", "golden")
-#: The published figures ``golden`` prints ours beside (the catalogue's ``published:``).
-GOLDEN_SOURCE = "tda-readme-rn50"
-#: The cross-domain sets ``golden`` looks for under ``--data-dir``, smallest test split
-#: first (DTD 1,692 images, Flowers 2,463, Caltech101 2,465).
-GOLDEN_ORDER = ("dtd", "oxford_flowers", "caltech101", "fgvc_aircraft", "oxford_pets",
-                "ucf101", "stanford_cars", "eurosat", "sun397", "food101")  # fmt: skip
-#: Per method, the settings of the row it is compared with: TDA with its loaders' templates.
-GOLDEN_OVERRIDES = {"tda": ["method.text_head=official"], "tpt": ["method.augmix=true"]}
-
-
-def golden_set(data_dir: str | None, wanted: str | None) -> tuple[str | None, str]:
-    """The cross-domain set ``golden`` runs (``wanted``, else the first of ``GOLDEN_ORDER``
-    whose CoOp layout is under ``data_dir``) and why none, when none."""
-    from tta_bench.data import DataUnavailableError
-    from tta_bench.registry import registry
-
-    if data_dir is None:
-        return None, "no --data-dir: the golden step needs a cross-domain set in CoOp's layout"
-    for name in [wanted] if wanted else GOLDEN_ORDER:
-        try:
-            registry("datasets").get(name).check_args(data_dir=data_dir)
-            return name, ""
-        except DataUnavailableError as exc:
-            last = str(exc)
-    return None, f"no cross-domain set under --data-dir {data_dir} ({last})"
-
-
-def check_golden(
-    device: torch.device,
-    data_dir: str | None,
-    wanted: str | None,
-    methods: Sequence[str],
-    workdir: Path,
-) -> dict[str, Any]:
-    """One cross-domain set through ``tta-bench run`` (suite ``cross-domain-10`` restricted to
-    it, seed 0) with CLIP RN50 and its OpenAI weights, each method beside the figure the
-    official TDA README publishes. Skipped (not failed) without the data or the weights."""
-    from tta_bench import api, catalog
-
-    published = catalog.catalog()["published"][GOLDEN_SOURCE]
-    name, why = golden_set(data_dir, wanted)
-    if name is None:
-        return {"status": "skip", "reason": why}
-    model = published["model"]
-    overrides = [f"model.arch={model['arch']}", f"model.pretrained={model['pretrained']}",
-                 f"protocol.shifts=[{name}]"]  # fmt: skip
-    rows = {}
-    for method in methods:
-        start = time.perf_counter()
-        try:
-            record = api.evaluate(
-                method,
-                "cross-domain-10",
-                model["name"],
-                [*overrides, *GOLDEN_OVERRIDES.get(method, [])],
-                seeds=[0],
-                output=workdir / f"golden-{method}.json",
-                device=str(device),
-                data_dir=data_dir,
-            )
-        except (ValueError, OSError) as exc:  # the weights are not in the local cache
-            if method == methods[0]:
-                return {"status": "skip", "reason": f"{type(exc).__name__}: {exc}"}
-            raise
-        (cell,) = record["cells"]
-        ours = 100 * float(cell["accuracy"])
-        target = published["accuracy"].get(method, {}).get(name)
-        rows[method] = {
-            "dataset": name,
-            "images": cell["n"],
-            "accuracy": ours,
-            "published": target,
-            "difference": None if target is None else ours - target,
-            "wall_s": time.perf_counter() - start,
-        }
-    return {"status": "pass", "source": published["source"], "model": model, "rows": rows}
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
@@ -949,7 +499,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
     atomic_write_text(out, json.dumps(_finite(report), indent=1, allow_nan=False) + "\n")
-    print_summary(report)
+    print_summary(report, FLOAT_TOL)
     print(f"wrote {out}")
     return 0 if report["status"] == "pass" else 1
 

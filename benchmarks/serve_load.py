@@ -47,6 +47,7 @@ import sys
 import threading
 import time
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -76,6 +77,7 @@ class Server:
     """``tta-bench serve`` in a subprocess on a free loopback port."""
 
     def __init__(self, method: str, workers: int, threads: int, extra: list[str] | None = None):
+        self.method = method
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
         cmd = [
             sys.executable,
@@ -237,7 +239,7 @@ def session_memory(url: str, pid: int, count: int, image: bytes) -> dict[str, fl
     return {**info, "rss_growth_per_session_bytes": growth}
 
 
-def main(argv: list[str] | None = None) -> int:
+def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     p.add_argument("--methods", nargs="+", default=["zeroshot", "mura"])
     p.add_argument("--clients", type=int, default=2)
@@ -258,6 +260,87 @@ def main(argv: list[str] | None = None) -> int:
         p.error("need clients >= 1, requests >= clients, repeats >= 1")
     if args.slow_clients < 0:
         p.error(f"--slow-clients must be >= 0, got {args.slow_clients}")
+    return args
+
+
+def _measure(server: Server, args: argparse.Namespace, images: list[bytes]) -> tuple[str, list]:
+    """The method's row (req/s, img/s, p50, p95, server RSS over the repeats) and every
+    request's latency."""
+    drive(server.url, 1, 2, images, args.mode == "sessions")  # warm-up
+    rps, ips, p50, p95, rss = [], [], [], [], []
+    all_lat: list[float] = []
+    for _ in range(args.repeats):
+        wall, lat, failures = drive(
+            server.url, args.clients, args.requests, images, args.mode == "sessions"
+        )
+        if failures:
+            raise RuntimeError(f"{server.method}: {len(failures)} failed: {failures[0]}")
+        all_lat += lat
+        rps.append(len(lat) / wall)
+        ips.append(len(lat) * args.images / wall)
+        p50.append(float(np.percentile(lat, 50)))
+        p95.append(float(np.percentile(lat, 95)))
+        rss.append(float(server.rss))
+    row = (
+        f"{server.method:<10} {_fmt(rps):>22} {_fmt(ips):>22} {_fmt(p50, 1e3):>24} "
+        f"{_fmt(p95, 1e3):>24} {_fmt(rss, 2**-20):>22}"
+    )
+    return row, all_lat
+
+
+def _with_slow_clients(server: Server, args: argparse.Namespace, images: list[bytes]) -> tuple:
+    """``(latencies, failures, what the slow clients got)`` of the normal clients while
+    ``--slow-clients`` hostile uploads trickle beside them."""
+    slow = SlowClients(server.url, args.slow_clients)
+    slow_lat, slow_failures = [], []
+    try:
+        for _ in range(args.repeats):
+            _, lat, failures = drive(
+                server.url, args.clients, args.requests, images, args.mode == "sessions"
+            )
+            slow_lat += lat
+            slow_failures += failures
+    finally:
+        got = slow.stop()
+    return slow_lat, slow_failures, got
+
+
+def _print_slow(args: argparse.Namespace, slow_rows: list) -> None:
+    total = args.requests * args.repeats
+    print(
+        f"\nnormal clients' latency per request, ms: median [min - max] over all {total} "
+        f"requests; without and with {args.slow_clients} slow clients"
+    )
+    print(f"{'method':<10} {'without':>26} {'with':>26} {'failed with':>12}  slow clients got")
+    for method, base, with_slow, failures, got in slow_rows:
+        shown = _fmt(with_slow, 1e3) if with_slow else "none answered"
+        print(
+            f"{method:<10} {_fmt(base, 1e3):>26} {shown:>26} {len(failures):>5}/{total:<6}  {got}"
+        )
+        if failures:
+            print(f"{'':<10} first failure: {failures[0]}")
+
+
+def _print_memory(args: argparse.Namespace, memory: dict[str, Any]) -> None:
+    print(
+        f"\nmemory per session (tensor accounting from /info; RSS over "
+        f"{args.sessions_rss} new sessions)"
+    )
+    print(
+        f"{'method':<10} {'session at rest KB':>19} {'after a request KB':>19} "
+        f"{'whole-model copy KB':>20} {'RSS growth/session KB':>22}"
+    )
+    for method, m in memory.items():
+        print(
+            f"{method:<10} {m['session_bytes_at_rest'] / 1024:>19.1f} "
+            f"{m['session_bytes_after_a_request'] / 1024:>19.1f} "
+            f"{m['whole_model_copy_bytes'] / 1024:>20.1f} "
+            f"{m['rss_growth_per_session_bytes'] / 1024:>22.1f}"
+        )
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parse_args(argv)
     extra = []
     if args.max_pending is not None:
         extra += ["--max-pending", str(args.max_pending)]
@@ -277,38 +360,10 @@ def main(argv: list[str] | None = None) -> int:
     for method in args.methods:
         server = Server(method, args.workers, args.threads, extra)
         try:
-            drive(server.url, 1, 2, images, args.mode == "sessions")  # warm-up
-            rps, ips, p50, p95, rss = [], [], [], [], []
-            all_lat: list[float] = []
-            for _ in range(args.repeats):
-                wall, lat, failures = drive(
-                    server.url, args.clients, args.requests, images, args.mode == "sessions"
-                )
-                if failures:
-                    raise RuntimeError(f"{method}: {len(failures)} failed: {failures[0]}")
-                all_lat += lat
-                rps.append(len(lat) / wall)
-                ips.append(len(lat) * args.images / wall)
-                p50.append(float(np.percentile(lat, 50)))
-                p95.append(float(np.percentile(lat, 95)))
-                rss.append(float(server.rss))
-            rows.append(
-                f"{method:<10} {_fmt(rps):>22} {_fmt(ips):>22} {_fmt(p50, 1e3):>24} "
-                f"{_fmt(p95, 1e3):>24} {_fmt(rss, 2**-20):>22}"
-            )
+            row, all_lat = _measure(server, args, images)
+            rows.append(row)
             if args.slow_clients:
-                slow = SlowClients(server.url, args.slow_clients)
-                slow_lat, slow_failures = [], []
-                try:
-                    for _ in range(args.repeats):
-                        _, lat, failures = drive(
-                            server.url, args.clients, args.requests, images, args.mode == "sessions"
-                        )
-                        slow_lat += lat
-                        slow_failures += failures
-                finally:
-                    got = slow.stop()
-                slow_rows.append((method, all_lat, slow_lat, slow_failures, got))
+                slow_rows.append((method, all_lat, *_with_slow_clients(server, args, images)))
             if args.sessions_rss:
                 memory[method] = session_memory(
                     server.url, server.proc.pid, args.sessions_rss, images[0]
@@ -318,36 +373,9 @@ def main(argv: list[str] | None = None) -> int:
     print(header)
     print("\n".join(rows))
     if slow_rows:
-        total = args.requests * args.repeats
-        print(
-            f"\nnormal clients' latency per request, ms: median [min - max] over all {total} "
-            f"requests; without and with {args.slow_clients} slow clients"
-        )
-        print(f"{'method':<10} {'without':>26} {'with':>26} {'failed with':>12}  slow clients got")
-        for method, base, with_slow, failures, got in slow_rows:
-            shown = _fmt(with_slow, 1e3) if with_slow else "none answered"
-            print(
-                f"{method:<10} {_fmt(base, 1e3):>26} {shown:>26} "
-                f"{len(failures):>5}/{total:<6}  {got}"
-            )
-            if failures:
-                print(f"{'':<10} first failure: {failures[0]}")
+        _print_slow(args, slow_rows)
     if memory:
-        print(
-            f"\nmemory per session (tensor accounting from /info; RSS over "
-            f"{args.sessions_rss} new sessions)"
-        )
-        print(
-            f"{'method':<10} {'session at rest KB':>19} {'after a request KB':>19} "
-            f"{'whole-model copy KB':>20} {'RSS growth/session KB':>22}"
-        )
-        for method, m in memory.items():
-            print(
-                f"{method:<10} {m['session_bytes_at_rest'] / 1024:>19.1f} "
-                f"{m['session_bytes_after_a_request'] / 1024:>19.1f} "
-                f"{m['whole_model_copy_bytes'] / 1024:>20.1f} "
-                f"{m['rss_growth_per_session_bytes'] / 1024:>22.1f}"
-            )
+        _print_memory(args, memory)
     return 0
 
 

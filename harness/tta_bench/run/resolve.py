@@ -78,12 +78,7 @@ def resolve_run(
     from tta_bench.config import compose
 
     _require_plugins("methods")
-    from tta_bench.run.profiles import rewrite_switches
-
-    try:  # a profile's switch (``<switch>=true``) is ``profile=NAME``
-        overrides = rewrite_switches([str(o) for o in overrides])
-    except ValueError as exc:
-        raise UsageError(str(exc)) from None
+    overrides = _profile_switches(overrides)
     o_method, overrides = _split_choice(overrides, "method")
     o_model, overrides = _split_choice(overrides, "model")
     o_suite, overrides = _split_choice(overrides, "suite")
@@ -137,6 +132,16 @@ def resolve_run(
             raise UsageError(f"bad method configuration: {exc}") from exc
         raise
     return cfg, _finish_spec(spec, dataset, adhoc)
+
+
+def _profile_switches(overrides: Sequence[str]) -> list[str]:
+    """The overrides with a profile's switch (``<switch>=true``) as ``profile=NAME``."""
+    from tta_bench.run.profiles import rewrite_switches
+
+    try:
+        return rewrite_switches([str(o) for o in overrides])
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
 
 
 def _finish_spec(spec: Any, dataset: str | None, adhoc: dict[str, Any] | None) -> Any:
