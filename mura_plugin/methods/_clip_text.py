@@ -38,7 +38,6 @@ __all__ = [
 ]
 
 
-
 def _causal_open_clip(clip: nn.Module) -> bool:
     """Whether ``clip`` is an open_clip ``CLIP`` with a causal text transformer pooled at the
     end token: then the end-token feature never depends on later (padding) positions."""

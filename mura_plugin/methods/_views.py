@@ -3,7 +3,7 @@
 batch within the view memory budget), ``_view_config`` (the view fields of the configs),
 ``_loss_scaler`` (fp16 loss scaling per episode), ``_episodes`` (the episode engine
 ``MultiViewMethod``) and ``_episode_groups`` (its batched per-sample episodes). Import from
-those modules; this one re-exports the names it used to define.
+those modules; this one re-exports their names for code that imports them from here.
 """
 
 from __future__ import annotations

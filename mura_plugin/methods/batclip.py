@@ -53,6 +53,8 @@ What differs from the official code and why:
 
 Cost per batch: one image forward + backward (tent's cost in the original setting) plus the
 text tower over C x T prompts twice (without gradients, then with, see above).
+
+Measured effect: docs/methods.md#batclip.
 """
 
 from __future__ import annotations

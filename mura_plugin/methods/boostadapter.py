@@ -77,7 +77,7 @@ What differs and why:
   official stable-sort eviction); the boosted copy is a tensor copy with ``delta`` more
   slots; the FIFO negative cache replaces its oldest entry.
 
-Measured on ``digits-c``: not measured (no benchmark runs in this session).
+Measured effect: docs/methods.md#boostadapter.
 """
 
 from __future__ import annotations

@@ -54,6 +54,8 @@ What differs from the official code and why:
 Cost per batch: ``steps`` x (one image forward + backward, one text forward of <= B x T
 prompts) + one prediction forward: 10 forward/backward passes against tent's 1 in the
 official setting.
+
+Measured effect: docs/methods.md#clipartt.
 """
 
 from __future__ import annotations

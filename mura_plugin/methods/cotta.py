@@ -57,6 +57,8 @@ What differs:
   probability 0.001) is not the default; AP and the restore probability are fields.
 * Randomness on CUDA (noise, restore masks) comes from a device generator seeded from the
   method's generator each step: reproducible per seed, not bit-equal to the CPU draws.
+
+Measured effect: docs/methods.md#cotta.
 """
 
 from __future__ import annotations

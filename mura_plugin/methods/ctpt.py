@@ -53,8 +53,7 @@ What differs and why:
   natural-shift script's lambda 20 without its AugMix: the ds script's ``--I_augmix``
   exists for the ImageNet variants, and here TPT runs these sets without AugMix too, so
   the two differ by the dispersion term alone. Our choice; ``augmix=true`` gives the ds
-  script's views (about 40x slower view generation on this CPU); the effect on digits-c
-  is not measured.
+  script's views (slower to generate; measured effect: docs/methods.md#ctpt).
 * Implementation: a subclass of tpt.py's ``TPT`` that records the class embeddings of the
   step's forward (``_logits``) so ATFD needs no second text forward.
 """

@@ -38,6 +38,8 @@ What differs:
   officially) are implemented; ``occ`` (a 112 px mean-colour window at pixel 56, defined
   for 224 px inputs only) is not.
 * The official ``lr_mul`` (5 for Waterbirds/ColoredMNIST only) is not a field: set ``lr``.
+
+Measured effect: docs/methods.md#deyo.
 """
 
 from __future__ import annotations

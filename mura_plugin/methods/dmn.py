@@ -85,8 +85,7 @@ highest-entropy slot (``replace=always``); fusion weight 1.0 (the default here t
 not in ``tta_vlm``); head "a photo of a {}." (``--ctx_init a_photo_of_a``), which the
 option sets as the protocol's templates itself.
 
-Measured on ``digits-c``: not measured (every setting above is the official code's or its
-TTA-VLM variant; no run of the full suite was made in this change).
+Measured effect: docs/methods.md#dmn.
 """
 
 from __future__ import annotations

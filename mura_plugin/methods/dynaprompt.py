@@ -74,7 +74,7 @@ TTA-VLM (``tta_vlm``): a buffer of 10 prompts; lr 5e-3 on ImageNet and its varia
 elsewhere (``lr=None``); the AdamW state is never reset (its ``optim_state`` is saved, not
 loaded), so unselected prompts keep moving with their momentum.
 
-Measured on ``digits-c``: not measured.
+Measured effect: docs/methods.md#dynaprompt.
 """
 
 from __future__ import annotations

@@ -48,9 +48,8 @@ What differs and why:
 * Output: logits ``output_scale * y`` of the copy's row, whose softmax is the official
   output ``softmax(y * 10000)``.
 * The adjacency is built from edge lists (``index_add``, ``torch.sparse.mm`` on a dense
-  label matrix) instead of sparse-sparse products: the same sums in another order (scores
-  equal to the official functions' to a relative 3e-6 over 300-sample streams of random
-  features, checked while writing this file).
+  label matrix) instead of sparse-sparse products: the same sums in another order (checked
+  against the official functions: docs/methods.md#ecalp).
 * Precision: the official features are whatever its files hold; TTA-VLM computes features
   under fp16 autocast and the similarities in float32 (its ``.float()`` in
   ``edge_reweighting``); here the image tower runs under fp16 autocast on CUDA
@@ -60,7 +59,7 @@ What differs and why:
 TTA-VLM departs from the official code in nothing this configuration holds (``tta_vlm =
 {}``; its single-image input and single prompt are the ``text_head=official`` setting).
 
-Measured on ``digits-c``: not measured.
+Measured effect: docs/methods.md#ecalp.
 """
 
 from __future__ import annotations

@@ -18,8 +18,7 @@ AdamW lr 5e-3 with torch's defaults (weight decay 0.01, betas (0.9, 0.999), eps 
 optimiser state is reloaded; the prediction is made on the original image after the
 update; on CUDA fp16 autocast over fp32 weights with ``GradScaler(init_scale=1000)``.
 The first update is therefore ``dW = 2 (1 - lr wd) B A0`` with ``|B| = lr`` entry-wise
-(Adam's first step), ~4.6x (width 128) to 4.9x (ViT-B/16) the update of scale 1 with
-kaiming-uniform A used before (tests/test_methods.py pins it).
+(Adam's first step; tests/test_methods.py pins it).
 Official head (``text_head=official``): "a photo of a {}." (the prompt learner's prefix
 "a photo of a" + class + "."); the default ``protocol`` is the protocol's templates.
 
@@ -46,13 +45,7 @@ What differs and why:
   ones run once per batch without gradients (see mura.py and _episodes.py): the same
   computation as the per-sample loop, to ~1e-6 (``method.episode_batching=false`` runs it).
 
-Before this parameterisation (digits-c@v1, seed 0): 35.62% against 35.42% now, within one
-standard error (~1.3 points); details: results/digits-c-v1/README.md.
-
-Measured on ``digits-c`` (protocol v2, the shipped weights, seed 0, CPU, 15 cells):
-``text_head=official`` 57.6% against the default ``protocol`` head 56.6% (per cell median
-+0.8, range [-0.6, +2.5] points).
-The frozen model itself gains about as much from the head alone (``_views.SINGLE_PROMPT``).
+Measured effect (the first update, the official head): docs/methods.md#lora.
 """
 
 from __future__ import annotations

@@ -63,7 +63,7 @@ What differs and why:
   raw image; all views of a batch go through the frozen tower in chunked, gradient-free
   forwards.
 
-Not measured on ``digits-c`` yet.
+Measured effect: docs/methods.md#mta.
 """
 
 from __future__ import annotations

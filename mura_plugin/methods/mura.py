@@ -27,9 +27,8 @@ weight decay on the negative cosine similarity of the two views' features
 (``loss=consistency``), the prediction on the image itself after the steps, reset per batch
 (``episodic=batch``). Where it cannot follow the sketch:
 * batch 16: the batch size is the protocol's (64 on ``digits-c``), not the method's, so the
-  preset runs at the suite's batch unless ``protocol.batch_size=16`` is given. Effect,
-  ``digits-c`` seed 0 (CPU): 56.44% at batch 64, 56.65% at batch 16 (zero-shot 56.89%);
-  batch 16 minus batch 64 paired over the 15 cells: +0.20 points, 95% CI [+0.03, +0.37];
+  preset runs at the suite's batch unless ``protocol.batch_size=16`` is given (measured
+  effect: docs/methods.md#mura);
 * the rotation is bilinear (RandomAffine's default interpolation is nearest) and, as every
   view here, computed on float tensors (augment.py);
 * unspecified by the sketch and kept from ``mura``: the deepest block only (``blocks=1``),
@@ -56,9 +55,8 @@ Learning rate (``lr = 5e-4``, TTL's is 5e-3), chosen on the held-out ``digits-c-
 (grid: results/mura-study/README.md, from ``benchmarks/mura_study.py``). Why it differs from
 TTL's: with the SVD init each component's product ``U_k S_k V_k^T`` starts at full size, so
 Adam's first step (``lr`` per element of ``A_k`` and ``B_k``) moves it far more than a B = 0
-LoRA's: one step at TTL's 5e-3 changes the image features by 1.13x the official TTL's first
-step at alpha 32 (at 5e-4: 0.12x). Effect: TTL's 5e-3 costs MuRA 3.8 points on
-``digits-c-extra`` (-3.77 [-6.20, -1.35] paired). ``router_lr`` stays None (= ``lr``).
+LoRA's (measured against the official TTL's first step, with what TTL's 5e-3 costs MuRA on
+``digits-c-extra``: docs/methods.md#mura). ``router_lr`` stays None (= ``lr``).
 Cost: the frozen blocks before the first adapted one run once per batch for all V x B views
 without gradients (``encode_views``, open_clip ViTs; other towers detach the input of the
 first adapted block instead), the adaptation forward/backward covers only the adapted
@@ -75,7 +73,7 @@ and is predicted with the router after the batch's step. When the batch runs in 
 groups (224 px), each sample's adapted copy waits for that step where ``copies_wait``
 says: on disk by default (memory stays flat in the batch), in memory, or nowhere
 (``recompute``: the episodes run again after the step); the same predictions whichever.
-``method.episode_batching=false`` restores the sequential per-sample router updates (the
+``method.episode_batching=false`` runs the sequential per-sample router updates (the
 exact CRU order, slower) for exactness studies.
 """
 

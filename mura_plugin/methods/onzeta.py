@@ -56,7 +56,7 @@ What differs and why:
 * ``t`` is computed as ``softmax(x T^T / tau_t + rho)``, equal to the official
   ``softmax(...) * exp(rho)`` renormalised, without its underflow.
 
-Measured on ``digits-c``: not measured (no benchmark runs in this session).
+Measured effect: docs/methods.md#onzeta.
 """
 
 from __future__ import annotations

@@ -39,7 +39,8 @@ What differs and why:
   episodes); the per-view entropy is separable per sample, so batched episodes are exact.
 * The official also offers a PGD attack (``--eps > 0``) on the input and a TeCoA robust
   image encoder: not part of the method; the protocol's shifts are the inputs here.
-* Effect on digits-c not measured.
+
+Measured effect: docs/methods.md#rtpt.
 """
 
 from __future__ import annotations

@@ -54,13 +54,7 @@ What differs and why:
   The cache logits sum the entries in slot order, not in entropy order: equal up to float
   rounding.
 
-Earlier figures on digits-c@v1 (the default 36.53%, identical to before):
-results/digits-c-v1/README.md.
-
-Measured on ``digits-c`` (protocol v2, the shipped weights, seed 0, CPU, 15 cells):
-``text_head=official`` 58.5% against the default ``protocol`` head 57.6% (per cell median
-+0.8, range [-0.8, +2.8] points).
-The frozen model itself gains about as much from the head alone (``_views.SINGLE_PROMPT``).
+Measured effect (the official parameterisation, the official head): docs/methods.md#tda.
 """
 
 from __future__ import annotations

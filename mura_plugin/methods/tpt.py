@@ -46,13 +46,7 @@ What differs and why:
 * The official ``avg_entropy`` clamps the log of the mean probability at the dtype's
   minimum; here it is computed in float32 log space (no clamp is reached).
 
-Views (digits-c@v1, seed 0, ``official`` head): torchvision's crop boxes 36.74% against
-37.08% with the old clipped crops; details: results/digits-c-v1/README.md.
-
-Measured on ``digits-c`` (protocol v2, the shipped weights, seed 0, CPU, 15 cells):
-``text_head=official`` 58.1% against the default ``protocol`` head 56.9% (per cell median
-+0.8, range [-0.8, +3.1] points).
-The frozen model itself gains about as much from the head alone (``_views.SINGLE_PROMPT``).
+Measured effect (the crop boxes, the official head): docs/methods.md#tpt.
 """
 
 from __future__ import annotations

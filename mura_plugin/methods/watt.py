@@ -52,6 +52,8 @@ What differs from the official code and why:
 Cost per batch: M x T x L forward + backward passes plus one prediction forward: WATT-S with
 the 8 official templates 80 (40 with digits-c's 4 protocol templates), WATT-P 800 (400),
 against tent's 1 in the official setting.
+
+Measured effect: docs/methods.md#watt.
 """
 
 from __future__ import annotations

@@ -35,13 +35,7 @@ What differs and why:
   gradient-free forwards. run.py's ``torch.set_float32_matmul_precision("medium")`` is not
   set (it only affects fp32 matmuls outside autocast).
 
-Views (digits-c@v1, seed 0): torchvision's crop boxes 21.74% against 24.17% with the old
-clipped crops (smaller crops hurt this tiny model); details: results/digits-c-v1/README.md.
-
-Measured on ``digits-c`` (protocol v2, the shipped weights, seed 0, CPU, 15 cells):
-``text_head=official`` 37.3% against the default ``protocol`` head 35.3% (per cell median
-+2.5, range [-1.4, +4.4] points).
-The frozen model itself gains about as much from the head alone (``_views.SINGLE_PROMPT``).
+Measured effect (the crop boxes, the official head): docs/methods.md#zero.
 """
 
 from __future__ import annotations

@@ -5,17 +5,16 @@ of its own on the CPU. glibc serves a request above its mmap threshold with a fr
 ``mmap`` and unmaps it on ``free``; the threshold adapts upwards to at most 32 MiB. A batch
 of 64 images at 224 px is 38.5 MB of float32, so every shift kernel's output, every
 conversion and every normalised copy of such a batch is new memory whose pages the kernel
-must fault in on first touch: on this project's 2-core CPU more than half of what a cheap
-per-pixel corruption takes for the same 64 images one at a time (docs/speed.md measures
-it).
+must fault in on first touch, the cost that bounded the cheap per-pixel corruptions at 224 px
+(measured: docs/speed.md#corruption-kernels).
 
 ``reuse_large_blocks()`` raises glibc's mmap threshold to ``MMAP_THRESHOLD`` and its trim
 threshold to ``TRIM_THRESHOLD``: blocks up to 256 MiB come from the heap, and up to 512
 MiB of freed memory at the heap's top stays mapped for the next batch. The values a run
 computes do not change (only where the bytes live); the cost is resident memory: freed
 blocks at the heap's top (up to ``TRIM_THRESHOLD``) and the holes between live blocks
-stay mapped, so a step's peak RSS is higher than under glibc's default by up to a few
-hundred MB in the multi-view methods' steps on ViT-B-32 (docs/speed.md).
+stay mapped, so a step's peak RSS is higher than under glibc's default (measured for the
+multi-view methods' steps: docs/speed.md#peak-memory-and-the-batch).
 
 Only where the batches live in ``malloc``'s memory: a run or a ``predict`` job on the CPU
 (on a GPU they live in device memory, and pinned host buffers are not ``malloc``'s). A
