@@ -19,7 +19,7 @@ reach the target even at their old severity 5 (jpeg_compression: the digits surv
 
 Only the zero-shot model is used, so the calibration favours no adaptation method; it uses
 the evaluation images because the targets are defined on them. ``--write`` prints the new
-table entries as Python; the tables live in mura_plugin/shifts/*.py.
+table entries as JSON; the tables live in mura_plugin/shifts/severities.json.
 
 Usage::
 
@@ -29,6 +29,7 @@ Usage::
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import sys
 from dataclasses import dataclass
@@ -249,7 +250,7 @@ def main(argv: list[str] | None = None) -> int:
     if not args.check:
         print("\nnew 'digits' entries:")
         for shift, ladder in new_tables.items():
-            print(f"  {shift}: {tuple(ladder)}")
+            print(f'  "{shift}": {{"digits": {json.dumps(list(ladder))}}}')
     return 0
 
 

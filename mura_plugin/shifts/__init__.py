@@ -23,6 +23,10 @@ glass, motion, zoom), ``weather`` (snow, frost, fog, spatter), ``digital`` (brig
 contrast, saturate, jpeg_compression, pixelate, color_jitter, grayscale), ``geometric``
 (elastic_transform, rotation).
 
+The tables are data, ``severities.json`` beside these modules (read once by
+``_params.severity_table``); each kernel module binds its tables to constants (e.g.
+``blur.GLASS_BLUR``) and says there what each parameter means.
+
 Other image sizes: every parameter measured in pixels (blur sigmas and radii, glass-blur
 displacement, motion-blur length, snow grain zoom, frost texture scale, spatter liquid blur,
 elastic displacement, smoothing and affine jitter) is multiplied by

@@ -24,7 +24,7 @@ from mura_plugin.shifts._ops import (
     zoom_axis,
 )
 from mura_plugin.shifts._ops import gaussian_filter as _gaussian_filter
-from mura_plugin.shifts._params import check_images, severity_param, spatial_scale
+from mura_plugin.shifts._params import check_images, severity_param, severity_table, spatial_scale
 from tta_bench.rng import SampleGenerator
 
 __all__ = [
@@ -38,48 +38,17 @@ __all__ = [
     "motion_filter",
 ]
 
+# Severity tables, table name -> parameters of severities 1..5 (``severities.json``).
 #: Gaussian standard deviation (pixels).
-GAUSSIAN_BLUR = {
-    "cifar": (0.4, 0.6, 0.7, 0.8, 1.0),
-    "imagenet": (1.0, 2.0, 3.0, 4.0, 6.0),
-    "digits": (3.06, 3.32, 3.69, 3.97, 4.24),
-}
+GAUSSIAN_BLUR = severity_table("gaussian_blur")
 #: (disk radius, anti-alias sigma) in pixels.
-DEFOCUS_BLUR = {
-    "cifar": ((0.3, 0.4), (0.4, 0.5), (0.5, 0.6), (1, 0.2), (1.5, 0.1)),
-    "imagenet": ((3, 0.1), (4, 0.5), (6, 0.5), (8, 0.5), (10, 0.5)),
-    "digits": ((5.38, 0.5), (5.84, 0.5), (6.33, 0.5), (6.71, 0.5), (7.08, 0.5)),
-}
+DEFOCUS_BLUR = severity_table("defocus_blur")
 #: (sigma, max displacement, iterations).
-GLASS_BLUR = {
-    "cifar": ((0.05, 1, 1), (0.25, 1, 1), (0.4, 1, 1), (0.25, 1, 2), (0.4, 1, 2)),
-    "imagenet": ((0.7, 1, 2), (0.9, 2, 1), (1, 2, 3), (1.1, 3, 2), (1.5, 4, 2)),
-    "digits": ((1.41, 2, 2), (1.87, 2, 2), (2.24, 2, 2), (2.57, 2, 2), (2.79, 2, 2)),
-}
+GLASS_BLUR = severity_table("glass_blur")
 #: (radius, sigma) of ImageMagick's one-sided motion-blur line.
-MOTION_BLUR = {
-    "cifar": ((10, 1), (10, 1.5), (10, 2), (10, 2.5), (12, 3)),
-    "imagenet": ((10, 3), (15, 5), (15, 8), (15, 12), (20, 15)),
-    "digits": ((11.7, 5.7), (12.8, 6.77), (14.1, 8.07), (16.0, 10.0), (16.2, 10.2)),
-}
+MOTION_BLUR = severity_table("motion_blur")
 #: (start, stop, step) of the zoom factors (numpy ``arange``), averaged with the original.
-ZOOM_BLUR = {
-    "cifar": ((1, 1.06, 0.01), (1, 1.11, 0.01), (1, 1.16, 0.01), (1, 1.21, 0.01), (1, 1.26, 0.01)),
-    "imagenet": (
-        (1, 1.11, 0.01),
-        (1, 1.16, 0.01),
-        (1, 1.21, 0.02),
-        (1, 1.26, 0.02),
-        (1, 1.31, 0.03),
-    ),
-    "digits": (
-        (1.0, 1.87, 0.0625),
-        (1.0, 2.08, 0.0694),
-        (1.0, 2.32, 0.0755),
-        (1.0, 2.59, 0.0838),
-        (1.0, 2.74, 0.0898),
-    ),
-}
+ZOOM_BLUR = severity_table("zoom_blur")
 
 
 def gaussian_filter(

@@ -12,7 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from mura_plugin.shifts._ops import in_image_steps, rgb_to_gray
-from mura_plugin.shifts._params import check_images, severity_param
+from mura_plugin.shifts._params import check_images, severity_param, severity_table
 from tta_bench.data import to_float_images
 from tta_bench.rng import SampleGenerator
 
@@ -29,51 +29,6 @@ __all__ = [
     "shift_value",
     "scale_saturation",
 ]
-
-CONTRAST = {
-    "cifar": (0.75, 0.5, 0.4, 0.3, 0.15),
-    "imagenet": (0.4, 0.3, 0.2, 0.1, 0.05),
-    "digits": (0.601, 0.51, 0.452, 0.395, 0.365),
-}
-#: Added to HSV value.
-BRIGHTNESS = {
-    "cifar": (0.05, 0.1, 0.15, 0.2, 0.3),
-    "imagenet": (0.1, 0.2, 0.3, 0.4, 0.5),
-    "digits": (0.195, 0.26, 0.319, 0.354, 0.387),
-}
-#: (factor, offset) applied to HSV saturation.
-SATURATE = {
-    "cifar": ((0.3, 0), (0.1, 0), (1.5, 0), (2, 0.1), (2.5, 0.2)),
-    "imagenet": ((0.3, 0), (0.1, 0), (2, 0), (5, 0.1), (20, 0.2)),
-    "digits": ((0.3, 0), (0.1, 0), (40, 0.3), (80, 0.5), (100, 0.6)),
-}
-#: JPEG quality.
-JPEG_COMPRESSION = {
-    "cifar": (80, 65, 58, 50, 40),
-    "imagenet": (25, 18, 15, 10, 7),
-    "digits": (12, 10, 8, 5, 2),
-}
-#: Down-sampling factor of the side.
-PIXELATE = {
-    "cifar": (0.95, 0.9, 0.85, 0.75, 0.65),
-    "imagenet": (0.6, 0.5, 0.4, 0.3, 0.25),
-    "digits": (0.3594, 0.3281, 0.2656, 0.2031, 0.2031),
-}
-#: Maximal relative change of (brightness, contrast, saturation) and hue shift (turns).
-COLOR_JITTER = {
-    "cifar": ((0.1, 0.1, 0.1, 0.02), (0.2, 0.2, 0.2, 0.04), (0.3, 0.3, 0.3, 0.06),
-              (0.4, 0.4, 0.4, 0.08), (0.5, 0.5, 0.5, 0.1)),
-    "imagenet": ((0.1, 0.1, 0.1, 0.02), (0.2, 0.2, 0.2, 0.04), (0.3, 0.3, 0.3, 0.06),
-                 (0.4, 0.4, 0.4, 0.08), (0.5, 0.5, 0.5, 0.1)),
-    "digits": ((0.2, 0.2, 0.2, 0.04), (0.4, 0.4, 0.4, 0.08), (0.6, 0.6, 0.6, 0.12),
-               (0.8, 0.8, 0.8, 0.16), (0.9, 0.9, 0.9, 0.2)),
-}  # fmt: skip
-#: Weight of the luma image in the blend.
-GRAYSCALE = {
-    "cifar": (0.2, 0.4, 0.6, 0.8, 1.0),
-    "imagenet": (0.2, 0.4, 0.6, 0.8, 1.0),
-    "digits": (0.2, 0.4, 0.6, 0.8, 1.0),
-}
 
 
 # -- colour spaces ---------------------------------------------------------------------------
@@ -170,6 +125,20 @@ def _from_rgb(rgb: torch.Tensor, channels: int) -> torch.Tensor:
 
 
 # -- ImageNet-C digital corruptions ----------------------------------------------------------
+# Severity tables, table name -> parameters of severities 1..5 (``severities.json``); the
+# seed article's COLOR_JITTER and GRAYSCALE open their own section below.
+#: Factor on each channel's deviation from its mean over the image.
+CONTRAST = severity_table("contrast")
+#: Added to HSV value.
+BRIGHTNESS = severity_table("brightness")
+#: (factor, offset) applied to HSV saturation.
+SATURATE = severity_table("saturate")
+#: JPEG quality.
+JPEG_COMPRESSION = severity_table("jpeg_compression")
+#: Down-sampling factor of the side.
+PIXELATE = severity_table("pixelate")
+
+
 @in_image_steps
 def contrast(
     images: torch.Tensor, severity: int, *, generator: SampleGenerator, table: str = "cifar"
@@ -536,6 +505,12 @@ def _nearest_exact_index(n_in: int, n_out: int, device: torch.device) -> torch.T
 
 
 # -- the seed article's simple colour shifts -------------------------------------------------
+#: Maximal relative change of (brightness, contrast, saturation) and hue shift (turns).
+COLOR_JITTER = severity_table("color_jitter")
+#: Weight of the luma image in the blend.
+GRAYSCALE = severity_table("grayscale")
+
+
 def color_jitter(
     images: torch.Tensor, severity: int, *, generator: SampleGenerator, table: str = "cifar"
 ) -> torch.Tensor:

@@ -10,42 +10,19 @@ import torch
 import torch.nn.functional as F
 
 from mura_plugin.shifts._ops import draw_batch, gaussian_filter
-from mura_plugin.shifts._params import check_images, severity_param, spatial_scale
+from mura_plugin.shifts._params import check_images, severity_param, severity_table, spatial_scale
 from tta_bench.rng import SampleGenerator
 
 __all__ = ["elastic_transform", "rotation"]
 
 _I, _C = 244, 32  # ImageNet-C's code writes 244 (sic) for its 224 px images; kept verbatim.
-#: (displacement scale alpha, displacement smoothing sigma, affine jitter), pixels.
-ELASTIC_TRANSFORM = {
-    "cifar": (
-        (_C * 0, _C * 0, _C * 0.08),
-        (_C * 0.05, _C * 0.2, _C * 0.07),
-        (_C * 0.08, _C * 0.06, _C * 0.06),
-        (_C * 0.1, _C * 0.04, _C * 0.05),
-        (_C * 0.1, _C * 0.03, _C * 0.03),
-    ),
-    "imagenet": (
-        (_I * 2, _I * 0.7, _I * 0.1),
-        (_I * 2, _I * 0.08, _I * 0.2),
-        (_I * 0.05, _I * 0.01, _I * 0.02),
-        (_I * 0.07, _I * 0.01, _I * 0.02),
-        (_I * 0.12, _I * 0.01, _I * 0.02),
-    ),
-    "digits": (
-        (8.47, 2.49, 3.33),
-        (12.7, 2.15, 4.03),
-        (13.4, 2.08, 4.16),
-        (16.8, 1.8, 4.73),
-        (17.5, 1.74, 4.84),
-    ),
-}
+# Severity tables, table name -> parameters of severities 1..5 (``severities.json``).
+#: (displacement scale alpha, displacement smoothing sigma, affine jitter), pixels; the
+#: ``cifar`` and ``imagenet`` rows are written there, as in the references, as fractions
+#: of the side ``_C`` and ``_I`` (``_C * 0.08``, ...).
+ELASTIC_TRANSFORM = severity_table("elastic_transform", times={"cifar": _C, "imagenet": _I})
 #: Rotation angle in degrees (sign drawn per sample).
-ROTATION = {
-    "cifar": (6.0, 12.0, 18.0, 24.0, 30.0),
-    "imagenet": (6.0, 12.0, 18.0, 24.0, 30.0),
-    "digits": (15.0, 30.0, 45.0, 60.0, 75.0),
-}
+ROTATION = severity_table("rotation")
 
 
 @lru_cache(maxsize=16)

@@ -12,33 +12,20 @@ from functools import lru_cache
 import torch
 
 from mura_plugin.shifts._ops import draw_batch, in_image_steps
-from mura_plugin.shifts._params import check_images, severity_param
+from mura_plugin.shifts._params import check_images, severity_param, severity_table
 from tta_bench.rng import SampleGenerator
 
 __all__ = ["gaussian_noise", "shot_noise", "impulse_noise", "speckle_noise"]
 
-GAUSSIAN_NOISE = {
-    "cifar": (0.04, 0.06, 0.08, 0.09, 0.10),
-    "imagenet": (0.08, 0.12, 0.18, 0.26, 0.38),
-    "digits": (0.326, 0.417, 0.489, 0.516, 0.554),
-}
+# Severity tables, table name -> parameters of severities 1..5 (``severities.json``).
+#: Standard deviation of the added noise.
+GAUSSIAN_NOISE = severity_table("gaussian_noise")
 #: Photon counts per unit intensity (lower = noisier).
-SHOT_NOISE = {
-    "cifar": (500, 250, 100, 75, 50),
-    "imagenet": (60, 25, 12, 5, 3),
-    "digits": (3.87, 2.25, 1.72, 1.23, 1.08),
-}
+SHOT_NOISE = severity_table("shot_noise")
 #: Fraction of values replaced by salt or pepper (skimage ``random_noise(mode='s&p')``).
-IMPULSE_NOISE = {
-    "cifar": (0.01, 0.02, 0.03, 0.05, 0.07),
-    "imagenet": (0.03, 0.06, 0.09, 0.17, 0.27),
-    "digits": (0.181, 0.273, 0.329, 0.365, 0.42),
-}
-SPECKLE_NOISE = {
-    "cifar": (0.06, 0.1, 0.12, 0.16, 0.2),
-    "imagenet": (0.15, 0.2, 0.35, 0.45, 0.6),
-    "digits": (0.699, 0.917, 1.31, 1.55, 2.26),
-}
+IMPULSE_NOISE = severity_table("impulse_noise")
+#: Standard deviation of the multiplicative noise.
+SPECKLE_NOISE = severity_table("speckle_noise")
 
 
 def gaussian_noise(

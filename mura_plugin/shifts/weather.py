@@ -22,7 +22,7 @@ from mura_plugin.shifts._ops import (
     in_image_steps,
     rgb_to_gray,
 )
-from mura_plugin.shifts._params import check_images, severity_param, spatial_scale
+from mura_plugin.shifts._params import check_images, severity_param, severity_table, spatial_scale
 from mura_plugin.shifts._spatter_ops import (  # noqa: F401 - tests read them here
     EMBOSS,
     SPARSE_HYSTERESIS,
@@ -39,70 +39,19 @@ from tta_bench.rng import SampleGenerator
 
 __all__ = ["fog", "snow", "frost", "spatter", "plasma_fractal", "frost_texture"]
 
+# Severity tables, table name -> parameters of severities 1..5 (``severities.json``).
 #: (fog strength, plasma-fractal wibble decay).
-FOG = {
-    "cifar": ((0.2, 3), (0.5, 3), (0.75, 2.5), (1, 2), (1.5, 1.75)),
-    "imagenet": ((1.5, 2), (2.0, 2), (2.5, 1.7), (2.5, 1.5), (3.0, 1.4)),
-    "digits": ((0.645, 2.5), (0.845, 2.5), (0.952, 2.5), (1.15, 2.35), (1.38, 2.12)),
-}
+FOG = severity_table("fog")
 #: (grain mean, grain std, grain zoom, threshold, blur radius, blur sigma, image weight).
-SNOW = {
-    "cifar": (
-        (0.1, 0.2, 1, 0.6, 8, 3, 0.95),
-        (0.1, 0.2, 1, 0.5, 10, 4, 0.9),
-        (0.15, 0.3, 1.75, 0.55, 10, 4, 0.9),
-        (0.25, 0.3, 2.25, 0.6, 12, 6, 0.85),
-        (0.3, 0.3, 1.25, 0.65, 14, 12, 0.8),
-    ),
-    "imagenet": (
-        (0.1, 0.3, 3, 0.5, 10, 4, 0.8),
-        (0.2, 0.3, 2, 0.5, 12, 4, 0.7),
-        (0.55, 0.3, 4, 0.9, 12, 8, 0.7),
-        (0.55, 0.3, 4.5, 0.85, 12, 8, 0.65),
-        (0.55, 0.3, 2.5, 0.85, 12, 12, 0.55),
-    ),
-    "digits": (
-        (0.038, 0.3, 1.0, 0.5, 8, 3, 0.811),
-        (0.105, 0.3, 1.0, 0.5, 8, 3, 0.795),
-        (0.144, 0.3, 1.0, 0.5, 9, 3, 0.756),
-        (0.266, 0.3, 1.16, 0.5, 10, 4, 0.634),
-        (0.282, 0.3, 1.2, 0.5, 10, 4, 0.618),
-    ),
-}
+SNOW = severity_table("snow")
 #: (image weight, frost weight).
-FROST = {
-    "cifar": ((1, 0.2), (1, 0.3), (0.9, 0.4), (0.85, 0.4), (0.75, 0.45)),
-    "imagenet": ((1, 0.4), (0.8, 0.6), (0.7, 0.7), (0.65, 0.7), (0.6, 0.75)),
-    "digits": ((0.854, 0.366), (0.819, 0.451), (0.787, 0.513), (0.731, 0.569), (0.673, 0.627)),
-}
+FROST = severity_table("frost")
 #: Frost texture pixels per image pixel at the table's native size: ImageNet-C crops the
 #: photographs at full resolution, CIFAR-10-C first shrinks them by 0.2.
 FROST_ZOOM = {"cifar": 0.2, "imagenet": 1.0, "digits": 0.2}
 #: (liquid mean, liquid std, liquid blur sigma, threshold, strength or mud blur, mode) with
 #: mode 0 = water, 1 = mud.
-SPATTER = {
-    "cifar": (
-        (0.62, 0.1, 0.7, 0.7, 0.5, 0),
-        (0.65, 0.1, 0.8, 0.7, 0.5, 0),
-        (0.65, 0.3, 1, 0.69, 0.5, 0),
-        (0.65, 0.1, 0.7, 0.69, 0.6, 1),
-        (0.65, 0.1, 0.5, 0.68, 0.6, 1),
-    ),
-    "imagenet": (
-        (0.65, 0.3, 4, 0.69, 0.6, 0),
-        (0.65, 0.3, 3, 0.68, 0.6, 0),
-        (0.65, 0.3, 2, 0.68, 0.5, 0),
-        (0.65, 0.3, 1, 0.65, 1.5, 1),
-        (0.67, 0.4, 1, 0.65, 1.5, 1),
-    ),
-    "digits": (
-        (0.67, 0.4, 0.7, 0.726, 0.6, 1),
-        (0.67, 0.4, 0.7, 0.698, 0.6, 1),
-        (0.67, 0.4, 0.7, 0.678, 0.6, 1),
-        (0.67, 0.4, 0.7, 0.649, 0.6, 1),
-        (0.67, 0.4, 0.7, 0.622, 0.6, 1),
-    ),
-}
+SPATTER = severity_table("spatter")
 
 
 # -- fog -------------------------------------------------------------------------------------
