@@ -15,12 +15,14 @@ Class names, WordNet ids, templates, hub ids and column names come from the cata
 from __future__ import annotations
 
 import hashlib
+import inspect
 import os
 import re
 import warnings
 from collections.abc import Callable, Iterator, Sequence
 from functools import lru_cache
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -368,3 +370,27 @@ def unavailable_message(
     copy = " (or a save_to_disk/parquet copy)" if hf_copy else ""
     msg += f" put it at one of {where} in the layout {layout}{copy} and pass --data-dir <data-dir>."
     return msg
+
+
+def attach_check(factory: Callable[..., Any], check: Callable[[SimpleNamespace], None]) -> None:
+    """Give ``factory`` its ``check_args`` (the harness calls it before any setup, with the
+    factory's keyword arguments): ``check`` gets those arguments as a namespace, defaults
+    applied and a required one not given as None; an unknown keyword raises ``TypeError``
+    as the factory would. ``check`` raises what the factory would (``ValueError`` /
+    ``DataUnavailableError``) and reads no image."""
+    signature = inspect.signature(factory)
+
+    def check_args(**kwargs: Any) -> None:
+        bound = signature.bind_partial(**kwargs)
+        bound.apply_defaults()
+        check(SimpleNamespace(**{**dict.fromkeys(signature.parameters), **bound.arguments}))
+
+    check_args.__doc__ = check.__doc__
+    check_args.__signature__ = signature.replace(  # type: ignore[attr-defined]
+        parameters=[
+            p.replace(default=None) if p.default is p.empty else p
+            for p in signature.parameters.values()
+        ],
+        return_annotation=None,
+    )
+    factory.check_args = check_args  # type: ignore[attr-defined]

@@ -16,6 +16,7 @@ from __future__ import annotations
 import pickle
 from collections.abc import Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -206,20 +207,13 @@ def _corrupted(
 
 
 def _corrupted_check(name: str) -> Any:
-    def check_args(
-        *,
-        shift: str | None = None,
-        severity: int | None = None,
-        data_dir: str | None = None,
-        templates: str | Sequence[str] | None = None,
-    ) -> None:
+    def check(a: SimpleNamespace) -> None:
         """Before any setup: the corruption, severity and templates are known and the local
-        ``<corruption>.npy`` + ``labels.npy`` exist (nothing is read). Raises what the factory
-        would: ``ValueError`` / ``DataUnavailableError``."""
-        meta, _ = _corrupted_files(name, shift, severity, data_dir)
-        resolve_templates(templates or meta["templates"])
+        ``<corruption>.npy`` + ``labels.npy`` exist (nothing is read)."""
+        meta, _ = _corrupted_files(name, a.shift, a.severity, a.data_dir)
+        resolve_templates(a.templates or meta["templates"])
 
-    return check_args
+    return check
 
 
 def cifar10_c(
@@ -244,5 +238,5 @@ def cifar100_c(
     return _corrupted("cifar100_c", shift, severity, data_dir, templates)
 
 
-cifar10_c.check_args = _corrupted_check("cifar10_c")  # type: ignore[attr-defined]
-cifar100_c.check_args = _corrupted_check("cifar100_c")  # type: ignore[attr-defined]
+c.attach_check(cifar10_c, _corrupted_check("cifar10_c"))
+c.attach_check(cifar100_c, _corrupted_check("cifar100_c"))

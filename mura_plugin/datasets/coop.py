@@ -43,6 +43,7 @@ from __future__ import annotations
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 from mura_plugin.datasets import _common as c
@@ -214,21 +215,16 @@ def _coop(
     )
 
 
-def _check(name: str) -> Callable[..., None]:
-    def check_args(
-        *,
-        split: str = "test",
-        data_dir: str | None = None,
-        templates: str | Sequence[str] | None = None,
-    ) -> None:
+def _check(name: str) -> Callable[[SimpleNamespace], None]:
+    def check(a: SimpleNamespace) -> None:
         """Before any setup: the split name, the templates, and that the set's folder with
         its split file is under ``data_dir`` (no image is listed or read)."""
-        _check_split(name, split)
+        _check_split(name, a.split)
         meta = c.dataset_meta(name)
-        resolve_templates(templates or meta["templates"])
-        _root(name, meta, data_dir)
+        resolve_templates(a.templates or meta["templates"])
+        _root(name, meta, a.data_dir)
 
-    return check_args
+    return check
 
 
 def _factory(name: str, title: str) -> Callable[..., DomainStream]:
@@ -244,7 +240,7 @@ def _factory(name: str, title: str) -> Callable[..., DomainStream]:
     factory.__doc__ = (
         f"{title} in CoOp's published layout (``split`` train / val / test; see the module)."
     )
-    factory.check_args = _check(name)  # type: ignore[attr-defined]
+    c.attach_check(factory, _check(name))
     return factory
 
 
@@ -321,24 +317,18 @@ def vlm_domains(
     return _dispatch("vlm_domains", shift, severity, data_dir, templates)
 
 
-def _check_dispatch(suite_dataset: str) -> Callable[..., None]:
-    def check_args(
-        *,
-        shift: str | None = None,
-        severity: int | None = None,
-        data_dir: str | None = None,
-        templates: str | Sequence[str] | None = None,
-    ) -> None:
+def _check_dispatch(suite_dataset: str) -> Callable[[SimpleNamespace], None]:
+    def check(a: SimpleNamespace) -> None:
         """Before any setup: the domain is one of the suite dataset's, and that set's own
         cheap check passes (its folder and split file exist)."""
-        if shift is None:
+        if a.shift is None:
             return
-        checker = getattr(_domain_factory(suite_dataset, shift, severity), "check_args", None)
+        checker = getattr(_domain_factory(suite_dataset, a.shift, a.severity), "check_args", None)
         if callable(checker):
-            checker(data_dir=data_dir, templates=templates)
+            checker(data_dir=a.data_dir, templates=a.templates)
 
-    return check_args
+    return check
 
 
-cross_domain.check_args = _check_dispatch("cross_domain")  # type: ignore[attr-defined]
-vlm_domains.check_args = _check_dispatch("vlm_domains")  # type: ignore[attr-defined]
+c.attach_check(cross_domain, _check_dispatch("cross_domain"))
+c.attach_check(vlm_domains, _check_dispatch("vlm_domains"))

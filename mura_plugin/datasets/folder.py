@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from pathlib import Path
+from types import SimpleNamespace
 
 from mura_plugin.datasets import _common as c
 from tta_bench.data import DataUnavailableError, DomainStream
@@ -138,41 +139,27 @@ def parquet(
     )
 
 
-def _imagefolder_check_args(
-    *,
-    data_dir: str | None = None,
-    classnames: Sequence[str] | None = None,
-    templates: str | Sequence[str] | None = None,
-    name: str = "imagefolder",
-) -> None:
+def _imagefolder_check(a: SimpleNamespace) -> None:
     """Before any setup: ``data_dir`` has class sub-folders, as many as ``classnames``, and
     the templates are valid (no image is listed or read)."""
-    root = _root(data_dir, "imagefolder")
+    root = _root(a.data_dir, "imagefolder")
     folders = c.class_folders(root) if root.is_dir() else []
     if not folders:
         raise DataUnavailableError(f"imagefolder: {root} has no class sub-folders")
-    if classnames is not None and len(classnames) != len(folders):
+    if a.classnames is not None and len(a.classnames) != len(folders):
         raise ValueError(
-            f"imagefolder: {len(classnames)} class names for {len(folders)} folders {folders[:10]}"
+            f"imagefolder: {len(a.classnames)} class names for {len(folders)} folders "
+            f"{folders[:10]}"
         )
-    resolve_templates(templates or c.dataset_meta("imagefolder")["templates"])
+    resolve_templates(a.templates or c.dataset_meta("imagefolder")["templates"])
 
 
-def _parquet_check_args(
-    *,
-    data_dir: str | None = None,
-    classnames: Sequence[str] | None = None,
-    image_column: str = "image",
-    label_column: str = "label",
-    split: str | None = None,
-    templates: str | Sequence[str] | None = None,
-    name: str = "parquet",
-) -> None:
+def _parquet_check(a: SimpleNamespace) -> None:
     """Before any setup: ``data_dir`` holds parquet files of ``split`` and the templates are
     valid (no file is read)."""
-    _parquet_files(_root(data_dir, "parquet"), split)
-    resolve_templates(templates or c.dataset_meta("parquet")["templates"])
+    _parquet_files(_root(a.data_dir, "parquet"), a.split)
+    resolve_templates(a.templates or c.dataset_meta("parquet")["templates"])
 
 
-imagefolder.check_args = _imagefolder_check_args  # type: ignore[attr-defined]
-parquet.check_args = _parquet_check_args  # type: ignore[attr-defined]
+c.attach_check(imagefolder, _imagefolder_check)
+c.attach_check(parquet, _parquet_check)

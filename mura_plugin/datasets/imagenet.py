@@ -17,6 +17,7 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Sequence
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -237,21 +238,14 @@ def imagenet_c(
     )
 
 
-def _imagenet_c_check_args(
-    *,
-    shift: str | None = None,
-    severity: int | None = None,
-    data_dir: str | None = None,
-    subset: int | None = None,
-    templates: str | Sequence[str] | None = None,
-) -> None:
+def _imagenet_c_check(a: SimpleNamespace) -> None:
     """Before any setup: names, subset and templates are valid and the domain folder
     ``<corruption>/<severity>/`` exists (no image is listed or read)."""
-    meta, _, _ = _imagenet_c_domain(shift, severity, data_dir, subset)
-    resolve_templates(templates or meta["templates"])
+    meta, _, _ = _imagenet_c_domain(a.shift, a.severity, a.data_dir, a.subset)
+    resolve_templates(a.templates or meta["templates"])
 
 
-imagenet_c.check_args = _imagenet_c_check_args  # type: ignore[attr-defined]
+c.attach_check(imagenet_c, _imagenet_c_check)
 
 
 def _subset_set(name: str, data_dir: Any, revision: str | None, tmpl: Any) -> DomainStream:
