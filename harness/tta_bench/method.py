@@ -68,8 +68,8 @@ class GradientConfig:
     #: Autocast precision on CUDA (``fp32`` = none); each method defaults to its official
     #: code's precision. Ignored on the CPU (float32). Recorded in the results.
     precision: str = one_of("fp32", PRECISIONS)
-    #: fp16 on CUDA only: the initial scale of a ``torch.amp.GradScaler`` (the official
-    #: TPT/BATCLIP code scales by 1000); None: no loss scaling.
+    #: fp16 on CUDA only: the initial scale of a ``torch.amp.GradScaler`` (some official
+    #: code scales its loss by 1000); None: no loss scaling.
     grad_scale: Optional[float] = bounded(None, gt=0)
 
 
@@ -136,11 +136,15 @@ class Method(abc.ABC):
     #: Set by ``set_source``; None when the method asked for no source images.
     source: torch.Tensor | None = None
 
+    #: The attributes ``resolved_settings`` records by default, in order.
+    resolved: ClassVar[tuple[str, ...]] = ()
+
     def resolved_settings(self) -> dict[str, Any]:
         """Settings the method derived at run time from its config (e.g. a learning rate
         scaled by the batch size when the config says ``lr=None``), recorded in the
-        results beside the config; empty when there are none."""
-        return {}
+        results beside the config; by default the attributes named in ``resolved``
+        (empty when there are none)."""
+        return {name: getattr(self, name) for name in self.resolved}
 
     def reseed(self, seed: int) -> None:
         """Seed the method's own randomness (augmented views); the runner calls it per batch."""
@@ -227,8 +231,8 @@ class GradientMethod(Method):
 
     Config: ClassVar[type] = GradientConfig
     adapts: ClassVar[bool] = True
-    #: True: return the logits of the last adaptation forward (Tent); False: predict again
-    #: after the update (TPT-style).
+    #: True: return the logits of the last adaptation forward; False: predict again after
+    #: the update.
     predict_from_last_forward: ClassVar[bool] = False
 
     def configure(self, model: ZeroShotClassifier) -> None:  # noqa: B027 - optional hook
@@ -242,12 +246,19 @@ class GradientMethod(Method):
     def compute_loss(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``(per_sample_loss [B], logits [B, C])`` for one adaptation step."""
 
-    def extra_state(self) -> dict[str, Any]:
-        """State beyond parameters/buffers/optimiser that ``reset()`` must restore."""
-        return {}
+    #: Attributes beyond parameters/buffers/optimiser that ``reset()`` restores (the
+    #: default ``extra_state``): e.g. a moving average a method keeps across batches.
+    state_attributes: ClassVar[tuple[str, ...]] = ()
 
-    def load_extra_state(self, state: dict[str, Any]) -> None:  # noqa: B027 - optional hook
-        pass
+    def extra_state(self) -> dict[str, Any]:
+        """State beyond parameters/buffers/optimiser that ``reset()`` must restore: by
+        default the ``state_attributes``."""
+        return {name: getattr(self, name) for name in self.state_attributes}
+
+    def load_extra_state(self, state: dict[str, Any]) -> None:
+        """Put back what ``extra_state`` returned (a copy of it)."""
+        for name in self.state_attributes:
+            setattr(self, name, state[name])
 
     # -- lifecycle ---------------------------------------------------------------------
     def setup(self) -> None:
@@ -267,7 +278,7 @@ class GradientMethod(Method):
 
     def param_groups(self) -> list[Any]:
         """What the optimiser is built over: ``self.params`` (default), or torch parameter
-        groups giving some parameters their own learning rate (MuRA's router)."""
+        groups giving some parameters their own learning rate."""
         return list(self.params)
 
     def _new_scaler(self) -> Any:

@@ -36,7 +36,7 @@ if TYPE_CHECKING:
 
 # -- shifts ------------------------------------------------------------------------------
 def shift_checks(
-    kernel: Callable[..., torch.Tensor], images: torch.Tensor, *, name: str, table: str
+    kernel: Callable[..., torch.Tensor], images: torch.Tensor, *, name: str, table: str | None
 ) -> list[Check]:
     """The shift contract on ``kernel`` with ``images`` (``[B, C, H, W]`` in [0, 1]) and the
     severity table ``table`` (passed when the kernel takes one)."""
@@ -57,7 +57,7 @@ class _ShiftProbe:
 
     kernel: Callable[..., torch.Tensor]
     name: str
-    table: str
+    table: str | None
     x: torch.Tensor
     index: list[int] = field(init=False)
     takes_table: bool = field(init=False)
@@ -74,7 +74,7 @@ class _ShiftProbe:
     def raw(self, images: torch.Tensor, severity: int, rows: Sequence[int]) -> torch.Tensor:
         """The kernel's own output, before the harness clamps it."""
         kwargs: dict[str, Any] = {"generator": self.gen(rows, severity)}
-        if self.takes_table:
+        if self.takes_table and self.table is not None:
             kwargs["table"] = self.table
         return self.kernel(images.clone(), severity, **kwargs)
 

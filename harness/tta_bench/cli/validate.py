@@ -148,7 +148,7 @@ class Sample:
     images: torch.Tensor  # [2 * BATCH, 3, S, S] in [0, 1]
     classnames: list[str]
     templates: list[str]
-    table: str
+    table: str | None
     about: str
 
 
@@ -196,7 +196,8 @@ def sample(
     suite = suite or catalog.default_or_none("suite")
     classnames: list[str] = ["class a", "class b", "class c", "class d"]
     templates: list[str] = ["a photo of a {}."]
-    table, images, about = "cifar", None, ""
+    table: str | None = None
+    images, about = None, ""
     if suite is not None:
         protocol = load_protocol(suite)
         table = protocol.severity_table

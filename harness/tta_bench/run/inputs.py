@@ -45,9 +45,14 @@ _TAKES_TABLE: dict[Kernel, bool] = {}
 
 
 def apply_shift(
-    kernel: Kernel, images: torch.Tensor, severity: int, generator: SampleGenerator, table: str
+    kernel: Kernel,
+    images: torch.Tensor,
+    severity: int,
+    generator: SampleGenerator,
+    table: str | None,
 ) -> torch.Tensor:
-    """``kernel(images, severity, generator=..., table=...)``, checked and clamped to [0, 1].
+    """``kernel(images, severity, generator=..., table=...)``, checked and clamped to [0, 1];
+    ``table=None`` passes no table (the kernel's own default).
 
     uint8 ``[B, H, W, C]`` images go to the kernel's ``from_uint8`` entry (``uint8_entry``)
     when it has one, else they are converted (``to_float_images``) first."""
@@ -64,7 +69,7 @@ def apply_shift(
     if takes_table is None:  # inspect once per kernel, not per batch
         takes_table = _TAKES_TABLE[kernel] = "table" in inspect.signature(kernel).parameters
     kwargs: dict[str, Any] = {"generator": generator}
-    if takes_table:
+    if takes_table and table is not None:
         kwargs["table"] = table
     out = kernel(images, severity, **kwargs)
     if out.shape != expected:

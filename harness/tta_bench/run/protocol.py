@@ -38,6 +38,15 @@ RESET_POLICIES = {
 #: Policies whose cells within a seed depend on each other: run and resumed per seed.
 STATEFUL = frozenset({"continual", "gradual", "mixed_domains"})
 SHIFT_SOURCES = ("synthetic", "dataset")
+#: Fields left out of the id while None (``Protocol.identity``).
+OPTIONAL_IN_ID = (
+    "dirichlet_delta",
+    "source",
+    "data_fingerprint",
+    "ood",
+    "severity_table",
+    "templates",
+)
 
 
 @dataclass(frozen=True)
@@ -51,11 +60,13 @@ class Protocol:
     batch_size: int
     reset: str
     #: ``synthetic``: shift kernels corrupt the clean split on the fly; ``dataset``: the
-    #: dataset factory serves each (shift, severity) domain itself (CIFAR-10-C, ImageNet-A).
+    #: dataset factory serves each (shift, severity) domain itself (a corrupted set on disk,
+    #: a natural-shift set).
     shift_source: str = "synthetic"
-    #: Severity parameter table for synthetic shifts, by name: the shift kernels' tables
-    #: (e.g. one for 32 px and one for 224 px images, as Hendrycks & Dietterich define them).
-    severity_table: str = "cifar"
+    #: Severity parameter table for synthetic shifts, by name: one of the shift kernels'
+    #: tables (e.g. one for 32 px and one for 224 px images); None: the kernels' own
+    #: default, and no ``table`` argument is passed. Part of the id when set.
+    severity_table: str | None = None
     max_images: int | None = None
     #: Concentration of the per-class Dirichlet over time slots (``non_iid`` only): small
     #: values put each class into few consecutive batches (strongly non-i.i.d.).
@@ -134,18 +145,12 @@ class Protocol:
         data = asdict(self)
         data.pop("description")
         data.pop("default_model")
-        if data["dirichlet_delta"] is None:
-            # Absent unless used, so the ids of protocols from before the field existed hold.
-            data.pop("dirichlet_delta")
-        if data["source"] is None:
-            data.pop("source")
-        if data["data_fingerprint"] is None:
-            data.pop("data_fingerprint")
-        if data["ood"] is None:
-            data.pop("ood")
-        if data["templates"] is None:
-            data.pop("templates")
-        else:
+        # Each optional field is absent unless set, so the ids of protocols from before the
+        # field existed hold.
+        for name in OPTIONAL_IN_ID:
+            if data[name] is None:
+                data.pop(name)
+        if "templates" in data:
             data["templates"] = list(data["templates"])
         return data
 

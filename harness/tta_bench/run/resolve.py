@@ -36,7 +36,7 @@ def _split_choice(overrides: list[str], key: str) -> tuple[str | None, list[str]
 NO_PLUGINS = (
     "no {kind} are installed: tta-bench is the harness only, and its methods, shifts, "
     "datasets and models come from plugin distributions registered through the "
-    "'tta_bench.*' entry points. Install one, e.g. the MuRA plugin from a clone of the "
+    "'tta_bench.*' entry points. Install one, e.g. the first plugin from a clone of the "
     "tta-bench repository: pip install -e . (its root), then `tta-bench ls`"
 )
 

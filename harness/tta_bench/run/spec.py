@@ -57,8 +57,8 @@ class RunSpec:
     #: Part of every cell this run computes (``protocol.shard=i/N``; ``tta_bench.run.shard``).
     shard: Any = None
     #: ``{dataset: method config}`` where a suite's domains are several datasets whose
-    #: configs differ (a per-dataset rule on a suite of several datasets, e.g. AugMix on the
-    #: fine-grained ones only: ``tta_bench.run.profiles``);
+    #: configs differ (a per-dataset rule on a suite of several datasets, e.g. a setting
+    #: that applies to one dataset family only: ``tta_bench.run.profiles``);
     #: a dataset not in it runs ``method_config``. Part of the run key when set.
     method_configs: dict[str, Any] | None = None
 
@@ -163,7 +163,7 @@ def _record_config(
             cfg_dict[node][field_name] = value
     if applied:  # what the profile set, beside what it set it on
         cfg_dict["profile_applied"] = applied
-    if official:  # what the method's own per-dataset rule set (e.g. fine-grained AugMix)
+    if official:  # what the method's own per-dataset rule set (its catalogue dataset_flags:)
         cfg_dict["per_dataset_applied"] = official
     cfg_dict["model"] = {"name": model, **cfg_dict["model"]}
     return cfg_dict
