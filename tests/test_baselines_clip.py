@@ -203,16 +203,16 @@ def test_watt_official_defaults():
         0.01,
         "protocol",
     )
-    assert WATT_TEMPLATES == (
-        "a photo of a {}",
-        "itap of a {}",
-        "a bad photo of the {}.",
-        "a origami {}.",
-        "a photo of the large {}.",
-        "a {} in a video game.",
-        "art of the {}.",
-        "a photo of the small {}.",
-    )
+    # the official templates.yaml, one per line
+    official = """a photo of a {}
+        itap of a {}
+        a bad photo of the {}.
+        a origami {}.
+        a photo of the large {}.
+        a {} in a video game.
+        art of the {}.
+        a photo of the small {}."""
+    assert tuple(line.strip() for line in official.splitlines()) == WATT_TEMPLATES
 
 
 def test_watt_meta_iterations_default_per_mode(classifier):

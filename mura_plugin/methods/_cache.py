@@ -1,14 +1,39 @@
 """The per-class feature cache of TDA, shared with DPE and BoostAdapter: a fixed number of
 slots per class holding (feature, entropy, value), the lowest-entropy entries kept, with
-the official code's tie and eviction order (see ``EntropyCache``)."""
+the official code's tie and eviction order (see ``EntropyCache``); and the fields of TDA's
+two caches that BoostAdapter's config declares too (``CacheFields``)."""
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-__all__ = ["EntropyCache"]
+from mura_plugin.methods._view_config import ViewFields
+from tta_bench.bounds import bounded
+
+__all__ = ["CacheFields", "EntropyCache", "two_caches"]
+
+
+@dataclass
+class CacheFields(ViewFields):
+    """TDA's positive and negative cache settings (its official defaults), inherited by the
+    configs of the methods that keep its two caches (TDA, BoostAdapter)."""
+
+    pos_shots: int = bounded(3, ge=1)
+    # None: the official value for the dataset (the method's own table)
+    pos_alpha: float | None = bounded(None, ge=0)
+    pos_beta: float | None = bounded(None, ge=0)
+    neg_shots: int = bounded(2, ge=1)
+    neg_alpha: float = bounded(0.117, ge=0)
+    neg_beta: float = bounded(1.0, ge=0)
+    neg_entropy_lower: float = bounded(0.2, ge=0, le=1)
+    neg_entropy_upper: float = bounded(0.5, ge=0, le=1)
+    neg_mask_lower: float = bounded(0.03, ge=0, le=1)
+    neg_mask_upper: float = bounded(1.0, ge=0, le=1)
+    scale_alpha: bool = True  # alphas are tuned for logit scale 100: rescale to the model's
 
 
 class EntropyCache:
@@ -53,3 +78,16 @@ class EntropyCache:
         values = self.values.flatten(0, 1)[valid]
         affinity = keys @ feature
         return alpha * (torch.exp(-beta * (1 - affinity)) @ values)
+
+
+def two_caches(
+    head: torch.Tensor, config: CacheFields, device: Any, negative: type = EntropyCache
+) -> tuple[EntropyCache, Any]:
+    """TDA's empty positive and negative caches for the classes of ``head [C, D]``
+    (``config.pos_shots`` / ``neg_shots`` slots per class, a value of C per entry);
+    ``negative``: the negative cache's class."""
+    c, d = head.shape
+    return (
+        EntropyCache(c, config.pos_shots, d, c, device),
+        negative(c, config.neg_shots, d, c, device),
+    )

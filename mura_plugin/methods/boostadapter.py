@@ -90,10 +90,10 @@ from typing import Optional
 import torch
 
 from mura_plugin.losses import view_entropy
-from mura_plugin.methods._cache import EntropyCache
+from mura_plugin.methods._cache import CacheFields, EntropyCache, two_caches
 from mura_plugin.methods._text_heads import TEXT_HEADS, OwnHead, class_head
 from mura_plugin.methods._view_budget import encode_flat, encode_in_chunks
-from mura_plugin.methods._view_config import ViewFields, original_first
+from mura_plugin.methods._view_config import original_first
 from mura_plugin.methods.tda import official_templates
 from tta_bench.bounds import bounded, one_of
 from tta_bench.method import PRECISIONS, Method, autocast_context
@@ -143,23 +143,13 @@ def official_input(dataset: str | None) -> str:
 
 
 @dataclass
-class BoostAdapterConfig(ViewFields):
-    pos_shots: int = bounded(3, ge=1)
-    # None: the official value for the dataset (OFFICIAL, else ImageNet's)
-    pos_alpha: Optional[float] = bounded(None, ge=0)
-    pos_beta: Optional[float] = bounded(None, ge=0)
+class BoostAdapterConfig(CacheFields):
+    # pos_alpha / pos_beta None: the official value for the dataset (OFFICIAL, else
+    # ImageNet's)
     # extra positive slots per class for the boosting samples; None: the dataset's config
     delta: Optional[int] = bounded(None, ge=0)
     default_delta: int = bounded(3, ge=0)  # sets without an official delta
-    neg_shots: int = bounded(2, ge=1)
-    neg_alpha: float = bounded(0.117, ge=0)
-    neg_beta: float = bounded(1.0, ge=0)
-    neg_entropy_lower: float = bounded(0.2, ge=0, le=1)
-    neg_entropy_upper: float = bounded(0.5, ge=0, le=1)
-    neg_mask_lower: float = bounded(0.03, ge=0, le=1)
-    neg_mask_upper: float = bounded(1.0, ge=0, le=1)
     neg_fifo: bool = True  # official BoostAdapter: the latest entries (TDA: lowest entropy)
-    scale_alpha: bool = True  # alphas are tuned for logit scale 100: rescale to the model's
     input: str = one_of("official", INPUTS)
     n_views: int = bounded(63, ge=1)  # besides the original (--views 64)
     # fraction of the views kept: the confident query and the boosting samples (int(V * 0.1))
@@ -221,6 +211,7 @@ class _FifoCache(EntropyCache):
 
 class BoostAdapter(OwnHead, Method):
     Config = BoostAdapterConfig
+    resolved = ("input", "pos_alpha", "pos_beta", "delta")
     stream_kind = "online"
     adapts = False  # caches live in the method; the shared model is never changed
 
@@ -238,20 +229,9 @@ class BoostAdapter(OwnHead, Method):
         self.head = class_head(self.model, cfg.text_head, official_templates(dataset))
         self.reset()
 
-    def resolved_settings(self) -> dict:
-        return {
-            "input": self.input,
-            "pos_alpha": self.pos_alpha,
-            "pos_beta": self.pos_beta,
-            "delta": self.delta,
-        }
-
     def reset(self) -> None:
-        c, d = self.head.shape
-        dev = self.device
-        self.pos = EntropyCache(c, self.config.pos_shots, d, c, dev)
-        neg = _FifoCache if self.config.neg_fifo else EntropyCache
-        self.neg = neg(c, self.config.neg_shots, d, c, dev)
+        negative = _FifoCache if self.config.neg_fifo else EntropyCache
+        self.pos, self.neg = two_caches(self.head, self.config, self.device, negative)
 
     def _encode(self, images: torch.Tensor) -> torch.Tensor:
         cfg = self.config

@@ -62,7 +62,6 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 from types import SimpleNamespace
-from typing import Any
 
 import torch
 
@@ -146,6 +145,7 @@ class CTPTConfig(TPTConfig):
 
 class CTPT(TPT):
     Config = CTPTConfig
+    resolved = ("lambda_term", "augmix")
     stream_kind = "episodic"
 
     def configure(self, model: ZeroShotClassifier) -> None:
@@ -157,9 +157,6 @@ class CTPT(TPT):
         self.augmix = bool(augmix if cfg.augmix is None else cfg.augmix)
         super().configure(model)
         self._text: torch.Tensor | None = None  # class embeddings of the running forward
-
-    def resolved_settings(self) -> dict[str, Any]:
-        return {"lambda_term": self.lambda_term, "augmix": self.augmix}
 
     def view_settings(self) -> SimpleNamespace:
         cfg = self.config

@@ -272,6 +272,7 @@ def confident_label(logits: torch.Tensor, k: int, mean: str) -> tuple[int, float
 
 class DMN(OwnHead, Method):
     Config = DMNConfig
+    resolved = ("fusion_weight", "augmix")
     stream_kind = "online"
 
     def setup(self) -> None:
@@ -288,9 +289,6 @@ class DMN(OwnHead, Method):
             self.model, cfg.text_head, official_templates(dataset), cfg.prompts
         ).float()
         self.reset()
-
-    def resolved_settings(self) -> dict[str, Any]:
-        return {"fusion_weight": self.fusion_weight, "augmix": self.augmix}
 
     def reset(self) -> None:
         c, d = self.head.shape

@@ -219,6 +219,16 @@ def _entropy_of_mean_prob(logits: torch.Tensor) -> torch.Tensor:
 
 class DPE(Method):
     Config = DPEConfig
+    resolved = (
+        "alpha",
+        "beta",
+        "lr_text",
+        "lr_image",
+        "align",
+        "multi_view",
+        "augmix",
+        "predict_on_views",
+    )
     stream_kind = "online"
 
     def setup(self) -> None:
@@ -244,18 +254,6 @@ class DPE(Method):
         ).float()
         self._one = torch.ones(1, device=self.device)
         self.reset()
-
-    def resolved_settings(self) -> dict[str, Any]:
-        return {
-            "alpha": self.alpha,
-            "beta": self.beta,
-            "lr_text": self.lr_text,
-            "lr_image": self.lr_image,
-            "align": self.align,
-            "multi_view": self.multi_view,
-            "augmix": self.augmix,
-            "predict_on_views": self.predict_on_views,
-        }
 
     def class_embeddings(self) -> torch.Tensor:
         """The current textual prototypes ``[C, D]`` (the head at ``setup``/``reset``)."""

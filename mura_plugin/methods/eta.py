@@ -59,7 +59,7 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -258,18 +258,13 @@ class ETA(ReliableEntropyMethod):
     """Reliable, non-redundant, entropy-weighted entropy minimisation (EATA's Eqs. 3-6)."""
 
     Config = ETAConfig
+    state_attributes = ("moving_probs",)
 
     def setup(self) -> None:
         self.moving_probs: torch.Tensor | None = None
         #: Samples that passed the reliability filter / both filters since setup or reset.
         self.counts = {"reliable": 0, "selected": 0}
         super().setup()
-
-    def extra_state(self) -> dict[str, Any]:
-        return {"moving_probs": self.moving_probs}
-
-    def load_extra_state(self, state: dict[str, Any]) -> None:
-        self.moving_probs = state["moving_probs"]
 
     def reset(self) -> None:
         super().reset()

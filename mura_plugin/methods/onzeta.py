@@ -145,6 +145,7 @@ def onzeta_update(
 
 class OnZeta(Method):
     Config = OnZetaConfig
+    resolved = ("tau_t", "tau_i", "beta", "stream_length")
     stream_kind = "online"
     adapts = False  # the proxies live in the method; the shared model is never changed
     #: one forward per sample, no backward
@@ -160,14 +161,6 @@ class OnZeta(Method):
         if cfg.beta_fine_grained is not None and fine_grained(dataset):
             self.beta = cfg.beta_fine_grained
         self.reset()
-
-    def resolved_settings(self) -> dict:
-        return {
-            "tau_t": self.tau_t,
-            "tau_i": self.tau_i,
-            "beta": self.beta,
-            "stream_length": self.stream_length,
-        }
 
     def class_embeddings(self) -> torch.Tensor:
         """The text proxy ``[C, D]`` (``text_head``)."""

@@ -132,6 +132,7 @@ class SAR(ReliableEntropyMethod):
     """Reliable entropy minimisation with SAM and model recovery."""
 
     Config = SARConfig
+    state_attributes = ("loss_ema",)
     double_lr_at_batch_one = True
 
     def setup(self) -> None:
@@ -142,12 +143,6 @@ class SAR(ReliableEntropyMethod):
 
     def collect_params(self, model: ZeroShotClassifier) -> list[nn.Parameter]:
         return sar_parameters(model, self.config, "sar")
-
-    def extra_state(self) -> dict[str, Any]:
-        return {"loss_ema": self.loss_ema}
-
-    def load_extra_state(self, state: dict[str, Any]) -> None:
-        self.loss_ema = state["loss_ema"]
 
     def reset(self) -> None:
         super().reset()

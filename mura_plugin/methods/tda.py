@@ -66,11 +66,11 @@ from types import SimpleNamespace
 import torch
 
 from mura_plugin.losses import view_entropy
-from mura_plugin.methods._cache import EntropyCache
+from mura_plugin.methods._cache import CacheFields, two_caches
 from mura_plugin.methods._text_heads import SINGLE_PROMPT, OwnHead, class_head
 from mura_plugin.methods._text_heads import TEXT_HEADS as TEXT_HEAD_CHOICES
 from mura_plugin.methods._view_budget import encode_flat, encode_in_chunks
-from mura_plugin.methods._view_config import ViewFields, original_first
+from mura_plugin.methods._view_config import original_first
 from tta_bench.bounds import bounded, one_of
 from tta_bench.method import PRECISIONS, Method, autocast_context
 from tta_bench.text_head import resolve_templates
@@ -139,19 +139,8 @@ def uses_views(views: str, dataset: str | None) -> bool:
 
 
 @dataclass
-class TDAConfig(ViewFields):
-    pos_shots: int = bounded(3, ge=1)
-    # None: the official value for the dataset (POSITIVE)
-    pos_alpha: float | None = bounded(None, ge=0)
-    pos_beta: float | None = bounded(None, ge=0)
-    neg_shots: int = bounded(2, ge=1)
-    neg_alpha: float = bounded(0.117, ge=0)
-    neg_beta: float = bounded(1.0, ge=0)
-    neg_entropy_lower: float = bounded(0.2, ge=0, le=1)
-    neg_entropy_upper: float = bounded(0.5, ge=0, le=1)
-    neg_mask_lower: float = bounded(0.03, ge=0, le=1)
-    neg_mask_upper: float = bounded(1.0, ge=0, le=1)
-    scale_alpha: bool = True  # alphas are tuned for logit scale 100: rescale to the model's
+class TDAConfig(CacheFields):
+    # pos_alpha / pos_beta None: the official value for the dataset (POSITIVE)
     views: str = "official"  # official | single | multi (see VIEWS)
     # the multi-view input (official: original + 63 AugMix views, 10% lowest-entropy kept)
     n_views: int = bounded(63, ge=1)
@@ -184,10 +173,7 @@ class TDA(OwnHead, Method):
         self.reset()
 
     def reset(self) -> None:
-        c, d = self.head.shape
-        dev = self.device
-        self.pos = EntropyCache(c, self.config.pos_shots, d, c, dev)
-        self.neg = EntropyCache(c, self.config.neg_shots, d, c, dev)
+        self.pos, self.neg = two_caches(self.head, self.config, self.device)
 
     def _inputs(self, images: torch.Tensor):
         """Per image: cache key ``[B, D]``, CLIP logits ``[B, C]``, entropy ``[B]`` (nats),

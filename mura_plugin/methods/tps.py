@@ -220,6 +220,7 @@ def tta_vlm_lr(dataset: str | None) -> float:
 
 class TPS(Method):
     Config = TPSConfig
+    resolved = ("lr",)
     stream_kind = "episodic"  # shifts and optimiser reset before every image
     adapts = False  # the shifts live in the method; the shared model is never changed
 
@@ -235,9 +236,6 @@ class TPS(Method):
         #: Every episode's initial shift (zeros, as the official ``Shifter``); never updated:
         #: each episode optimises its own copy.
         self.shift = nn.Parameter(torch.zeros(rows, self.prototypes.shape[1], device=self.device))
-
-    def resolved_settings(self) -> dict:
-        return {"lr": self.lr}
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         return [self.shift]

@@ -66,23 +66,16 @@ import torch
 from mura_plugin.methods._clip_text import TEXT_HEADS as TEXT_HEAD_CHOICES
 from mura_plugin.methods._clip_text import clipartt_loss
 from mura_plugin.methods.clipartt import CLIPArTT
+from mura_plugin.methods.tda import IMAGENET_7
 from tta_bench.bounds import bounded, one_of
 from tta_bench.method import PRECISIONS
 from tta_bench.model import ZeroShotClassifier
 
 __all__ = ["MODES", "WATT", "WATTConfig", "WATT_TEMPLATES", "weight_average"]
 
-#: The official templates.yaml, in its order.
-WATT_TEMPLATES = (
-    "a photo of a {}",
-    "itap of a {}",
-    "a bad photo of the {}.",
-    "a origami {}.",
-    "a photo of the large {}.",
-    "a {} in a video game.",
-    "art of the {}.",
-    "a photo of the small {}.",
-)
+#: The official templates.yaml, in its order: CLIP's 7-template ImageNet ensemble (TDA's
+#: ``IMAGENET_7``) after "a photo of a {}", its first template without the full stop.
+WATT_TEMPLATES = ("a photo of a {}", "itap of a {}", *IMAGENET_7[1:])
 MODES = ("parallel", "sequential")
 #: Official meta-iterations M per mode (bash/watt_p and bash/watt_s).
 OFFICIAL_META_ITERATIONS = {"parallel": 50, "sequential": 5}
