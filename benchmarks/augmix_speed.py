@@ -17,7 +17,7 @@ official ``get_preaugment`` passes none; BICUBIC is only ``base_transform``'s) +
 ``RandomHorizontalFlip()``, ``preprocess`` of the crop, w ~ Dirichlet(1, 1, 1) and
 m ~ Beta(1, 1) (numpy, float32), 3 chains of 1-3 operations drawn with ``np.random.choice``
 from the 9 of data/augmix_ops.py at severity 1 (level ~ U(0.1, 1), the same PIL calls as
-``tests/test_augment.py``'s ``_pil_op``), each chain ``preprocess``-ed and added with its
+``mura_plugin.augmix.pil_reference_op``), each chain ``preprocess``-ed and added with its
 weight, then ``m * crop + (1 - m) * mix``. ``preprocess`` = ``ToTensor()`` +
 ``Normalize(CLIP mean, std)``: the official output is normalised float tensors, so those
 conversions are timed. The official preaugment crops from the loader's *original* image, not
@@ -55,10 +55,11 @@ import time
 
 import numpy as np
 import torch
-from PIL import Image, ImageOps
+from PIL import Image
 from torchvision import transforms
 
 from mura_plugin.augment import make_views
+from mura_plugin.augmix import pil_reference_op
 
 SIZE = 224
 CLIP_MEAN = (0.48145466, 0.4578275, 0.40821073)
@@ -88,31 +89,6 @@ BASE_TRANSFORM = transforms.Compose(
 PREPROCESS = transforms.Compose([transforms.ToTensor(), transforms.Normalize(CLIP_MEAN, CLIP_STD)])
 
 
-def _pil_op(name: str, image: Image.Image, level: float, negative: bool) -> Image.Image:
-    """The official data/augmix_ops.py operation at ``level`` (sign drawn as ``negative``),
-    with the same PIL calls; output size = its IMAGE_SIZE (224, the crops' size)."""
-    sign = -1 if negative else 1
-    if name == "autocontrast":
-        return ImageOps.autocontrast(image)
-    if name == "equalize":
-        return ImageOps.equalize(image)
-    if name == "posterize":
-        return ImageOps.posterize(image, 4 - int(level * 4 / 10))
-    if name == "solarize":
-        return ImageOps.solarize(image, 256 - int(level * 256 / 10))
-    if name == "rotate":
-        return image.rotate(sign * int(level * 30 / 10), resample=Image.BILINEAR)
-    shear = sign * level * 0.3 / 10
-    shift = sign * int(level * (SIZE / 3) / 10)
-    data = {
-        "shear_x": (1, shear, 0, 0, 1, 0),
-        "shear_y": (1, 0, 0, shear, 1, 0),
-        "translate_x": (1, 0, shift, 0, 1, 0),
-        "translate_y": (1, 0, 0, 0, 1, shift),
-    }[name]
-    return image.transform((SIZE, SIZE), Image.AFFINE, data, resample=Image.BILINEAR)
-
-
 def _random_op(image: Image.Image) -> Image.Image:
     """One operation drawn as the official chain draws it (global numpy state): the
     operation, then its level (all but autocontrast/equalize), then its sign (geometric)."""
@@ -121,7 +97,7 @@ def _random_op(image: Image.Image) -> Image.Image:
     negative = name in ("rotate", "shear_x", "shear_y", "translate_x", "translate_y") and (
         np.random.uniform() > 0.5
     )
-    return _pil_op(name, image, level, negative)
+    return pil_reference_op(name, image, level, negative)
 
 
 def official_view(image: Image.Image) -> torch.Tensor:

@@ -10,10 +10,19 @@ from __future__ import annotations
 import math
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-__all__ = ["AUGMIX_OPS", "STEP_ELEMENTS", "AugMixDraws", "apply_augmix", "augmix", "augmix_draws"]
+__all__ = [
+    "AUGMIX_OPS",
+    "STEP_ELEMENTS",
+    "AugMixDraws",
+    "apply_augmix",
+    "augmix",
+    "augmix_draws",
+    "pil_reference_op",
+]
 
 
 def _autocontrast(x: torch.Tensor, level: torch.Tensor, neg: torch.Tensor) -> torch.Tensor:
@@ -302,3 +311,33 @@ def augmix(
         images.shape[0], generator, severity=severity, width=width, max_depth=max_depth
     )
     return apply_augmix(images, draws)
+
+
+def pil_reference_op(name: str, image: Any, level: float, negative: bool) -> Any:
+    """One operation of the official data/augmix_ops.py on a square PIL ``image`` (its
+    IMAGE_SIZE = the image's side) at ``level``, its sign drawn as ``negative``: the same PIL
+    calls, as the reference the batched ``AUGMIX_OPS`` are tested against and
+    ``benchmarks/augmix_speed.py`` times."""
+    from PIL import Image, ImageOps
+
+    s = image.size[0]
+    sign = -1 if negative else 1
+    if name == "autocontrast":
+        return ImageOps.autocontrast(image)
+    if name == "equalize":
+        return ImageOps.equalize(image)
+    if name == "posterize":
+        return ImageOps.posterize(image, 4 - int(level * 4 / 10))
+    if name == "solarize":
+        return ImageOps.solarize(image, 256 - int(level * 256 / 10))
+    if name == "rotate":
+        return image.rotate(sign * int(level * 30 / 10), resample=Image.BILINEAR)
+    shear = sign * level * 0.3 / 10
+    shift = sign * int(level * (s / 3) / 10)
+    data = {
+        "shear_x": (1, shear, 0, 0, 1, 0),
+        "shear_y": (1, 0, 0, shear, 1, 0),
+        "translate_x": (1, 0, shift, 0, 1, 0),
+        "translate_y": (1, 0, 0, 0, 1, shift),
+    }[name]
+    return image.transform((s, s), Image.AFFINE, data, resample=Image.BILINEAR)

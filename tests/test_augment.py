@@ -8,12 +8,13 @@ import math
 import numpy as np
 import pytest
 import torch
-from PIL import Image, ImageOps
+from PIL import Image
 from scipy.stats import ks_2samp
 from torchvision import transforms
 from torchvision.transforms.v2 import functional as TF
 
 from mura_plugin.augment import AUGMIX_OPS, augmix, crop_boxes, make_views, random_resized_crops
+from mura_plugin.augmix import pil_reference_op
 
 DRAWS = 4000
 
@@ -102,32 +103,6 @@ def test_flip_mirrors_about_half_of_the_views():
     assert abs(share - 0.5) < 4 * math.sqrt(0.25 / 400)
 
 
-def _pil_op(name: str, image: Image.Image, level: float, negative: bool) -> Image.Image:
-    """The official data/augmix_ops.py operation at ``level`` (sign drawn as ``negative``),
-    written with the same PIL calls, for an image of size S (its IMAGE_SIZE)."""
-    s = image.size[0]
-    sign = -1 if negative else 1
-    if name == "autocontrast":
-        return ImageOps.autocontrast(image)
-    if name == "equalize":
-        return ImageOps.equalize(image)
-    if name == "posterize":
-        return ImageOps.posterize(image, 4 - int(level * 4 / 10))
-    if name == "solarize":
-        return ImageOps.solarize(image, 256 - int(level * 256 / 10))
-    if name == "rotate":
-        return image.rotate(sign * int(level * 30 / 10), resample=Image.BILINEAR)
-    shear = sign * level * 0.3 / 10
-    shift = sign * int(level * (s / 3) / 10)
-    data = {
-        "shear_x": (1, shear, 0, 0, 1, 0),
-        "shear_y": (1, 0, 0, shear, 1, 0),
-        "translate_x": (1, 0, shift, 0, 1, 0),
-        "translate_y": (1, 0, 0, 0, 1, shift),
-    }[name]
-    return image.transform((s, s), Image.AFFINE, data, resample=Image.BILINEAR)
-
-
 @pytest.mark.parametrize("name", list(AUGMIX_OPS))
 def test_augmix_operations_equal_pil(name):
     """Every operation gives PIL's 8-bit result exactly, at severity-1 levels and at larger
@@ -140,7 +115,7 @@ def test_augmix_operations_equal_pil(name):
             pixels = (pixels // 16 + 100).astype(np.uint8)
         level = float(rng.uniform(0.1, 1.0 if trial % 2 else 10.0))
         negative = bool(rng.uniform() > 0.5)
-        ref = np.array(_pil_op(name, Image.fromarray(pixels), level, negative))
+        ref = np.array(pil_reference_op(name, Image.fromarray(pixels), level, negative))
         x = torch.from_numpy(pixels).permute(2, 0, 1)[None].float()
         out = AUGMIX_OPS[name](
             x, torch.tensor([level], dtype=torch.float64), torch.tensor([negative])
@@ -162,7 +137,7 @@ def _official_augmix(pixels: np.ndarray, rng: np.random.Generator) -> np.ndarray
         chain = image.copy()
         for _ in range(rng.integers(1, 4)):
             name = list(AUGMIX_OPS)[rng.integers(len(AUGMIX_OPS))]
-            chain = _pil_op(name, chain, rng.uniform(0.1, 1.0), rng.uniform() > 0.5)
+            chain = pil_reference_op(name, chain, rng.uniform(0.1, 1.0), rng.uniform() > 0.5)
         mix += w[i] * np.asarray(chain, np.float32) / 255
     return m * pixels.astype(np.float32) / 255 + (1 - m) * mix
 
