@@ -206,23 +206,6 @@ class Counter(Method):
         return self.model(images).float() + Counter.steps
 
 
-@pytest.mark.parametrize(
-    ("cls", "check", "reason"),
-    [
-        (Leaky, "reset() restores the state", "state survives reset()"),
-        (PeeksAtLabels, "step takes images only", "step takes 'labels'"),
-        (KeepsTargets, "labels never reach it (no label-like attribute)", "['targets']"),
-        (EditsTheSharedModel, "the frozen backbone is unchanged", "declare adapts = True"),
-        (WrongShape, "logits [B, C], finite", "logits (8, 1), expected (8, 4)"),
-        (Counter, "same seed, same logits", "two fresh instances after reseed(3) differ"),
-    ],
-)
-def test_a_broken_method_fails_naming_the_check(capsys, add, cls, check, reason):
-    add("methods", "broken", cls)
-    out = _fails(capsys, "method", check, reason)
-    assert out.rstrip().splitlines()[-1].startswith("FAILED: ")
-
-
 def test_a_method_that_changes_undeclared_state_fails(capsys, add):
     class Undeclared(Leaky):
         adapts = True
@@ -283,20 +266,6 @@ def _nan(images: torch.Tensor, severity: int, *, generator: Any) -> torch.Tensor
     return images * float("nan")
 
 
-@pytest.mark.parametrize(
-    ("kernel", "check", "reason"),
-    [
-        (_batch_dependent, "per-sample seeding (independent of the batch)", "depends on the"),
-        (_global_rng, "same generator seeds, same output", "from `generator` only"),
-        (_crops, "output has the input's shape", "expected (8, 3, 16, 16)"),
-        (_nan, "finite, in [0, 1] after the harness's clamp", "non-finite value(s)"),
-    ],
-)
-def test_a_broken_shift_fails_naming_the_check(capsys, add, kernel, check, reason):
-    add("shifts", "broken", kernel)
-    _fails(capsys, "shift", check, reason)
-
-
 def _mean_loss(logits: torch.Tensor, **_: object) -> torch.Tensor:
     return -(logits.softmax(1) * logits.log_softmax(1)).sum(1).mean()
 
@@ -309,17 +278,40 @@ def _no_context(logits: torch.Tensor) -> torch.Tensor:
     return logits.logsumexp(1)
 
 
-@pytest.mark.parametrize(
-    ("fn", "check", "reason"),
-    [
+#: Per kind: broken components, the check each fails and words of the reason it gives.
+BROKEN = {
+    "method": [
+        (Leaky, "reset() restores the state", "state survives reset()"),
+        (PeeksAtLabels, "step takes images only", "step takes 'labels'"),
+        (KeepsTargets, "labels never reach it (no label-like attribute)", "['targets']"),
+        (EditsTheSharedModel, "the frozen backbone is unchanged", "declare adapts = True"),
+        (WrongShape, "logits [B, C], finite", "logits (8, 1), expected (8, 4)"),
+        (Counter, "same seed, same logits", "two fresh instances after reseed(3) differ"),
+    ],
+    "shift": [
+        (_batch_dependent, "per-sample seeding (independent of the batch)", "depends on the"),
+        (_global_rng, "same generator seeds, same output", "from `generator` only"),
+        (_crops, "output has the input's shape", "expected (8, 3, 16, 16)"),
+        (_nan, "finite, in [0, 1] after the harness's clamp", "non-finite value(s)"),
+    ],
+    "loss": [
         (_mean_loss, "one value per sample", "shape () from logits [6, 5], expected [6]"),
         (_detached_loss, "differentiable", "does not require grad"),
         (_no_context, "accepts context keywords", "unexpected keyword argument 'features'"),
     ],
+}
+
+
+@pytest.mark.parametrize(
+    ("kind", "broken", "check", "reason"),
+    [(kind, *case) for kind, cases in BROKEN.items() for case in cases],
 )
-def test_a_broken_loss_fails_naming_the_check(capsys, add, fn, check, reason):
-    add("losses", "broken", fn)
-    _fails(capsys, "loss", check, reason)
+def test_a_broken_component_fails_naming_the_check(capsys, add, kind, broken, check, reason):
+    from tta_bench.cli.validate import KINDS
+
+    add(KINDS[kind], "broken", broken)
+    out = _fails(capsys, kind, check, reason)
+    assert out.rstrip().splitlines()[-1].startswith("FAILED: ")
 
 
 def test_a_broken_dataset_fails_naming_the_check(capsys, add):

@@ -34,21 +34,14 @@ class Bounds:
         )
 
     def __str__(self) -> str:
-        low = (
-            f">= {self.ge:g}"
-            if self.ge is not None
-            else f"> {self.gt:g}"
-            if self.gt is not None
-            else ""
-        )
-        high = (
-            f"<= {self.le:g}"
-            if self.le is not None
-            else f"< {self.lt:g}"
-            if self.lt is not None
-            else ""
-        )
+        low = _first_set((">=", self.ge), (">", self.gt))
+        high = _first_set(("<=", self.le), ("<", self.lt))
         return " and ".join(p for p in (low, high) if p) or "finite"
+
+
+def _first_set(*limits: tuple[str, float | None]) -> str:
+    """``"OP VALUE"`` of the first ``(OP, VALUE)`` whose value is set, else ``""``."""
+    return next((f"{op} {value:g}" for op, value in limits if value is not None), "")
 
 
 def bounded(

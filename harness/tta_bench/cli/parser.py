@@ -85,17 +85,46 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def _command(
+    sub: Any, name: str, func: Any, help: str, description: str | None = None, **defaults: Any
+) -> argparse.ArgumentParser:
+    """Subcommand ``name``, run by ``func`` (``help``: its line in ``tta-bench --help``;
+    ``description``: the top of its own ``--help``; ``defaults``: values no option sets)."""
+    command = sub.add_parser(name, help=help, description=description)
+    command.set_defaults(func=func, **defaults)
+    return command
+
+
+def _add_target(p: argparse.ArgumentParser, *, listed: bool) -> None:
+    """``--method``, ``--suite``, ``--model`` and ``--dataset``: what ``run`` and ``profile``
+    evaluate (``listed``: each help names the ``tta-bench ls`` list of its names)."""
+    for kind, default in (
+        ("method", _CATALOGUE_DEFAULT),
+        ("suite", _CATALOGUE_DEFAULT),
+        ("model", "default: the suite's"),
+    ):
+        listing = f" (tta-bench ls {kind}s)" if listed else ""
+        p.add_argument(f"--{kind}", help=f"{kind} name{listing}; {default}")
+    p.add_argument("--dataset", help=_DATASET_HELP)
+
+
+def _add_pairing(p: argparse.ArgumentParser) -> None:
+    """``--baseline`` and ``--test``: what ``table`` and ``leaderboard`` compare runs against,
+    and how."""
+    p.add_argument("--baseline", help=BASELINE_HELP)
+    p.add_argument("--test", default="t", choices=("t", "bootstrap"), help="paired test")
+
+
 def _add_run(sub: Any) -> None:
-    r = sub.add_parser(
+    r = _command(
+        sub,
         "run",
-        help="evaluate one method on a suite",
-        description="Evaluate a method on a shifted test stream. Extra "
+        cmd_run,
+        "evaluate one method on a suite",
+        "Evaluate a method on a shifted test stream. Extra "
         "arguments are Hydra overrides, e.g. method.lr=1e-3 seeds=[0,1,2].",
     )
-    r.add_argument("--method", help=f"method name (tta-bench ls methods); {_CATALOGUE_DEFAULT}")
-    r.add_argument("--suite", help=f"suite name (tta-bench ls suites); {_CATALOGUE_DEFAULT}")
-    r.add_argument("--model", help="model name (tta-bench ls models); default: the suite's")
-    r.add_argument("--dataset", help=_DATASET_HELP)
+    _add_target(r, listed=True)
     r.add_argument("--output", help="results JSON path; default: a timestamped file")
     r.add_argument("--data-dir", help="root of local data for hub-backed datasets")
     r.add_argument(
@@ -108,21 +137,21 @@ def _add_run(sub: Any) -> None:
     r.add_argument("--cfg", action="store_true", help="print the resolved config and exit")
     r.add_argument("--quiet", action="store_true", help="no progress bars")
     r.add_argument("overrides", nargs="*", help="Hydra overrides (key=value)")
-    r.set_defaults(func=cmd_run)
 
 
 def _add_ls(sub: Any) -> None:
-    ls = sub.add_parser("ls", help="list registered components, suites and presets")
+    ls = _command(sub, "ls", cmd_ls, "list registered components, suites and presets")
     ls.add_argument("kind", nargs="?", choices=LIST_KINDS)
     ls.add_argument("--json", action="store_true", help="print JSON instead of tables")
-    ls.set_defaults(func=cmd_ls)
 
 
 def _add_sweep(sub: Any) -> None:
-    sw = sub.add_parser(
+    sw = _command(
+        sub,
         "sweep",
-        help="run a grid of runs as Hydra multirun jobs (resumable)",
-        description="Hydra multirun over run overrides, e.g. method=NAME1,NAME2 seeds=[0,1,2] "
+        cmd_sweep,
+        "run a grid of runs as Hydra multirun jobs (resumable)",
+        "Hydra multirun over run overrides, e.g. method=NAME1,NAME2 seeds=[0,1,2] "
         "hydra/launcher=joblib hydra.launcher.n_jobs=2. One job per method x model x seed; "
         "each writes a results JSON into --dir; rerunning skips finished cells. Launchers: "
         "basic (default), joblib, submitit_local, submitit_slurm (pip install "
@@ -155,11 +184,12 @@ def _add_sweep(sub: Any) -> None:
         "one launcher task (default 8; 1 packs nothing)",
     )
     sw.add_argument("overrides", nargs="*", help="Hydra overrides, sweeps as a,b")
-    sw.set_defaults(func=cmd_sweep)
-    mg = sub.add_parser(
+    mg = _command(
+        sub,
         "merge",
-        help="combine the shard parts of a run (protocol.shard=i/N) into its results file",
-        description="Combine the N parts of one run, written with protocol.shard=i/N, into "
+        cmd_merge,
+        "combine the shard parts of a run (protocol.shard=i/N) into its results file",
+        "Combine the N parts of one run, written with protocol.shard=i/N, into "
         "the results file the unsharded run writes: each cell's metrics computed once over "
         "all its samples (from the parts' per-sample logits). Refuses parts of different "
         "runs (model weights, method config, protocol, seeds, settings), a missing or "
@@ -168,35 +198,33 @@ def _add_sweep(sub: Any) -> None:
     mg.add_argument("parts", nargs="+", help="the parts' results files")
     mg.add_argument("--output", "-o", required=True, help="the merged results file")
     mg.add_argument("--force", action="store_true", help="replace --output if it exists")
-    mg.set_defaults(func=cmd_merge)
 
 
 def _add_profile(sub: Any) -> None:
-    pr = sub.add_parser(
+    pr = _command(
+        sub,
         "profile",
-        help="run a few batches and report where the time goes",
-        description="Run the first batches of a run (first seed) and report the time split "
+        cmd_profile,
+        "run a few batches and report where the time goes",
+        "Run the first batches of a run (first seed) and report the time split "
         "(data wait / shift / model), the data-wait share and a recommendation.",
+        output=None,
+        cfg=False,
+        quiet=True,
     )
     pr.add_argument("--batches", type=int, default=20, help="batches to run (default 20)")
-    pr.add_argument("--method", help=f"method name; {_CATALOGUE_DEFAULT}")
-    pr.add_argument("--suite", help=f"suite name; {_CATALOGUE_DEFAULT}")
-    pr.add_argument("--model", help="model name; default: the suite's")
-    pr.add_argument("--dataset", help=_DATASET_HELP)
+    _add_target(pr, listed=False)
     pr.add_argument("--data-dir", help="root of local data for hub-backed datasets")
     pr.add_argument("overrides", nargs="*", help="Hydra overrides (key=value)")
-    pr.set_defaults(func=cmd_profile, output=None, cfg=False, quiet=True)
 
 
 def _add_env_and_cache(sub: Any) -> None:
-    e = sub.add_parser("env", help="versions, device, cache dir, plugin distributions")
+    e = _command(sub, "env", cmd_env, "versions, device, cache dir, plugin distributions")
     e.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    e.set_defaults(func=cmd_env)
-    c = sub.add_parser("cache", help="list or clear the decoded-image and text-head caches")
+    c = _command(sub, "cache", cmd_cache, "list or clear the decoded-image and text-head caches")
     c.add_argument("action", choices=("list", "clear"))
     c.add_argument("names", nargs="*", help="clear: only these domains' decoded images")
     c.add_argument("--kind", choices=("all", "decoded", "text"), default="all")
-    c.set_defaults(func=cmd_cache)
 
 
 _DATASET_HELP = (
@@ -212,7 +240,7 @@ _CATALOGUE_DEFAULT = "default: the catalogues' (tta-bench ls defaults)"
 
 
 def _add_reports(sub: Any) -> None:
-    t = sub.add_parser("table", help="render tables from results files")
+    t = _command(sub, "table", cmd_table, "render tables from results files")
     t.add_argument("results", nargs="+", help="results JSON files (one protocol)")
     t.add_argument(
         "--format",
@@ -221,61 +249,64 @@ def _add_reports(sub: Any) -> None:
         "programs: json (cells and summary) | csv (one row per cell) | csv-summary (one row "
         "per run, interval bounds as columns)",
     )
-    t.add_argument("--baseline", help=BASELINE_HELP)
-    t.add_argument("--test", default="t", choices=("t", "bootstrap"), help="paired test")
-    t.set_defaults(func=cmd_table)
-    lb = sub.add_parser("leaderboard", help="write a ranked leaderboard of a results directory")
+    _add_pairing(t)
+    lb = _command(
+        sub, "leaderboard", cmd_leaderboard, "write a ranked leaderboard of a results directory"
+    )
     lb.add_argument("results_dir", help="directory of results JSON files")
     lb.add_argument("--suite", required=True, help="suite to rank (tta-bench ls suites)")
     lb.add_argument("--protocol", help="protocol id to rank; default: the suite's current one")
-    lb.add_argument("--baseline", help=BASELINE_HELP)
-    lb.add_argument("--test", default="t", choices=("t", "bootstrap"), help="paired test")
+    _add_pairing(lb)
     lb.add_argument("--no-plots", action="store_true", help="tables only")
-    lb.set_defaults(func=cmd_leaderboard)
-    rs = sub.add_parser(
+    rs = _command(
+        sub,
         "rescore",
-        help="recompute every registered metric from a run's per-sample outputs",
-        description="Recompute every registered metric from the per-sample files a run wrote "
+        cmd_rescore,
+        "recompute every registered metric from a run's per-sample outputs",
+        "Recompute every registered metric from the per-sample files a run wrote "
         "with log_samples=logits (<results stem>.samples/), without adapting again: stored "
         "metrics are checked, metrics registered later are computed. Example: tta-bench "
         "rescore results/run.json --write",
     )
     rs.add_argument("results", help="a results JSON file whose run used log_samples=logits")
     rs.add_argument("--write", action="store_true", help="store the values in the results file")
-    rs.set_defaults(func=cmd_rescore)
 
 
 def _add_deployment(sub: Any) -> None:
-    pd = sub.add_parser(
+    pd = _command(
+        sub,
         "predict",
-        help="adapt and predict over an image folder (a resumable batch job)",
-        description="Run a method over the images of a folder, batch by batch, as the "
+        cmd_predict,
+        "adapt and predict over an image folder (a resumable batch job)",
+        "Run a method over the images of a folder, batch by batch, as the "
         "--config job.json describes (keys: tta_bench.deploy.predict). Writes <batch>_result.json "
         "files, logs/ and summary.json into output_dir; a rerun skips finished batches.",
     )
     pd.add_argument("--config", required=True, help="the job's JSON file")
     pd.add_argument("--quiet", action="store_true", help="no progress bar")
-    pd.set_defaults(func=cmd_predict)
 
     from tta_bench.deploy.serve import add_arguments as serve_arguments  # argparse only, no torch
 
-    sv = sub.add_parser(
+    sv = _command(
+        sub,
         "serve",
-        help="serve a method over HTTP (pip install 'tta-bench[serve]')",
-        description="HTTP service: POST /predict, /sessions; GET /health, /info. Per-session "
+        cmd_serve,
+        "serve a method over HTTP (pip install 'tta-bench[serve]')",
+        "HTTP service: POST /predict, /sessions; GET /health, /info. Per-session "
         "adaptation state over one shared frozen backbone. Ctrl-C stops it.",
     )
     serve_arguments(sv)
-    sv.set_defaults(func=cmd_serve)
 
 
 def _add_validate(sub: Any) -> None:
     from tta_bench.cli.validate import KIND_NAMES
 
-    v = sub.add_parser(
+    v = _command(
+        sub,
         "validate",
-        help="check one component against its contract (a line per check)",
-        description="Run the contract checks on one component and print PASS, FAIL or SKIP "
+        cmd_validate,
+        "check one component against its contract (a line per check)",
+        "Run the contract checks on one component and print PASS, FAIL or SKIP "
         "with the reason for each check. Exit status 0 when none fails, 1 when one does, 2 "
         "for an unknown kind or name. Methods run on --model (default: the catalogues') "
         "with a few images of --suite's dataset (default: the catalogues' suite), or random "
@@ -287,4 +318,3 @@ def _add_validate(sub: Any) -> None:
     v.add_argument("--suite", help="suite whose dataset gives the images; default: the catalogues'")
     v.add_argument("--data-dir", help="root of local data (datasets that read local files)")
     v.add_argument("--device", default="cpu", help="device the checks run on (default cpu)")
-    v.set_defaults(func=cmd_validate)

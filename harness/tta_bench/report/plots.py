@@ -41,12 +41,15 @@ def _figure(size: tuple[float, float] = SIZE) -> Any:
     return fig
 
 
-def _save(fig: Any, path: Path) -> None:
+def _save(fig: Any, path: str | Path) -> Path:
+    """Write ``fig`` as a PNG at ``path``; returns the path."""
     from tta_bench.paths import atomic_path
 
+    out = Path(path)
     fig.tight_layout()
-    with atomic_path(path) as tmp:  # never a half-written PNG under the final name
+    with atomic_path(out) as tmp:  # never a half-written PNG under the final name
         fig.savefig(tmp, dpi=DPI, format="png", metadata={"Software": None})
+    return out
 
 
 def _colour(low: float | None, high: float | None) -> str:
@@ -94,9 +97,7 @@ def forest(
     ax.set_xlabel(f"accuracy difference to {baseline} (percentage points, 95% CI)")
     ax.set_title(f"Difference to {baseline}", loc="left")
     ax.grid(axis="x", alpha=0.3)
-    out = Path(path)
-    _save(fig, out)
-    return out
+    return _save(fig, path)
 
 
 def delta_heatmap(
@@ -137,9 +138,7 @@ def delta_heatmap(
         ax.axvline(len(column_labels) - 1.5, color="black", linewidth=1)
     ax.set_title(f"Difference to {baseline} per shift (percentage points)", loc="left")
     fig.colorbar(image, ax=ax, fraction=0.03, pad=0.02)
-    out = Path(path)
-    _save(fig, out)
-    return out
+    return _save(fig, path)
 
 
 def _slant(ax: Any) -> None:
@@ -150,8 +149,14 @@ def _slant(ax: Any) -> None:
         label.set_rotation_mode("anchor")
 
 
-def _legend_outside(ax: Any) -> None:
+def _save_accuracy_lines(fig: Any, ax: Any, title: str, path: str | Path) -> Path:
+    """Finish and write a plot of one accuracy line per run: the y label, ``title``, a grid
+    and the legend outside the axes, at the right."""
+    ax.set_ylabel("accuracy (%)")
+    ax.set_title(title, loc="left")
+    ax.grid(alpha=0.3)
     ax.legend(fontsize="small", loc="center left", bbox_to_anchor=(1.01, 0.5), frameon=False)
+    return _save(fig, path)
 
 
 def accuracy_vs_severity(
@@ -176,13 +181,9 @@ def accuracy_vs_severity(
         ax.errorbar(xs, ys, yerr=errs, marker="o", capsize=3, label=label)
     ax.set_xticks(sorted(severities))
     ax.set_xlabel("severity")
-    ax.set_ylabel("accuracy (%)")
-    ax.set_title("Accuracy vs severity (mean over shifts, 95% CI over seeds)", loc="left")
-    ax.grid(alpha=0.3)
-    _legend_outside(ax)
-    out = Path(path)
-    _save(fig, out)
-    return out
+    return _save_accuracy_lines(
+        fig, ax, "Accuracy vs severity (mean over shifts, 95% CI over seeds)", path
+    )
 
 
 def accuracy_over_stream(
@@ -208,14 +209,8 @@ def accuracy_over_stream(
     ticks = [f"{shift} {sev}" if several else shift for shift, sev in order]
     ax.set_xticks(range(len(order)), ticks, fontsize="small")
     _slant(ax)
-    ax.set_ylabel("accuracy (%)")
     ax.set_xlabel("stream (in order, never reset)")
-    ax.set_title("Accuracy over the stream (mean over seeds)", loc="left")
-    ax.grid(alpha=0.3)
-    _legend_outside(ax)
-    out = Path(path)
-    _save(fig, out)
-    return out
+    return _save_accuracy_lines(fig, ax, "Accuracy over the stream (mean over seeds)", path)
 
 
 def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
@@ -280,9 +275,7 @@ def accuracy_vs_time(
     ax.grid(alpha=0.3, which="both")
     ax.margins(x=0.1, y=0.08)  # room for the labels of the outermost points
     _place_labels(fig, ax, points, names, set(front))
-    out = Path(path)
-    _save(fig, out)
-    return out
+    return _save(fig, path)
 
 
 #: Where a point's label may go, in points from the point (tried in this order).

@@ -19,7 +19,7 @@ import functools
 import os
 import random
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 from typing import Any
 
 import numpy as np
@@ -40,12 +40,7 @@ class LoaderSettings:
     persistent_workers: bool
 
     def as_dict(self) -> dict[str, Any]:
-        return {
-            "num_workers": self.num_workers,
-            "pin_memory": self.pin_memory,
-            "prefetch_factor": self.prefetch_factor,
-            "persistent_workers": self.persistent_workers,
-        }
+        return asdict(self)
 
 
 def default_num_workers(device: torch.device, decoding: bool = False) -> int:
