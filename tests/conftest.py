@@ -50,6 +50,13 @@ def noisy_images(test_images):
     return noisy.clamp(0, 1)
 
 
+@pytest.fixture(scope="module")
+def batch(noisy_images):
+    """The first 4 of ``noisy_images``: the batch the method tests adapt on (a test module
+    with another ``batch`` fixture of its own uses that one)."""
+    return noisy_images[:4]
+
+
 @pytest.fixture()
 def tmp_cache(tmp_path, monkeypatch):
     """An empty tta-bench cache directory for tests of caching itself."""

@@ -45,6 +45,15 @@ def _run(capsys, *args: str) -> tuple[int, str, str]:
     return rc, out.out, out.err
 
 
+def _record(capsys, tmp_path: Path, *args: str) -> tuple[dict, str]:
+    """``tta-bench run *args`` writing to ``tmp_path / "r.json"`` (``--quiet``), asserted to
+    exit 0: its results record and what it printed."""
+    out = tmp_path / "r.json"
+    rc, printed, err = _run(capsys, "run", *args, "--output", str(out), "--quiet")
+    assert rc == 0, err
+    return json.loads(out.read_text()), printed
+
+
 def _protocol_id(capsys, *args: str) -> str:
     rc, out, err = _run(capsys, "run", *args, "--cfg")
     assert rc == 0, err
@@ -52,15 +61,12 @@ def _protocol_id(capsys, *args: str) -> str:
 
 
 def test_an_image_folder_runs_end_to_end_under_a_shift(capsys, tmp_cache, folder, tmp_path):
-    out = tmp_path / "r.json"
-    rc, printed, err = _run(
+    record, printed = _record(
         capsys,
-        *("run", "--dataset", "imagefolder", f"dataset.path={folder}"),
+        tmp_path,
+        *("--dataset", "imagefolder", f"dataset.path={folder}"),
         *("protocol.shifts=[gaussian_noise]", "protocol.severities=[3]", "seeds=[0]"),
-        *("--output", str(out), "--quiet"),
     )
-    assert rc == 0, err
-    record = json.loads(out.read_text())
     assert record["suite"] == "adhoc-imagefolder"
     assert record["model"]["name"] == "tiny-clip-digits"  # the catalogues' default model
     protocol = record["protocol"]
@@ -79,14 +85,11 @@ def test_an_image_folder_runs_end_to_end_under_a_shift(capsys, tmp_cache, folder
 
 
 def test_without_shifts_the_clean_images_are_scored(capsys, tmp_cache, folder, tmp_path):
-    out = tmp_path / "r.json"
-    rc, printed, err = _run(
+    record, printed = _record(
         capsys,
-        *("run", "--dataset", "imagefolder", f"dataset.path={folder}", "--method", "tent"),
-        *("seeds=[0]", "--output", str(out), "--quiet"),
+        tmp_path,
+        *("--dataset", "imagefolder", f"dataset.path={folder}", "--method", "tent", "seeds=[0]"),
     )
-    assert rc == 0, err
-    record = json.loads(out.read_text())
     assert [(c["shift"], c["severity"], c["n"]) for c in record["cells"]] == [("clean", 1, 60)]
     assert record["protocol"]["batch_size"] == 64
     assert record["protocol"]["reset"] == "reset_each_shift"
@@ -175,13 +178,8 @@ def test_a_parquet_file_takes_its_class_names_from_the_label_column(
     )
     path = tmp_path / "test.parquet"
     ds.cast_column("image", datasets.Image(decode=True)).to_parquet(str(path))
-    out = tmp_path / "r.json"
-    rc, _, err = _run(
-        capsys,
-        *("run", "--dataset", "parquet", f"dataset.path={path}", "seeds=[0]"),
-        *("--output", str(out), "--quiet"),
+    record, _ = _record(
+        capsys, tmp_path, "--dataset", "parquet", f"dataset.path={path}", "seeds=[0]"
     )
-    assert rc == 0, err
-    record = json.loads(out.read_text())
     assert record["suite"] == "adhoc-parquet"
     assert record["cells"][0]["n"] == 60 and record["cells"][0]["accuracy"] > 0.5

@@ -11,6 +11,7 @@ import math
 import pytest
 import torch
 import torch.nn.functional as F
+from method_runs import build_with_source
 from torch import nn
 
 from mura_plugin.methods._norm import top_excluded_norm_parameters
@@ -45,12 +46,7 @@ def _entropy(logits: torch.Tensor) -> torch.Tensor:
 
 def _build(cls, classifier, source=None, **overrides):
     config = dataclasses.replace(cls.Config(), **overrides)
-    method = cls(copy.deepcopy(classifier), config)
-    if method.source_images_needed():
-        method.set_source(source)
-    torch.manual_seed(0)
-    method.setup()
-    return method
+    return build_with_source(cls, classifier, config, lambda n: source)
 
 
 @pytest.fixture(scope="module")
@@ -67,53 +63,35 @@ def source_images(test_images):
 
 
 # -- official defaults -----------------------------------------------------------------------
+def _assert_defaults(cls, **expected):
+    """Each field named in ``expected`` of ``cls.Config()`` equals its given value."""
+    config = cls.Config()
+    for name, value in expected.items():
+        assert getattr(config, name) == value, f"{cls.__name__}.Config().{name}"
+
+
 def test_official_defaults():
-    t = Tent.Config()
-    assert (t.loss, t.optimizer, t.lr, t.steps, t.weight_decay) == ("entropy", "adam", 1e-3, 1, 0)
-    e = EATA.Config()
-    assert (e.optimizer, e.lr, e.momentum, e.steps, e.e_margin, e.d_margin) == (
-        "sgd",
-        None,
-        0.9,
-        1,
-        0.4,
-        0.05,
+    _assert_defaults(Tent, loss="entropy", optimizer="adam", lr=1e-3, steps=1, weight_decay=0)
+    _assert_defaults(
+        EATA, optimizer="sgd", lr=None, momentum=0.9, steps=1, e_margin=0.4, d_margin=0.05
     )
-    assert (e.probs_momentum, e.fisher_alpha, e.fisher_size, e.fisher_batch_size) == (
-        0.9,
-        2000.0,
-        2000,
-        64,
+    _assert_defaults(
+        EATA, probs_momentum=0.9, fisher_alpha=2000.0, fisher_size=2000, fisher_batch_size=64
     )
     assert not hasattr(ETA.Config(), "fisher_alpha")
-    s = SAR.Config()
-    assert (s.optimizer, s.lr, s.momentum, s.e_margin, s.rho, s.reset_threshold) == (
-        "sgd",
-        None,
-        0.9,
-        0.4,
-        0.05,
-        0.2,
+    _assert_defaults(
+        SAR, optimizer="sgd", lr=None, momentum=0.9, e_margin=0.4, rho=0.05, reset_threshold=0.2
     )
-    assert (s.ema_momentum, s.exclude_top, s.exclude_final_norm) == (0.9, 0.25, True)
+    _assert_defaults(SAR, ema_momentum=0.9, exclude_top=0.25, exclude_final_norm=True)
+    _assert_defaults(
+        DeYO, e_margin=0.5, reweight_margin=0.4, plpd_threshold=0.2, patch_len=4, aug_type="patch"
+    )
     d = DeYO.Config()
-    assert (d.e_margin, d.reweight_margin, d.plpd_threshold, d.patch_len, d.aug_type) == (
-        0.5,
-        0.4,
-        0.2,
-        4,
-        "patch",
-    )
     assert d.filter_ent and d.filter_plpd and d.reweight_ent and d.reweight_plpd
-    c = CoTTA.Config()
-    assert (c.optimizer, c.lr, c.steps, c.teacher_momentum, c.restore_prob) == (
-        "adam",
-        1e-3,
-        1,
-        0.999,
-        0.01,
+    _assert_defaults(
+        CoTTA, optimizer="adam", lr=1e-3, steps=1, teacher_momentum=0.999, restore_prob=0.01
     )
-    assert (c.confidence_threshold, c.augmentations, c.noise_std) == (0.92, 32, 0.005)
+    _assert_defaults(CoTTA, confidence_threshold=0.92, augmentations=32, noise_std=0.005)
     assert all(cls.Config().precision == "fp32" for cls in ALL)
 
 

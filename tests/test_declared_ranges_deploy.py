@@ -11,10 +11,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import re
-import subprocess
-import sys
 
 import pytest
+from processes import python_ok
 
 from tta_bench.cli import main
 from tta_bench.registry import registry
@@ -168,11 +167,9 @@ def test_the_serve_options_are_generated_from_the_limits():
 
 
 def test_importing_serve_loads_neither_fastapi_nor_uvicorn_nor_torch():
-    code = (
+    python_ok(
         "import sys, tta_bench.deploy.serve\n"
         "bad = sorted(m for m in sys.modules if m.split('.')[0] in "
         "('fastapi', 'uvicorn', 'starlette', 'h11', 'torch'))\n"
         "assert not bad, bad\n"
     )
-    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert done.returncode == 0, done.stderr

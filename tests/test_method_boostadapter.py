@@ -13,7 +13,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from method_runs import run_method
+from method_runs import run_method, seeded_step
 
 from mura_plugin.methods._cache import EntropyCache as _Cache
 from mura_plugin.methods._view_budget import configured_views
@@ -233,19 +233,15 @@ def test_tta_vlm_settings(classifier):
 
 def test_reset_returns_to_setup_and_seeding_is_deterministic(classifier, test_images):
     images = test_images[0]
-    fresh = _build(classifier, dataset="digits")
-    fresh.reseed(7)
-    expected = fresh.step(images[:4])
+    expected = seeded_step(_build(classifier, dataset="digits"), images[:4], 7)
     used = _build(classifier, dataset="digits")
     for seed in (1, 2):
-        used.reseed(seed)
-        used.step(images[4 * seed : 4 * seed + 4])
+        seeded_step(used, images[4 * seed : 4 * seed + 4], seed)
     assert torch.isfinite(used.pos.entropy).any()
     used.reset()
     assert not torch.isfinite(used.pos.entropy).any()
     assert not torch.isfinite(used.neg.entropy).any()
-    used.reseed(7)
-    torch.testing.assert_close(used.step(images[:4]), expected, rtol=0, atol=0)
+    torch.testing.assert_close(seeded_step(used, images[:4], 7), expected, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("tta_vlm", [False, True])

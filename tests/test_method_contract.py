@@ -6,12 +6,12 @@ its paper, official code and commit, the ones its provenance header names."""
 
 from __future__ import annotations
 
-import copy
 import re
 import sys
 
 import pytest
 import torch
+from method_runs import build_with_source
 
 from tta_bench import catalog
 from tta_bench.method import Method
@@ -43,18 +43,18 @@ def _cheap_config(method_cls):
     return dataclasses.replace(cfg, **change)
 
 
+def _digits_source(n: int) -> torch.Tensor:
+    """The first ``n`` digits training images: clean, unlabeled source images [n, 3, 32, 32]
+    in [0, 1], as the runner hands them over (EATA's Fisher)."""
+    from mura_plugin.datasets.digits import digits_arrays
+
+    x, _ = digits_arrays("train")
+    return torch.from_numpy(x[:n]).permute(0, 3, 1, 2).float() / 255.0
+
+
 def _fresh(name: str, classifier) -> Method:
     method_cls = registry("methods").get(name)
-    method = method_cls(copy.deepcopy(classifier), _cheap_config(method_cls))
-    n = method.source_images_needed()
-    if n:  # clean, unlabeled source images, as the runner hands them over (EATA's Fisher)
-        from mura_plugin.datasets.digits import digits_arrays
-
-        x, _ = digits_arrays("train")
-        method.set_source(torch.from_numpy(x[:n]).permute(0, 3, 1, 2).float() / 255.0)
-    torch.manual_seed(0)
-    method.setup()
-    return method
+    return build_with_source(method_cls, classifier, _cheap_config(method_cls), _digits_source)
 
 
 @pytest.fixture(scope="module")

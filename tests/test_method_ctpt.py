@@ -3,26 +3,28 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import numpy as np
 import pytest
 import torch
-from method_runs import build_method, run_method
+from method_runs import (
+    FAST,
+    assert_batched_episodes_equal_sequential,
+    assert_params_at_snapshot,
+    assert_reset_then_reseed_reproduces,
+    build_method,
+    run_method,
+    scored_cell,
+    seeded_step,
+)
 
 from mura_plugin.methods.ctpt import CTPT, atfd, dataset_setting
 from mura_plugin.methods.tpt import TPT
 from tta_bench.run.profiles import method_settings
 
-FAST = {"views": 7}  # fewer views keep the tests fast; the defaults are checked separately
-
-
 _build = build_method
-
-
-@pytest.fixture(scope="module")
-def batch(noisy_images):
-    return noisy_images[:4]
 
 
 def _atfd_numpy(text: np.ndarray) -> float:
@@ -79,42 +81,26 @@ def test_loss_is_tpts_minus_lambda_atfd(classifier, batch):
 
 
 def test_the_atfd_term_changes_the_update(classifier, batch):
-    outs = []
-    for lam in (0.0, 50.0):
-        method = _build(CTPT, classifier, lambda_term=lam, **FAST)
-        method.reseed(1)
-        outs.append(method.step(batch))
+    outs = [
+        seeded_step(_build(CTPT, classifier, lambda_term=lam, **FAST), batch, 1)
+        for lam in (0.0, 50.0)
+    ]
     assert not torch.allclose(outs[0], outs[1], atol=1e-4)
 
 
 def test_batched_episodes_equal_the_sequential_loop(classifier, batch):
     config = {**FAST, "chunk_views": 16}  # 16 // 8 views: chunks of 2 samples
-    parallel = _build(CTPT, classifier, **config)
-    sequential = _build(CTPT, classifier, episode_batching=False, **config)
-    assert parallel.batched_episodes() and not sequential.batched_episodes()
-    outs = []
-    for method in (parallel, sequential):
-        method.reseed(4)
-        outs.append(method.step(batch))
-    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=1e-5)
-    torch.testing.assert_close(parallel.last_loss, sequential.last_loss, rtol=0, atol=1e-5)
+    assert_batched_episodes_equal_sequential(
+        functools.partial(_build, CTPT, classifier, **config), batch, loss_atol=1e-5
+    )
 
 
 def test_reset_and_seed_reproduce(classifier, batch):
-    fresh = _build(CTPT, classifier, **FAST)
-    used = _build(CTPT, classifier, **FAST)
-    used.reseed(1)
-    used.step(batch)
-    used.reset()
-    fresh.reseed(5)
-    used.reseed(5)
-    a = fresh.step(batch)
-    assert torch.equal(a, used.step(batch))
+    build = functools.partial(_build, CTPT, classifier, **FAST)
+    fresh, used, a = assert_reset_then_reseed_reproduces(build, batch)
     fresh.reset()
-    fresh.reseed(5)
-    assert torch.equal(a, fresh.step(batch))
-    for p, saved in zip(used.params, used._snapshot["params"]):
-        assert torch.equal(p, saved)
+    assert torch.equal(a, seeded_step(fresh, batch, 5))
+    assert_params_at_snapshot(used)
 
 
 def test_class_attributes():
@@ -133,9 +119,6 @@ def test_class_attributes():
 @pytest.mark.parametrize("tta_vlm", [False, True])
 def test_end_to_end_through_the_runner(tmp_path, tta_vlm):
     record = run_method(tmp_path, "ctpt", tta_vlm=tta_vlm, max_images=32)
-    assert record["cells"], "no cell produced"
-    cell = record["cells"][0]
-    assert 0.0 <= cell["accuracy"] <= 1.0
-    assert math.isfinite(cell["nll"])
+    scored_cell(record)
     expected = {"lambda_term": 20.0, "augmix": False}
     assert record["method_resolved"] == expected

@@ -3,26 +3,24 @@
 from __future__ import annotations
 
 import functools
-import math
 
 import numpy as np
 import pytest
 import torch
-from method_runs import build_method, run_method
+from method_runs import (
+    FAST,
+    assert_reset_then_reseed_reproduces,
+    build_method,
+    run_method,
+    scored_cell,
+    seeded_step,
+)
 
 from mura_plugin.methods._view_budget import configured_views
 from mura_plugin.methods.mta import MTA, mta_bandwidth, mta_solve
 from tta_bench.run.profiles import method_settings
 
-FAST = {"views": 7}  # fewer views keep the tests fast; the defaults are checked separately
-
-
 _build = functools.partial(build_method, MTA)
-
-
-@pytest.fixture(scope="module")
-def batch(noisy_images):
-    return noisy_images[:4]
 
 
 def _softmax(z: np.ndarray) -> np.ndarray:
@@ -133,18 +131,9 @@ def test_prediction_is_the_mode_under_the_head(classifier, batch):
 
 
 def test_reset_and_seed_reproduce(classifier, batch):
-    fresh = _build(classifier, **FAST)
-    used = _build(classifier, **FAST)
-    used.reseed(1)
-    used.step(batch)
-    used.reset()
-    fresh.reseed(5)
-    used.reseed(5)
-    a = fresh.step(batch)
-    assert torch.equal(a, used.step(batch))
-    again = _build(classifier, **FAST)
-    again.reseed(5)
-    assert torch.equal(a, again.step(batch))
+    build = functools.partial(_build, classifier, **FAST)
+    _, _, a = assert_reset_then_reseed_reproduces(build, batch)
+    assert torch.equal(a, seeded_step(build(), batch, 5))  # and a third, new one
 
 
 def test_class_attributes_and_defaults(classifier):
@@ -178,7 +167,4 @@ def test_end_to_end_through_the_runner(tmp_path, augmix):
     assert method_settings("tta_vlm", "mta") == {}  # TTA-VLM runs the official setting
     views = ["method.augmix=true"] if augmix else []
     record = run_method(tmp_path, "mta", *views, max_images=8 if augmix else 16)
-    assert record["cells"], "no cell produced"
-    cell = record["cells"][0]
-    assert 0.0 <= cell["accuracy"] <= 1.0
-    assert math.isfinite(cell["nll"])
+    scored_cell(record)

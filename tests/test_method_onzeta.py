@@ -11,7 +11,7 @@ import math
 import numpy as np
 import pytest
 import torch
-from method_runs import run_method
+from method_runs import run_method, seeded_step
 
 from mura_plugin.methods.onzeta import ONZETA_7, OnZeta, official_templates
 from tta_bench.run.profiles import method_settings
@@ -123,19 +123,15 @@ def test_heads_and_tta_vlm_beta_follow_the_dataset(classifier, monkeypatch):
 
 def test_reset_returns_to_setup_and_seeding_is_deterministic(classifier, test_images):
     images = test_images[0]
-    fresh = _build(classifier, stream_length=16)
-    fresh.reseed(0)
-    expected = fresh.step(images[:8])
+    expected = seeded_step(_build(classifier, stream_length=16), images[:8], 0)
     used = _build(classifier, stream_length=16)
     used.step(images[8:16])
     used.step(images[16:24])
     assert used.position == 16
     used.reset()
-    used.reseed(0)
-    torch.testing.assert_close(used.step(images[:8]), expected, rtol=0, atol=0)
+    torch.testing.assert_close(seeded_step(used, images[:8], 0), expected, rtol=0, atol=0)
     again = _build(classifier, stream_length=16)
-    again.reseed(0)
-    torch.testing.assert_close(again.step(images[:8]), expected, rtol=0, atol=0)
+    torch.testing.assert_close(seeded_step(again, images[:8], 0), expected, rtol=0, atol=0)
 
 
 @pytest.mark.parametrize("tta_vlm", [False, True])

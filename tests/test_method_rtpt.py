@@ -3,25 +3,26 @@
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 
 import numpy as np
 import pytest
 import torch
-from method_runs import build_method, run_method
+from method_runs import (
+    FAST,
+    assert_batched_episodes_equal_sequential,
+    assert_reset_then_reseed_reproduces,
+    build_method,
+    run_method,
+    scored_cell,
+    seeded_step,
+)
 
 from mura_plugin.methods.rtpt import RTPT, reliability_ensemble, reliability_weights
 from tta_bench.run.profiles import method_settings
 
-FAST = {"views": 7}  # fewer views keep the tests fast; the defaults are checked separately
-
-
-_build = build_method
-
-
-@pytest.fixture(scope="module")
-def batch(noisy_images):
-    return noisy_images[:4]
+_build = functools.partial(build_method, RTPT)
 
 
 def _weights_numpy(feats: np.ndarray, k: int, temperature: float) -> np.ndarray:
@@ -77,7 +78,7 @@ def test_step_is_the_pointwise_entropy_update_then_the_ensemble(classifier, batc
     """Reproduce one sample's episode by hand: the 10% lowest-entropy views (at least one)
     under the initial prompt, the mean of their entropies, one AdamW step on the context,
     then the reliability-weighted logits of all views under the updated prompt."""
-    method = _build(RTPT, classifier, views=15)
+    method = _build(classifier, views=15)
     image = batch[:1]
     method.reseed(2)
     feats = method.encode_views(method.make_views(image))[:, 0]  # [V, D]
@@ -108,29 +109,14 @@ def test_step_is_the_pointwise_entropy_update_then_the_ensemble(classifier, batc
 
 def test_batched_episodes_equal_the_sequential_loop(classifier, batch):
     config = {**FAST, "chunk_views": 16}
-    parallel = _build(RTPT, classifier, **config)
-    sequential = _build(RTPT, classifier, episode_batching=False, **config)
-    assert parallel.batched_episodes() and not sequential.batched_episodes()
-    outs = []
-    for method in (parallel, sequential):
-        method.reseed(4)
-        outs.append(method.step(batch))
-    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=1e-5)
+    assert_batched_episodes_equal_sequential(functools.partial(_build, classifier, **config), batch)
 
 
 def test_reset_and_seed_reproduce(classifier, batch):
-    fresh = _build(RTPT, classifier, **FAST)
-    used = _build(RTPT, classifier, **FAST)
-    used.reseed(1)
-    used.step(batch)
-    used.reset()
-    fresh.reseed(5)
-    used.reseed(5)
-    a = fresh.step(batch)
-    assert torch.equal(a, used.step(batch))
+    build = functools.partial(_build, classifier, **FAST)
+    fresh, _, a = assert_reset_then_reseed_reproduces(build, batch)
     fresh.reset()
-    fresh.reseed(5)
-    assert torch.equal(a, fresh.step(batch))
+    assert torch.equal(a, seeded_step(fresh, batch, 5))
 
 
 def test_class_attributes():
@@ -146,7 +132,4 @@ def test_class_attributes():
 @pytest.mark.parametrize("tta_vlm", [False, True])
 def test_end_to_end_through_the_runner(tmp_path, tta_vlm):
     record = run_method(tmp_path, "rtpt", tta_vlm=tta_vlm, max_images=32)
-    assert record["cells"], "no cell produced"
-    cell = record["cells"][0]
-    assert 0.0 <= cell["accuracy"] <= 1.0
-    assert math.isfinite(cell["nll"])
+    scored_cell(record)

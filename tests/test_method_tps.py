@@ -10,7 +10,15 @@ import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
-from method_runs import build_method, run_method
+from method_runs import (
+    FAST,
+    assert_reset_then_reseed_reproduces,
+    assert_same_seeded_steps,
+    build_method,
+    run_method,
+    scored_cell,
+    seeded_step,
+)
 
 from mura_plugin.methods._view_budget import configured_views
 from mura_plugin.methods.tps import (
@@ -23,15 +31,7 @@ from mura_plugin.methods.tps import (
 from tta_bench.run.profiles import method_settings
 from tta_bench.text_head import resolve_templates
 
-FAST = {"views": 7}  # fewer views keep the tests fast; the defaults are checked separately
-
-
 _build = functools.partial(build_method, TPS)
-
-
-@pytest.fixture(scope="module")
-def batch(noisy_images):
-    return noisy_images[:4]
 
 
 def test_shifted_logits_known_values():
@@ -94,12 +94,7 @@ def test_one_step_is_adamw_on_the_confident_views_entropy(classifier, batch):
 def test_batched_episodes_equal_the_per_image_loop(classifier, batch):
     together = _build(classifier, chunk_episodes=4, steps=2, **FAST)
     alone = _build(classifier, chunk_episodes=1, steps=2, **FAST)
-    outs = []
-    for method in (together, alone):
-        method.reseed(4)
-        outs.append(method.step(batch))
-    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=1e-5)
-    torch.testing.assert_close(together.last_loss, alone.last_loss, rtol=0, atol=1e-6)
+    assert_same_seeded_steps(together, alone, batch, seed=4, loss_atol=1e-6)
 
 
 def test_without_steps_it_is_the_zero_shot_classifier(classifier, batch):
@@ -150,18 +145,9 @@ def test_descriptions_give_the_micro_pooled_prototypes(classifier, tmp_path):
 
 
 def test_reset_and_seed_reproduce(classifier, batch):
-    fresh = _build(classifier, **FAST)
-    used = _build(classifier, **FAST)
-    used.reseed(1)
-    used.step(batch)
-    used.reset()
-    fresh.reseed(5)
-    used.reseed(5)
-    a = fresh.step(batch)
-    assert torch.equal(a, used.step(batch))
-    again = _build(classifier, **FAST)
-    again.reseed(5)
-    assert torch.equal(a, again.step(batch))
+    build = functools.partial(_build, classifier, **FAST)
+    _, used, a = assert_reset_then_reseed_reproduces(build, batch)
+    assert torch.equal(a, seeded_step(build(), batch, 5))  # and a third, new one
     assert torch.equal(used.shift, torch.zeros_like(used.shift))  # the initial shift stays
 
 
@@ -186,8 +172,5 @@ def test_class_attributes_and_defaults(classifier):
 @pytest.mark.parametrize("tta_vlm", [False, True])
 def test_end_to_end_through_the_runner(tmp_path, tta_vlm):
     record = run_method(tmp_path, "tps", tta_vlm=tta_vlm, max_images=16)
-    assert record["cells"], "no cell produced"
-    cell = record["cells"][0]
-    assert 0.0 <= cell["accuracy"] <= 1.0
-    assert math.isfinite(cell["nll"])
+    scored_cell(record)
     assert record["method_resolved"] == {"lr": 5e-3}  # digits: TTA-VLM's ImageNet-set rate

@@ -4,11 +4,17 @@ from __future__ import annotations
 
 import copy
 import dataclasses
+import functools
 import math
 
 import pytest
 import torch
-from method_runs import build_method
+from method_runs import (
+    FAST,
+    assert_batched_episodes_equal_sequential,
+    assert_params_at_snapshot,
+    build_method,
+)
 
 from mura_plugin.losses import view_entropy
 from mura_plugin.methods._loss_scaler import LossScaler
@@ -18,9 +24,6 @@ from mura_plugin.methods.tda import TDA
 from mura_plugin.methods.tpt import TPT
 from mura_plugin.methods.zero import Zero, zero_votes
 from tta_bench.registry import registry
-
-FAST = {"views": 7}  # fewer views keep the tests fast; the defaults are checked separately
-
 
 _build = build_method
 
@@ -172,21 +175,16 @@ def test_batched_episodes_equal_the_sequential_loop(classifier, batch, cls, over
     """Parallel per-sample episodes (one forward/backward, summed loss, one optimiser step,
     chunked) compute exactly the per-sample adapt/predict/restore loop."""
     config = {**FAST, "chunk_views": 20, **overrides}  # 20 // 8 views: chunks of 2 samples
-    parallel = _build(cls, classifier, **config)
-    sequential = _build(cls, classifier, episode_batching=False, **config)
-    assert parallel.batched_episodes() and not sequential.batched_episodes()
-    outs = []
+    build = functools.partial(_build, cls, classifier, **config)
+    parallel, sequential, out = assert_batched_episodes_equal_sequential(
+        build, batch, loss_atol=1e-6
+    )
     for method in (parallel, sequential):
-        method.reseed(4)
-        outs.append(method.step(batch))
         assert method.timings["adapt"] > 0 and method.timings["predict"] > 0
         assert torch.isfinite(torch.as_tensor(method.last_loss))
-    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=1e-5)
-    torch.testing.assert_close(parallel.last_loss, sequential.last_loss, rtol=0, atol=1e-6)
     with torch.no_grad():
-        assert not torch.allclose(outs[0], parallel.predict(batch), atol=1e-3)  # it adapted
-    for p, saved in zip(parallel.params, parallel._snapshot["params"]):
-        assert torch.equal(p, saved)  # shared state untouched by the episodes
+        assert not torch.allclose(out, parallel.predict(batch), atol=1e-3)  # it adapted
+    assert_params_at_snapshot(parallel)  # shared state untouched by the episodes
 
 
 def test_batched_mura_persistent_router_steps_once_per_batch(classifier, batch):

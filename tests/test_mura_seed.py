@@ -11,7 +11,11 @@ import math
 
 import pytest
 import torch
-from method_runs import build_method
+from method_runs import (
+    assert_batched_episodes_equal_sequential,
+    assert_params_at_snapshot,
+    build_method,
+)
 from torch import nn
 from torchvision.transforms import InterpolationMode
 from torchvision.transforms import functional as TF
@@ -23,12 +27,6 @@ from mura_plugin.methods.mura import MuRA
 from tta_bench.run.resolve import resolve_run
 
 _build = functools.partial(build_method, MuRA)
-
-
-@pytest.fixture(scope="module")
-def batch(noisy_images):
-    """4 noisy test digits (the first 4 of tests/test_methods.py's batch)."""
-    return noisy_images[:4]
 
 
 #: The sketch, item by item (the preset's comment): every setting the preset gives.
@@ -237,19 +235,12 @@ def test_softmax_layer_batched_episodes_equal_the_sequential_loop(classifier, ba
     """Per-layer fusion logits get one copy per sample ([n, L, K]) in batched episodes: the
     parallel episodes compute exactly the per-sample adapt/predict/restore loop."""
     config = {"episodic": "sample", "router_persist": False, **overrides}
-    parallel = _build(classifier, **config)
-    sequential = _build(classifier, episode_batching=False, **config)
-    assert parallel.batched_episodes() and not sequential.batched_episodes()
-    outs = []
-    for method in (parallel, sequential):
-        method.reseed(4)
-        outs.append(method.step(batch))
-    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=1e-5)
-    torch.testing.assert_close(parallel.last_loss, sequential.last_loss, rtol=0, atol=1e-6)
+    parallel, _, out = assert_batched_episodes_equal_sequential(
+        functools.partial(_build, classifier, **config), batch, loss_atol=1e-6
+    )
     with torch.no_grad():
-        assert not torch.allclose(outs[0], parallel.predict(batch), atol=1e-3)  # it adapted
-    for p, saved in zip(parallel.params, parallel._snapshot["params"]):
-        assert torch.equal(p, saved)  # shared state untouched by the episodes
+        assert not torch.allclose(out, parallel.predict(batch), atol=1e-3)  # it adapted
+    assert_params_at_snapshot(parallel)  # shared state untouched by the episodes
     assert parallel._episode_merge is None  # copies dropped
 
 
@@ -328,46 +319,58 @@ def test_view_option_bounds(classifier):
 
 # -- MuRA's defaults are unchanged -----------------------------------------------------------
 
+
+def _logits(text: str) -> torch.Tensor:
+    """Captured logits written as text: one image a line of whitespace-separated numbers,
+    a blank line between batches. A tensor [batches, images, classes]."""
+    return torch.tensor(
+        [
+            [[float(v) for v in row.split()] for row in batch.strip().splitlines()]
+            for batch in text.strip().split("\n\n")
+        ]
+    )
+
+
 #: ``MuRA.Config()`` (router, SVD init, 63 views + original, weighted entropy) on ``batch``,
 #: built after ``torch.manual_seed(0)``, logits of ``reseed(0); step`` then ``reseed(1); step``
 #: (the router persists across the two batches), captured with the code before the options
 #: of the seed sketch were added (float32, 2 threads).
-# fmt: off
-DEFAULT_LOGITS = [
-    [
-        [-4.40304, 10.77985, 2.14362, -2.84478, 5.21845,
-         -3.46941, 1.02797, -0.97402, 1.05751, -0.49868],
-        [0.33477, 5.70137, -1.90622, -3.32446, 6.77490,
-         -2.02998, 3.59133, -4.60863, 1.17020, 2.14737],
-        [0.08229, 0.29010, -1.92351, 2.95984, -5.09741,
-         0.02565, 1.65386, -0.78106, 11.38557, 2.47288],
-        [-1.56393, 6.48280, 0.14208, -2.37571, 3.51774,
-         -2.11088, 9.45617, -1.29439, 4.44024, -6.44057],
-    ],
-    [
-        [-4.43015, 10.76650, 2.10094, -2.85301, 5.19753,
-         -3.42365, 1.00951, -0.95507, 1.21390, -0.45250],
-        [0.37177, 5.58402, -1.97435, -3.38880, 6.82936,
-         -1.95128, 3.55515, -4.61526, 1.16185, 2.21194],
-        [0.08591, 0.21663, -1.96227, 2.94217, -5.08519,
-         0.08979, 1.66361, -0.76502, 11.38682, 2.46182],
-        [-1.55333, 6.38100, 0.06325, -2.41722, 3.52131,
-         -2.00296, 9.50955, -1.30925, 4.58259, -6.43871],
-    ],
-]
+DEFAULT_LOGITS = _logits(
+    """
+    -4.40304 10.77985 2.14362 -2.84478 5.21845 -3.46941 1.02797 -0.97402 1.05751 -0.49868
+    0.33477 5.70137 -1.90622 -3.32446 6.77490 -2.02998 3.59133 -4.60863 1.17020 2.14737
+    0.08229 0.29010 -1.92351 2.95984 -5.09741 0.02565 1.65386 -0.78106 11.38557 2.47288
+    -1.56393 6.48280 0.14208 -2.37571 3.51774 -2.11088 9.45617 -1.29439 4.44024 -6.44057
+
+    -4.43015 10.76650 2.10094 -2.85301 5.19753 -3.42365 1.00951 -0.95507 1.21390 -0.45250
+    0.37177 5.58402 -1.97435 -3.38880 6.82936 -1.95128 3.55515 -4.61526 1.16185 2.21194
+    0.08591 0.21663 -1.96227 2.94217 -5.08519 0.08979 1.66361 -0.76502 11.38682 2.46182
+    -1.55333 6.38100 0.06325 -2.41722 3.52131 -2.00296 9.50955 -1.30925 4.58259 -6.43871
+    """
+)
 #: The old seed-sketch-by-config (global softmax, B = 0 init, 2 views, consistency, Adam 1e-3,
-#: 1 step, reset per batch) the same way, first batch: the global softmax is unchanged.
-GLOBAL_SOFTMAX_LOGITS = [
-    [-4.40620, 10.71869, 2.04839, -2.94156, 5.28782,
-     -3.38185, 1.06581, -0.98672, 1.22833, -0.46323],
-    [0.32137, 5.76551, -1.89279, -3.29905, 6.74893,
-     -2.04661, 3.63184, -4.59948, 1.20341, 2.11918],
-    [0.06796, 0.35934, -1.91233, 2.97751, -5.09737,
-     -0.01640, 1.62445, -0.77997, 11.38093, 2.52696],
-    [-1.66185, 6.61457, 0.23690, -2.32718, 3.50399,
-     -2.20394, 9.32609, -1.21398, 4.39486, -6.40395],
-]
-# fmt: on
+#: 1 step, reset per batch).
+OLD_SEED_SKETCH = {
+    "fusion": "softmax",
+    "init": "zero",
+    "loss": "consistency",
+    "episodic": "batch",
+    "views": 2,
+    "include_original": False,
+    "optimizer": "adam",
+    "lr": 1e-3,
+    "weight_decay": 0.0,
+    "router_persist": False,
+}
+#: ``OLD_SEED_SKETCH`` the same way, first batch: the global softmax is unchanged.
+GLOBAL_SOFTMAX_LOGITS = _logits(
+    """
+    -4.40620 10.71869 2.04839 -2.94156 5.28782 -3.38185 1.06581 -0.98672 1.22833 -0.46323
+    0.32137 5.76551 -1.89279 -3.29905 6.74893 -2.04661 3.63184 -4.59948 1.20341 2.11918
+    0.06796 0.35934 -1.91233 2.97751 -5.09737 -0.01640 1.62445 -0.77997 11.38093 2.52696
+    -1.66185 6.61457 0.23690 -2.32718 3.50399 -2.20394 9.32609 -1.21398 4.39486 -6.40395
+    """
+)[0]
 
 
 def test_mura_defaults_are_unchanged(classifier, batch):
@@ -387,23 +390,11 @@ def test_mura_defaults_are_unchanged(classifier, batch):
     mura = _build(classifier)
     for b, want in enumerate(DEFAULT_LOGITS):
         mura.reseed(b)
-        torch.testing.assert_close(mura.step(batch), torch.tensor(want), rtol=0, atol=1e-4)
-    old_seed = _build(
-        classifier,
-        fusion="softmax",
-        init="zero",
-        loss="consistency",
-        episodic="batch",
-        views=2,
-        include_original=False,
-        optimizer="adam",
-        lr=1e-3,
-        weight_decay=0.0,
-        router_persist=False,
-    )
+        torch.testing.assert_close(mura.step(batch), want, rtol=0, atol=1e-4)
+    old_seed = _build(classifier, **OLD_SEED_SKETCH)
     old_seed.reseed(0)
     out = old_seed.step(batch)
-    torch.testing.assert_close(out, torch.tensor(GLOBAL_SOFTMAX_LOGITS), rtol=0, atol=1e-4)
+    torch.testing.assert_close(out, GLOBAL_SOFTMAX_LOGITS, rtol=0, atol=1e-4)
 
 
 def test_attach_adapters_default_init_and_scale_on_the_model(classifier):

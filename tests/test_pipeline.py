@@ -10,8 +10,8 @@ import sys
 import numpy as np
 import pytest
 import torch
+from method_runs import digits_c_spec
 
-from tta_bench.registry import registry
 from tta_bench.run import profiler as profile
 from tta_bench.run import runner
 from tta_bench.run.loader import StreamBatches, make_loader, resolve_settings
@@ -21,24 +21,13 @@ from tta_bench.run.stream import build_stream
 
 
 def _spec(loader=None, method: str = "tent", reset: str = "reset_each_shift") -> RunSpec:
-    return RunSpec(
-        method=method,
-        method_config=registry("methods").get(method).Config(),
-        model="tiny-clip-digits",
-        model_args={},
-        protocol=load_protocol(
-            "digits-c",
-            reset=reset,
-            shifts=["gaussian_noise", "contrast"],
-            max_images=64,
-            batch_size=16,
-        ),
-        seeds=[0, 1],
-        progress=False,
-        reference=False,
-        resume=False,
-        loader=loader,
-    )
+    protocol = {
+        "reset": reset,
+        "shifts": ["gaussian_noise", "contrast"],
+        "max_images": 64,
+        "batch_size": 16,
+    }
+    return digits_c_spec(method, [0, 1], protocol, resume=False, loader=loader)
 
 
 def test_defaults_follow_the_device_and_bad_settings_fail():

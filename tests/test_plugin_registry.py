@@ -11,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from processes import python_ok
 
 from tta_bench import catalog
 from tta_bench.registry import KINDS, RegistryError, UnknownNameError, registry
@@ -71,14 +72,12 @@ def test_suites_reference_registered_components():
 
 
 def test_listing_does_not_import_torch():
-    code = (
+    out = python_ok(
         "import sys\n"
         "from tta_bench.cli import main\n"
         "assert main(['ls']) == 0\n"
         "assert 'torch' not in sys.modules, 'tta-bench ls imported torch'\n"
     )
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
-    assert out.returncode == 0, out.stderr
     assert "mura" in out.stdout and "digits-c" in out.stdout
 
 
@@ -105,28 +104,37 @@ def _registry_error(path, call: str) -> str:
     ).stdout
 
 
-def test_duplicate_names_are_an_error_naming_both_origins(tmp_path):
-    _write_dist(
-        tmp_path,
-        "clash-plugin",
-        "[tta_bench.methods]\ntent = clash_plugin:Tent\n",
-        {"clash_plugin/__init__.py": "Tent = None\n"},
-    )
-    out = _registry_error(tmp_path, "registry('methods').names()")
-    assert "duplicate method name 'tent'" in out
-    assert "clash_plugin:Tent (from clash-plugin 0.1)" in out
-    assert "mura_plugin.methods.tent:Tent (from mura-plugin" in out
-
-
-def test_invalid_plugin_fails_at_load_with_its_origin(tmp_path):
-    _write_dist(
-        tmp_path,
-        "bad-plugin",
-        "[tta_bench.shifts]\nbroken = bad_plugin:broken\n",
-        {"bad_plugin/__init__.py": "def broken(images):\n    return images\n"},
-    )
-    out = _registry_error(tmp_path, "registry('shifts').get('broken')")
-    assert "shift 'broken' (bad_plugin:broken from bad-plugin) is invalid" in out
+@pytest.mark.parametrize(
+    ("dist", "entry_points", "files", "call", "messages"),
+    [
+        (  # a name another distribution registers: an error naming both origins
+            "clash-plugin",
+            "[tta_bench.methods]\ntent = clash_plugin:Tent\n",
+            {"clash_plugin/__init__.py": "Tent = None\n"},
+            "registry('methods').names()",
+            [
+                "duplicate method name 'tent'",
+                "clash_plugin:Tent (from clash-plugin 0.1)",
+                "mura_plugin.methods.tent:Tent (from mura-plugin",
+            ],
+        ),
+        (  # an invalid component fails at load, naming its origin
+            "bad-plugin",
+            "[tta_bench.shifts]\nbroken = bad_plugin:broken\n",
+            {"bad_plugin/__init__.py": "def broken(images):\n    return images\n"},
+            "registry('shifts').get('broken')",
+            ["shift 'broken' (bad_plugin:broken from bad-plugin) is invalid"],
+        ),
+    ],
+    ids=["duplicate_names_name_both_origins", "invalid_plugin_fails_at_load_with_its_origin"],
+)
+def test_a_bad_plugin_is_a_registry_error_naming_its_origin(
+    tmp_path, dist, entry_points, files, call, messages
+):
+    _write_dist(tmp_path, dist, entry_points, files)
+    out = _registry_error(tmp_path, call)
+    for message in messages:
+        assert message in out
 
 
 def test_add_rejects_duplicates_and_invalid_objects():

@@ -12,8 +12,8 @@ import time
 from pathlib import Path
 
 import pytest
+from method_runs import digits_c_spec
 
-from tta_bench.registry import registry
 from tta_bench.run import results, runner
 from tta_bench.run.protocol import load_protocol
 from tta_bench.run.resume import ResumeMismatchError
@@ -79,18 +79,8 @@ def test_sigkill_mid_run_then_resume(tmp_path):
 
 
 def _spec(method: str, reset: str, seeds: list[int]) -> RunSpec:
-    return RunSpec(
-        method=method,
-        method_config=registry("methods").get(method).Config(),
-        model="tiny-clip-digits",
-        model_args={},
-        protocol=load_protocol(
-            "digits-c", reset=reset, shifts=["contrast", "gaussian_blur"], max_images=48
-        ),
-        seeds=seeds,
-        progress=False,
-        reference=False,
-    )
+    protocol = {"reset": reset, "shifts": ["contrast", "gaussian_blur"], "max_images": 48}
+    return digits_c_spec(method, seeds, protocol)
 
 
 def test_stateful_protocol_resumes_per_seed(tmp_path, default_bundle):

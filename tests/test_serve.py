@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import io
 import os
-import re
 import signal
 import struct
 import subprocess
@@ -20,6 +19,7 @@ import httpx
 import numpy as np
 import pytest
 import torch
+from processes import serve_cli
 
 from tta_bench.deploy.adapter import Adapter
 from tta_bench.deploy.serve import Limits, Service, running
@@ -302,18 +302,7 @@ def test_cli_serves_until_ctrl_c_and_never_writes_uploads(tmp_path):
         "XDG_CACHE_HOME": str(dirs["xdg"]),
         "OMP_NUM_THREADS": "1",
     }
-    proc = subprocess.Popen(
-        [sys.executable, "-m", "tta_bench.cli", "serve", "--port", "0", "--max-body-mb", "8"],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        line = proc.stdout.readline()
-        match = re.search(r"http://127\.0\.0\.1:\d+", line)
-        assert match, line + proc.stderr.read()
-        url = match.group(0)
+    with serve_cli("--max-body-mb", "8", env=env) as (proc, url):
         before = {name: _tree(d) for name, d in dirs.items()}
         rng = np.random.default_rng(1)
         big = _png(rng.integers(0, 256, (950, 950, 3), dtype=np.uint8))
@@ -327,12 +316,6 @@ def test_cli_serves_until_ctrl_c_and_never_writes_uploads(tmp_path):
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
         assert "stopped" in proc.stderr.read()
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        proc.stdout.close()
-        proc.stderr.close()
 
 
 def test_missing_serve_extra_names_the_install_command():

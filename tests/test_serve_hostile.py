@@ -11,8 +11,6 @@ import logging
 import os
 import signal
 import socket
-import subprocess
-import sys
 import time
 from pathlib import Path
 from urllib.parse import urlsplit
@@ -20,6 +18,7 @@ from urllib.parse import urlsplit
 import httpx
 import numpy as np
 import pytest
+from processes import serve_cli
 
 from tta_bench.deploy.adapter import Adapter
 from tta_bench.deploy.serve import Limits, Service, running
@@ -320,38 +319,19 @@ def test_token_sources(tmp_path, monkeypatch, capsys):
 def test_cli_token_file_guards_the_service_and_stays_out_of_ps(tmp_path):
     """The installed command in a subprocess with --token-file: 401 without the token, 200
     with it, and the token is nowhere in the process's command line."""
-    import re
-
     path = tmp_path / "token"
     path.write_text("file-s3cret\n")
     path.chmod(0o600)
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     env.pop("TTA_BENCH_SERVE_TOKEN", None)
-    cmd = [sys.executable, "-m", "tta_bench.cli", "serve", "--port", "0"]
-    proc = subprocess.Popen(
-        [*cmd, "--token-file", str(path)],
-        env=env,
-        stdout=subprocess.PIPE,
-        stderr=subprocess.PIPE,
-        text=True,
-    )
-    try:
-        line = proc.stdout.readline()
-        match = re.search(r"http://127\.0\.0\.1:\d+", line)
-        assert match, line + proc.stderr.read()
+    with serve_cli("--token-file", str(path), env=env) as (proc, url):
         assert b"file-s3cret" not in Path(f"/proc/{proc.pid}/cmdline").read_bytes()
-        with httpx.Client(base_url=match.group(0), timeout=30) as client:
+        with httpx.Client(base_url=url, timeout=30) as client:
             assert client.get("/info").status_code == 401
             good = {"Authorization": "Bearer file-s3cret"}
             assert client.get("/info", headers=good).json()["auth"] == "bearer"
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0
-    finally:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        proc.stdout.close()
-        proc.stderr.close()
 
 
 # -- 5. bad addresses before anything is built; disconnects are one log line ----------------

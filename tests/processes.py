@@ -1,0 +1,45 @@
+"""What tests share for running code in a new process: ``python_ok``, a snippet in a fresh
+interpreter that must succeed; ``serve_cli``, ``tta-bench serve`` in a subprocess with the
+address its first line announces."""
+
+from __future__ import annotations
+
+import contextlib
+import re
+import subprocess
+import sys
+from collections.abc import Iterator
+
+
+def python_ok(code: str) -> subprocess.CompletedProcess[str]:
+    """``code`` run by ``python -c`` in a fresh interpreter (text output captured), asserted
+    to exit 0 (its stderr as the message); the completed process."""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    return done
+
+
+@contextlib.contextmanager
+def serve_cli(*args: str, env: dict[str, str]) -> Iterator[tuple[subprocess.Popen[str], str]]:
+    """``tta-bench serve --port 0 *args`` (the CLI module under this interpreter) in a
+    subprocess with environment ``env`` and text pipes. Yields the process and the base URL
+    its first line announces (asserted there; else its stderr is the message). On exit a
+    process still running is killed; its pipes are closed."""
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "tta_bench.cli", "serve", "--port", "0", *args],
+        env=env,
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+    )
+    try:
+        line = proc.stdout.readline()
+        match = re.search(r"http://127\.0\.0\.1:\d+", line)
+        assert match, line + proc.stderr.read()
+        yield proc, match.group(0)
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.wait()
+        proc.stdout.close()
+        proc.stderr.close()
