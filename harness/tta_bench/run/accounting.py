@@ -138,6 +138,7 @@ class _Cell:
     labels: list[torch.Tensor] = field(default_factory=list)
     indices: list[np.ndarray] = field(default_factory=list)  # dataset rows, stream order
     batch_numbers: list[np.ndarray] = field(default_factory=list)
+    references: list[torch.Tensor] = field(default_factory=list)  # the frozen model's
     diverged: dict[str, Any] | None = None
 
 
@@ -175,7 +176,8 @@ class CellBook:
         logits_cpu, labels_cpu = logits.detach().float().cpu(), labels.cpu()
         hit = logits_cpu.argmax(dim=1) == labels_cpu
         known = labels_cpu >= 0  # an open-set cell's OOD rows are labelled -1
-        ref_hit = None if ref_pred is None else ref_pred.cpu() == labels_cpu
+        ref_cpu = None if ref_pred is None else ref_pred.cpu()
+        ref_hit = None if ref_cpu is None else ref_cpu == labels_cpu
         for d, sel in _rows_by_domain(batch):
             cell = self.cells.setdefault(d, _Cell())
             m = int(hit[sel].numel())
@@ -185,6 +187,7 @@ class CellBook:
             cell.correct += int(hit[sel].sum())
             if ref_hit is not None:
                 cell.ref_correct += int(ref_hit[sel].sum())
+                cell.references.append(ref_cpu[sel])
             cell.batches += 1
             if cost.flops is not None:  # counting slows the batch down: leave it untimed
                 cell.untimed += m
@@ -232,9 +235,21 @@ class CellBook:
                     labels=torch.cat(c.labels).numpy(),
                     indices=np.concatenate(c.indices),
                     batches=np.concatenate(c.batch_numbers),
+                    references=self._references(c),
                 )
             )
         return out
+
+    def _references(self, c: _Cell) -> np.ndarray | None:
+        """The frozen model's predictions of a cell's rows (the method's own when it is the
+        frozen model), or None when the run scores no reference."""
+        if not self.reference:
+            return None
+        if self.is_reference:
+            return torch.cat(c.logits).argmax(dim=1).numpy().astype(np.int64)
+        if len(c.references) != len(c.logits):
+            return None
+        return torch.cat(c.references).numpy().astype(np.int64)
 
     def entries(self, seed: int, memory: PeakMemory) -> list[dict[str, Any]]:
         """The results entries of every cell, in domain order."""

@@ -118,7 +118,8 @@ class Evaluation:
         for seed in spec.seeds:
             stream = build_stream(self.protocol, seed, self.inputs.labels)
             self.batch_seeds[seed] = batch_seeds(stream)  # of the whole stream, before a shard
-            if spec.shard is not None:
+            if spec.shard is not None:  # the whole stream's layout, checked by the merge
+                record.setdefault("stream_layout", []).extend(shard.stream_layout(stream))
                 stream = shard.take(stream, spec.shard)
             finished[seed] = resume.done_groups(stream, done)
             self.skipped_cells += sum(len(stream.groups[g]) for g in finished[seed])
@@ -273,10 +274,11 @@ class Evaluation:
         if spec.log_samples:  # before the results file lists the cells
             names = {d: s.name for d, s in self.inputs.streams.items()}
             label = spec.method_preset or spec.method
+            run_key = results.record_key(record, with_weights=True)
             for cell in book.samples(seed, names):
                 samples.write_cell(
                     samples.samples_dir(self.output), label, cell,
-                    spec.log_samples_top_k, spec.log_samples == "logits",
+                    spec.log_samples_top_k, spec.log_samples == "logits", run_key=run_key,
                 )  # fmt: skip
         return book.entries(seed, memory)
 

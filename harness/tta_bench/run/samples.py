@@ -7,14 +7,23 @@ Layout: for results ``run.json`` the folder ``run.samples/`` holds
 ``method``, ``shift``, ``severity``, ``seed``, ``domain`` (the cell's dataset domain),
 ``position`` (the sample's place in the cell's stream), ``index`` (its row in the
 dataset split), ``batch`` (the stream's batch number), ``label``, ``prediction``,
-``topk_classes`` and ``topk_probs`` (softmax, the ``top_k`` most probable classes), and
-with ``log_samples=logits`` the full ``logits`` (float32). A file is written atomically
-when its cell's group finishes, before the results file lists the cell, so a resumed run
-finds the files of the cells it skips; a rerun of a cell replaces its file.
+``topk_classes`` and ``topk_probs`` (softmax, the ``top_k`` most probable classes),
+``reference`` (the frozen model's prediction of the sample, when the run scored the
+reference), and with ``log_samples=logits`` the full ``logits`` (float32). A file is
+written atomically when its cell's group finishes, before the results file lists the cell,
+so a resumed run finds the files of the cells it skips; a rerun of a cell replaces its file.
+
+Each file carries the identity of its run and cell in its Parquet metadata (``IDENTITY``:
+the run key, the cell key, the method label, the row count and a SHA-256 digest of its
+rows, ``rows_digest``); ``verify_cell`` refuses a file whose identity, cell, rows or digest
+do not match the run that reads it, so ``rescore`` and ``merge`` never score another run's
+samples or edited rows.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
@@ -24,6 +33,10 @@ import numpy as np
 
 from tta_bench.paths import atomic_path
 
+#: The Parquet metadata key of a file's identity (``write_cell``, ``verify_cell``).
+IDENTITY = b"tta_bench.identity"
+#: The version of the identity's layout.
+IDENTITY_FORMAT = 1
 #: ``log_samples`` values: off, top-k classes and probabilities, or those and the logits.
 MODES = (False, True, "logits")
 SUFFIX = ".samples"
@@ -47,6 +60,11 @@ def samples_dir(results: str | Path) -> Path:
     return path.with_name(path.stem + SUFFIX)
 
 
+def method_label(record: dict[str, Any]) -> str:
+    """The method name a run's per-sample files carry (its preset's, if it ran one)."""
+    return str(record.get("method_preset") or record["method"])
+
+
 def cell_file(folder: Path, shift: str, severity: int, seed: int) -> Path:
     safe = re.sub(r"[^A-Za-z0-9._+-]", "_", str(shift))
     return folder / f"{safe}__sev{int(severity)}__seed{int(seed)}.parquet"
@@ -64,10 +82,22 @@ class CellSamples:
     labels: np.ndarray  # [N] int64
     indices: np.ndarray  # [N] dataset rows
     batches: np.ndarray  # [N] stream batch numbers
+    #: [N] the frozen model's predictions (None: the run scored no reference)
+    references: np.ndarray | None = None
 
 
-def write_cell(folder: Path, method: str, cell: CellSamples, top_k: int, with_logits: bool) -> Path:
-    """Write ``cell``'s rows to its Parquet file atomically (temporary file, then rename)."""
+def write_cell(
+    folder: Path,
+    method: str,
+    cell: CellSamples,
+    top_k: int,
+    with_logits: bool,
+    *,
+    run_key: dict[str, Any],
+) -> Path:
+    """Write ``cell``'s rows to its Parquet file atomically (temporary file, then rename),
+    with its identity (``run_key``: the results record's ``record_key(..., with_weights=
+    True)``; the cell; ``method``; the row count and digest) in the file's metadata."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -99,12 +129,103 @@ def write_cell(folder: Path, method: str, cell: CellSamples, top_k: int, with_lo
             pa.array(np.take_along_axis(probs, order, axis=1).reshape(-1).astype(np.float32)), k
         ),
     }
+    if cell.references is not None:
+        columns["reference"] = pa.array(np.asarray(cell.references, dtype=np.int64))
     if with_logits:
         columns["logits"] = pa.FixedSizeListArray.from_arrays(pa.array(logits.reshape(-1)), classes)
+    table = pa.table(columns)
+    identity = {
+        "format": IDENTITY_FORMAT,
+        "run_key": run_key,
+        "cell": [cell.shift, int(cell.severity), int(cell.seed)],
+        "method": method,
+        "rows": n,
+        "rows_sha256": rows_digest(table),
+    }
+    table = table.replace_schema_metadata({IDENTITY: json.dumps(identity, sort_keys=True)})
     dest = cell_file(folder, cell.shift, cell.severity, cell.seed)
     with atomic_path(dest) as tmp:
-        pq.write_table(pa.table(columns), tmp)
+        pq.write_table(table, tmp)
     return dest
+
+
+def rows_digest(table: Any) -> str:
+    """SHA-256 of every column of a cell's rows (``pyarrow.Table``): each column's name, type
+    and values in row order, the columns by name. Any edit of a value, a row or a column
+    changes it."""
+    import pyarrow as pa
+
+    h = hashlib.sha256()
+    for name in sorted(table.column_names):
+        column = table.column(name).combine_chunks()
+        shape = [len(column)]
+        while pa.types.is_fixed_size_list(column.type):  # the type's field names vary
+            shape.append(column.type.list_size)
+            column = column.flatten()
+        if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
+            values = "\0".join(column.to_pylist()).encode()
+            kind = "str"
+        else:
+            array = np.ascontiguousarray(column.to_numpy(zero_copy_only=False))
+            values, kind = array.tobytes(), array.dtype.str
+        h.update(f"{name}:{kind}:{shape};".encode())
+        h.update(values)
+    return h.hexdigest()
+
+
+def identity(table: Any) -> dict[str, Any] | None:
+    """The identity a file's metadata holds (``write_cell``); None when it holds none."""
+    raw = (table.schema.metadata or {}).get(IDENTITY)
+    if raw is None:
+        return None
+    try:
+        data = json.loads(raw)
+    except ValueError:
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def verify_cell(
+    table: Any,
+    path: str | Path,
+    *,
+    run_key: dict[str, Any],
+    key: tuple[str, int, int],
+    method: str,
+    n: int,
+) -> None:
+    """Refuse (``ValueError`` naming ``path`` and what differs) a cell file that is not
+    the rows of cell ``key`` of the run ``run_key`` by ``method`` with ``n`` samples: no
+    identity in its metadata, another run, cell, method or row count, row columns that
+    contradict its identity (its own ``seed`` column saying 1 in a seed-0 file), or rows
+    whose digest differs from the one written with them (edited labels, scaled logits)."""
+    found = identity(table)
+    if found is None or found.get("format") != IDENTITY_FORMAT:
+        raise ValueError(
+            f"{path}: carries no identity of its run (written by another tool or an older "
+            "tta-bench): it cannot be tied to this run; rerun with log_samples=logits"
+        )
+    wrong = [
+        f"run key {k} {found['run_key'].get(k)!r} (the run's: {v!r})"
+        for k, v in run_key.items()
+        if (found.get("run_key") or {}).get(k) != v
+    ]
+    if list(found.get("cell") or []) != [key[0], int(key[1]), int(key[2])]:
+        wrong.append(f"cell {found.get('cell')} (expected {list(key)})")
+    if found.get("method") != method:
+        wrong.append(f"method {found.get('method')!r} (the run's: {method!r})")
+    if found.get("rows") != n or table.num_rows != n:
+        wrong.append(f"{table.num_rows} rows (identity {found.get('rows')}, the cell's n {n})")
+    for column, want in (("method", method), ("shift", key[0]), ("severity", key[1]),
+                         ("seed", key[2])):  # fmt: skip
+        if column in table.column_names and table.num_rows:
+            values = set(table.column(column).to_pylist())
+            if values != {want}:
+                wrong.append(f"its {column} column says {sorted(values, key=str)} (not {want!r})")
+    if not wrong and rows_digest(table) != found.get("rows_sha256"):
+        wrong.append("its rows differ from those written with it (row digest)")
+    if wrong:
+        raise ValueError(f"{path} is not cell {key} of this run: {'; '.join(wrong)}")
 
 
 def read_cell(folder: Path, shift: str, severity: int, seed: int) -> Any:
@@ -121,6 +242,13 @@ def read_cell(folder: Path, shift: str, severity: int, seed: int) -> Any:
         raise ValueError(f"{path}: not a readable per-sample Parquet file ({exc})") from exc
 
 
+def references(table: Any) -> np.ndarray | None:
+    """The frozen model's predictions of a cell's rows, or None when not logged."""
+    if "reference" not in table.column_names:
+        return None
+    return table.column("reference").to_numpy().astype(np.int64)
+
+
 def logits_and_labels(table: Any, path: str = "") -> tuple[np.ndarray, np.ndarray]:
     """``(logits [N, C] float32, labels [N] int64)`` of a cell's rows; a file written with
     ``log_samples=true`` (top-k only) is a ``ValueError``: recomputing needs the logits."""
@@ -134,3 +262,49 @@ def logits_and_labels(table: Any, path: str = "") -> tuple[np.ndarray, np.ndarra
     logits = column.flatten().to_numpy(zero_copy_only=False).reshape(-1, width)
     labels = table.column("label").to_numpy().astype(np.int64)
     return np.array(logits, dtype=np.float32), labels  # a writable copy (torch.from_numpy)
+
+
+def score_rows(
+    rows: CellSamples, *, ood_score: str = "msp", per_class: bool = False
+) -> dict[str, Any]:
+    """Every derived figure of a cell from its rows, as the runner computes it: each
+    registered metric (``metrics.compute_all``), ``error`` over the in-distribution rows,
+    ``reference_accuracy`` from the frozen model's predictions (None when not logged),
+    ``n_known`` / ``n_ood`` for an open-set cell, ``per_class_accuracy`` on request."""
+    import torch
+
+    from tta_bench import metrics
+
+    lt = torch.from_numpy(np.ascontiguousarray(rows.logits, dtype=np.float32))
+    yt = torch.from_numpy(np.ascontiguousarray(rows.labels, dtype=np.int64))
+    n = len(yt)
+    entry: dict[str, Any] = dict(metrics.compute_all(lt, yt, ood_score))
+    correct = int((lt.argmax(dim=1) == yt).sum())
+    n_known = int((yt >= 0).sum())  # an open-set cell's OOD rows are labelled -1
+    entry["error"] = 1.0 - correct / max(n_known, 1)
+    refs = rows.references
+    entry["reference_accuracy"] = (
+        None if refs is None else int((refs == rows.labels).sum()) / max(n_known, 1)
+    )
+    if per_class:
+        entry["per_class_accuracy"] = metrics.per_class_accuracy(lt, yt, lt.shape[1])
+    if n_known != n:
+        entry.update(n_known=n_known, n_ood=n - n_known)
+    return entry
+
+
+def cell_rows(table: Any, key: tuple[str, int, int], path: str = "") -> CellSamples:
+    """A cell file's rows (``read_cell``) as ``CellSamples``; it must hold the logits."""
+    logits, labels = logits_and_labels(table, path)
+    n = len(labels)
+    return CellSamples(
+        shift=key[0],
+        severity=int(key[1]),
+        seed=int(key[2]),
+        domain=table.column("domain")[0].as_py() if n else str(key[0]),
+        logits=logits,
+        labels=labels,
+        indices=table.column("index").to_numpy().astype(np.int64),
+        batches=table.column("batch").to_numpy().astype(np.int64),
+        references=references(table),
+    )

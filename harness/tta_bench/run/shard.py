@@ -17,6 +17,15 @@ Costs are combined by their sample counts (times per timed sample, passes per sa
 peak memory is the largest part's. The merge refuses parts of different runs (model and
 weights, method config, protocol id, seeds, or any setting that changes numbers), a shard
 missing or given twice, unfinished parts, and parts of online or continual protocols.
+
+Nothing a part says about its numbers is trusted: every figure, the reference accuracy
+included (from the frozen model's predictions logged beside each sample), is recomputed
+from the rows; each part's cell files must be that part's own (``samples.verify_cell``);
+and each part records the layout of the whole stream (``stream_layout``: every cell's
+batch numbers and sample count, before the shard took its batches), which all parts must
+agree on, so a merged cell holds every batch of the layout exactly once, each from the
+part that owns it (batch number = part index mod N): no sample counted twice, none missing.
+A part that got no batch of the stream writes an empty part, merged like any other.
 """
 
 from __future__ import annotations
@@ -113,6 +122,27 @@ def check_shardable(reset: str, suite: str, shard: Shard) -> None:
         )
 
 
+def stream_layout(stream: Any) -> list[dict[str, Any]]:
+    """Every cell of a whole ``stream`` (before ``take``): its key, its batch numbers as
+    runs ``[[first, last], ...]`` and its sample count, in stream order."""
+    cells: dict[int, dict[str, Any]] = {}
+    for b in stream.batches:
+        for d in sorted({int(x) for x in b.domains.tolist()}):
+            shift, severity = stream.domains[d]
+            c = cells.setdefault(
+                d,
+                {"shift": shift, "severity": int(severity), "seed": int(stream.seed),
+                 "batches": [], "n": 0},
+            )  # fmt: skip
+            runs = c["batches"]
+            if runs and runs[-1][1] + 1 == b.number:
+                runs[-1][1] = b.number
+            elif not runs or runs[-1][1] != b.number:
+                runs.append([b.number, b.number])
+            c["n"] += int((b.domains == d).sum())
+    return list(cells.values())
+
+
 def take(stream: Any, shard: Shard) -> Any:
     """``stream`` with only the batches of ``shard``."""
     from tta_bench.run.stream import Stream
@@ -180,6 +210,15 @@ def check_parts(parts: Sequence[tuple[Path, dict[str, Any]]]) -> int:
     missing = [f"{i}/{count}" for i in range(count) if i not in seen]
     if missing:
         raise MergeError(f"missing part(s) {', '.join(missing)} of {count}")
+    for path, rec in parts:
+        if "stream_layout" not in rec:
+            raise MergeError(
+                f"{path}: records no stream layout (a part of an older tta-bench): rerun it"
+            )
+        if rec["stream_layout"] != r0["stream_layout"]:
+            raise MergeError(
+                f"{path} and {p0} record different stream layouts: they are not parts of one stream"
+            )
     return count
 
 
@@ -192,10 +231,14 @@ def _combine_cell(
     key: tuple[str, int, int],
     pieces: list[tuple[Path, dict[str, Any]]],
     per_class: bool,
-    ood_score: str = "msp",
+    ood_score: str,
+    parts: dict[Path, dict[str, Any]],
+    layout: dict[str, Any],
 ) -> tuple[dict[str, Any], Any]:
     """One cell from its pieces (one per part that ran some of its batches): the entry and
-    the merged per-sample rows (``CellSamples``; None for a diverged cell)."""
+    the merged per-sample rows (``CellSamples``; None for a diverged cell). ``parts``: each
+    part's record by path; ``layout``: the cell's entry of the stream layout."""
+    from tta_bench.run import samples
     from tta_bench.run.accounting import finite_or_none
 
     shift, severity, seed = key
@@ -208,88 +251,104 @@ def _combine_cell(
         first = min(diverged, key=lambda d: int(d.get("batch", 0)))
         entry.update(accuracy=None, error=None, reference_accuracy=None, diverged=first)
     else:
-        merged_rows = _merged_rows(key, pieces)
-        _score(entry, merged_rows, cells, per_class, ood_score)
+        merged_rows = _merged_rows(key, pieces, parts, layout)
+        entry.update(samples.score_rows(merged_rows, ood_score=ood_score, per_class=per_class))
     _combine_costs(entry, cells)
     return finite_or_none(entry), merged_rows
 
 
-def _merged_rows(key: tuple[str, int, int], pieces: list[tuple[Path, dict[str, Any]]]) -> Any:
+def _merged_rows(
+    key: tuple[str, int, int],
+    pieces: list[tuple[Path, dict[str, Any]]],
+    parts: dict[Path, dict[str, Any]],
+    layout: dict[str, Any],
+) -> Any:
     """The cell's per-sample rows gathered from its pieces' files, in stream order
-    (``CellSamples``)."""
+    (``CellSamples``): each file verified as its part's own, each row's batch owned by its
+    part, and together every batch of the cell's ``layout`` exactly once."""
     import numpy as np
 
-    from tta_bench.run import samples
+    from tta_bench.run import results, samples
 
-    shift, severity, seed = key
-    tables = []
+    rows = []
     for path, cell in pieces:
+        rec = parts[path]
         folder = samples.samples_dir(path)
+        file = samples.cell_file(folder, *key)
         table = samples.read_cell(folder, *key)
-        logits, labels = samples.logits_and_labels(table, str(samples.cell_file(folder, *key)))
-        if len(labels) != int(cell["n"]):
+        try:
+            samples.verify_cell(
+                table,
+                file,
+                run_key=results.record_key(rec, with_weights=True),
+                key=key,
+                method=samples.method_label(rec),
+                n=int(cell["n"]),
+            )
+        except ValueError as exc:
+            raise MergeError(str(exc)) from exc
+        piece = samples.cell_rows(table, key, str(file))
+        _check_counts(file, cell, samples.score_rows(piece, ood_score=record_ood_score(rec)))
+        shard = rec["shard"]
+        foreign = sorted({int(b) for b in piece.batches if b % shard["count"] != shard["index"]})
+        if foreign:
             raise MergeError(
-                f"{path}: cell {key} holds {cell['n']} samples, its per-sample file {len(labels)}"
+                f"{file}: part {shard['index']}/{shard['count']} holds batch(es) {foreign[:5]} "
+                "of another part (batch number mod count must be the part's index)"
             )
-        tables.append(
-            (
-                logits,
-                labels,
-                table.column("index").to_numpy(),
-                table.column("batch").to_numpy(),
-                table.column("domain")[0].as_py() if len(labels) else str(shift),
-            )
-        )
-    logits = np.concatenate([t[0] for t in tables])
-    labels = np.concatenate([t[1] for t in tables])
-    indices = np.concatenate([t[2] for t in tables])
-    batches = np.concatenate([t[3] for t in tables])
+        rows.append(piece)
+    batches = np.concatenate([r.batches for r in rows])
     order = np.argsort(batches, kind="stable")  # stream order; rows keep their batch order
-    logits, labels, indices, batches = (a[order] for a in (logits, labels, indices, batches))
+    expected = [b for first, last in layout["batches"] for b in range(first, last + 1)]
+    got = sorted(set(batches.tolist()))
+    if got != expected or len(batches) != int(layout["n"]):
+        missing = sorted(set(expected) - set(got))
+        extra = sorted(set(got) - set(expected))
+        raise MergeError(
+            f"cell {key}: the parts hold {len(batches)} samples of batches {_runs(got)}, the "
+            f"stream {layout['n']} of batches {_runs(expected)}"
+            + (f"; missing batch(es) {missing[:5]}" if missing else "")
+            + (f"; batch(es) not in the stream {extra[:5]}" if extra else "")
+        )
+    refs = [r.references for r in rows]
     return samples.CellSamples(
-        shift=shift,
-        severity=severity,
-        seed=seed,
-        domain=tables[0][4],
-        logits=logits,
-        labels=labels,
-        indices=indices,
-        batches=batches,
+        shift=key[0],
+        severity=key[1],
+        seed=key[2],
+        domain=rows[0].domain,
+        logits=np.concatenate([r.logits for r in rows])[order],
+        labels=np.concatenate([r.labels for r in rows])[order],
+        indices=np.concatenate([r.indices for r in rows])[order],
+        batches=batches[order],
+        references=None if any(r is None for r in refs) else np.concatenate(refs)[order],
     )
 
 
-def _score(
-    entry: dict[str, Any],
-    rows: Any,
-    cells: list[dict[str, Any]],
-    per_class: bool,
-    ood_score: str,
-) -> None:
-    """Every metric of the cell computed once over all its ``rows``, into ``entry``; the
-    reference accuracy from the pieces' correct counts."""
-    import numpy as np
-    import torch
+#: A piece's figures that are counts over its rows: exact on any machine, so a part that
+#: states other values than its rows give was edited.
+COUNTED = ("accuracy", "error", "reference_accuracy", "n_known", "n_ood")
 
-    from tta_bench import metrics
 
-    n = entry["n"]
-    lt, yt = torch.from_numpy(np.ascontiguousarray(rows.logits)), torch.from_numpy(rows.labels)
-    entry.update(metrics.compute_all(lt, yt, ood_score))
-    correct = int((lt.argmax(dim=1) == yt).sum())
-    n_known = int((yt >= 0).sum())  # an open-set cell's OOD rows are labelled -1
-    entry["error"] = 1.0 - correct / max(n_known, 1)
-    refs = [c.get("reference_accuracy") for c in cells]
-    if all(r is not None for r in refs):
-        ref_correct = sum(
-            round(float(r) * int(c.get("n_known", c["n"]))) for r, c in zip(refs, cells)
-        )
-        entry["reference_accuracy"] = ref_correct / max(n_known, 1)
-    else:
-        entry["reference_accuracy"] = None
-    if per_class:
-        entry["per_class_accuracy"] = metrics.per_class_accuracy(lt, yt, lt.shape[1])
-    if n_known != n:
-        entry.update(n_known=n_known, n_ood=n - n_known)
+def _check_counts(file: Path, cell: dict[str, Any], scored: dict[str, Any]) -> None:
+    """Refuse a part whose cell entry states other counts than its rows give."""
+    wrong = [
+        f"{k} {cell.get(k)!r} (its rows: {scored.get(k)!r})"
+        for k in COUNTED
+        if (k in cell or scored.get(k) is not None) and cell.get(k) != scored.get(k)
+    ]
+    if wrong:
+        raise MergeError(f"the part's entry of {file.name} was edited: {'; '.join(wrong)}")
+
+
+def _runs(numbers: list[int]) -> str:
+    """``0-3, 7`` for the sorted batch numbers ``[0, 1, 2, 3, 7]``."""
+    out: list[list[int]] = []
+    for b in numbers:
+        if out and out[-1][1] + 1 == b:
+            out[-1][1] = b
+        else:
+            out.append([b, b])
+    return ", ".join(f"{a}-{z}" if a != z else f"{a}" for a, z in out) or "none"
 
 
 def _combine_costs(entry: dict[str, Any], cells: list[dict[str, Any]]) -> None:
@@ -345,17 +404,27 @@ def merge_parts(paths: Sequence[str | Path], output: str | Path | None = None) -
     for path, rec in parts:
         for cell in rec["cells"]:
             pieces.setdefault(results.cell_key(cell), []).append((path, cell))
+    layout = {results.cell_key(c): c for c in first["stream_layout"]}
+    strays = sorted(set(pieces) - set(layout), key=str)
+    if strays:
+        where = ", ".join(str(p) for p, _ in pieces[strays[0]])
+        raise MergeError(f"cell {strays[0]} of {where} is not in the stream's layout")
     per_class = any("per_class_accuracy" in c for _, rec in parts for c in rec["cells"])
-    keys = sorted(pieces, key=lambda k: (k[2], order.get((k[0], k[1]), 0)))
+    keys = sorted(layout, key=lambda k: (k[2], order.get((k[0], k[1]), 0)))
+    by_path = {path: rec for path, rec in parts}
     cells, rows = [], []
     for key in keys:
-        entry, merged_rows = _combine_cell(key, pieces[key], per_class, record_ood_score(first))
+        if key not in pieces:
+            raise MergeError(f"no part holds cell {key}, whose batches the stream's layout lists")
+        entry, merged_rows = _combine_cell(
+            key, pieces[key], per_class, record_ood_score(first), by_path, layout[key]
+        )
         cells.append(entry)
         if merged_rows is not None:
             rows.append(merged_rows)
     merged = json.loads(json.dumps(first))
     merged.pop("shard", None)
-    for k in ("loop", "skipped_cells"):
+    for k in ("loop", "skipped_cells", "stream_layout"):
         merged.pop(k, None)
     merged["config"].get("protocol", {}).pop("shard", None)
     merged["seeds"] = sorted({int(s) for _, r in parts for s in r["seeds"]})
@@ -373,7 +442,8 @@ def merge_parts(paths: Sequence[str | Path], output: str | Path | None = None) -
     if output is not None:
         out = Path(output)
         label = first.get("method_preset") or first["method"]
+        run_key = results.record_key(merged, with_weights=True)
         for cell_rows in rows:  # before the results file lists the cells
-            samples.write_cell(samples.samples_dir(out), label, cell_rows, 5, True)
+            samples.write_cell(samples.samples_dir(out), label, cell_rows, 5, True, run_key=run_key)
         merged = results.ResultsFile(out).write(merged)
     return merged
