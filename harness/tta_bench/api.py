@@ -18,6 +18,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import numbers
+import os
 import tempfile
 from collections.abc import Sequence
 from pathlib import Path
@@ -46,9 +47,11 @@ def evaluate(
     ``seeds``: default the config's (``[0, 1, 2]``). ``output``: the results JSON to write (and
     resume from, as the CLI does); None runs into a temporary file that is removed after."""
     from tta_bench.run import runner
-    from tta_bench.run.resolve import check_output, resolve_run
+    from tta_bench.run.output import check_output
+    from tta_bench.run.resolve import resolve_run
 
     _check_arguments(method, suite, model, overrides, seeds)
+    _check_paths_and_flags(output=output, data_dir=data_dir, device=device, progress=progress)
     overrides = [str(o) for o in overrides]
     for key in ("method", "model", "suite"):
         clash = [o for o in overrides if o.startswith(f"{key}=")]
@@ -105,6 +108,24 @@ def _check_arguments(method: Any, suite: Any, model: Any, overrides: Any, seeds:
     ]
     if wrong:  # an empty list: resolve_run's own message (seeds=[] names no seed)
         raise ValueError(f"seeds must be a list of non-negative integers; got {list(seeds)!r}")
+
+
+def _check_paths_and_flags(**given: Any) -> None:
+    """``output`` / ``data_dir``: a path (``str`` or ``os.PathLike``) or None; ``device``: a
+    string or None; ``progress``: a bool. A ``ValueError`` naming the argument otherwise."""
+    for name in ("output", "data_dir"):
+        value = given[name]
+        if value is not None and (not isinstance(value, (str, os.PathLike)) or value == ""):
+            raise ValueError(f"{name} must be a path (str or os.PathLike) or None, got {value!r}")
+    if given["device"] is not None and (
+        not isinstance(given["device"], str) or not given["device"]
+    ):
+        raise ValueError(
+            f"device must be a string such as 'cpu', 'cuda' or 'auto', or None; got "
+            f"{given['device']!r}"
+        )
+    if not isinstance(given["progress"], bool):
+        raise ValueError(f"progress must be True or False, got {given['progress']!r}")
 
 
 def _run(runner: Any, spec: Any, output: Path) -> dict[str, Any]:

@@ -41,6 +41,15 @@ NO_PLUGINS = (
 )
 
 
+def _check_cache_budget() -> None:
+    from tta_bench.run.cache import cache_budget_gb
+
+    try:
+        cache_budget_gb()
+    except ValueError as exc:
+        raise UsageError(str(exc)) from None
+
+
 def _require_plugins(kind: str) -> None:
     if not registry(kind).names():
         raise UsageError(NO_PLUGINS.format(kind=kind))
@@ -78,6 +87,7 @@ def resolve_run(
     from tta_bench.config import compose
 
     _require_plugins("methods")
+    _check_cache_budget()  # TTA_BENCH_CACHE_BUDGET_GB, before anything is composed
     overrides = _profile_switches(overrides)
     o_method, overrides = _split_choice(overrides, "method")
     o_model, overrides = _split_choice(overrides, "model")
@@ -422,6 +432,13 @@ def _check_spec(spec: Any) -> None:
         )
     if len(set(spec.seeds)) != len(spec.seeds):
         raise UsageError(f"seeds={spec.seeds} repeats a seed")
+    if any(int(s) < 0 for s in spec.seeds):
+        raise UsageError(f"seeds={spec.seeds}: seeds are non-negative integers, e.g. [0,1,2]")
+    if spec.log_samples and int(spec.log_samples_top_k) < 1:
+        raise UsageError(
+            f"log_samples_top_k={spec.log_samples_top_k}: the per-sample files keep the k >= 1 "
+            "most probable classes of each sample, e.g. log_samples_top_k=5"
+        )
     try:
         resolve_device(spec.device)
     except ValueError as exc:
@@ -430,14 +447,15 @@ def _check_spec(spec: Any) -> None:
         raise UsageError(
             f"unknown cache policy {spec.cache!r}; available: {', '.join(CACHE_POLICIES)}"
         )
-    _check_cache_writable()
+    if spec.cache != "never":  # cache=never writes no decoded image: a read-only cache serves
+        _check_cache_writable()
     check_components(spec.protocol, spec.method_config)
     factory = registry("models").get(spec.model)
     check = getattr(factory, "check_args", None)
     if callable(check):
         try:
             check(**spec.model_args)
-        except ValueError as exc:
+        except (ValueError, TypeError) as exc:  # TypeError: a null or mistyped argument
             raise UsageError(f"model {spec.model}: {exc}") from exc
     _check_dataset_args(spec)
     _warn_unused_data_dir(spec)
@@ -530,46 +548,6 @@ def _check_dataset_args(spec: Any) -> None:
             f"dataset {protocol.dataset}: the data of {len(missing)} of the suite's "
             f"{len(domains)} domains is missing:\n{listed}"
         )
-
-
-def check_output(path: Any, spec: Any) -> None:
-    """The results path must be writable, and an existing file must be this run's."""
-    import os
-    import tempfile
-    from pathlib import Path
-
-    from tta_bench.run import results
-    from tta_bench.run.resume import spec_key
-
-    path = Path(path)
-    if path.is_dir():
-        raise UsageError(f"--output {str(path)!r} is a directory; give a file path")
-    parent = path.parent
-    while not parent.exists():
-        parent = parent.parent
-    if not parent.is_dir():
-        raise UsageError(f"--output {str(path)!r}: {str(parent)!r} is a file, not a directory")
-    try:  # the real test: create the folder and a file in it (permissions, read-only mounts)
-        path.parent.mkdir(parents=True, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path.parent):
-            pass
-    except OSError as exc:
-        raise UsageError(
-            f"--output {str(path)!r}: cannot write in {str(path.parent)!r} ({exc.strerror or exc})"
-        ) from None
-    if path.exists():
-        if not os.access(path, os.W_OK):
-            raise UsageError(f"--output {str(path)!r} is not writable")
-        if spec.resume:
-            try:
-                old = results.load_results(path)
-            except ValueError as exc:
-                raise UsageError(f"--output holds no readable results to resume: {exc}") from exc
-            if results.record_key(old) != spec_key(spec):
-                raise UsageError(
-                    f"--output {str(path)!r} holds a different run ({results.record_key(old)}); "
-                    "choose another output or set resume=false"
-                )
 
 
 def check_components(protocol: Any, mcfg: Any) -> None:
