@@ -163,3 +163,102 @@ def test_the_python_api_gives_the_record_the_cli_writes(tmp_path, capsys):
     assert scores(record) == scores(written)
     assert record["protocol"] == written["protocol"]
     assert {**record["config"], "output": None} == {**written["config"], "output": None}
+
+
+# -- TTA_BENCH_CACHE_BUDGET_GB: one parser, every command that reads the cache refuses it ----
+BAD_BUDGETS = ["abc", "-1", "nan", "inf", "1e999", " "]
+
+
+def _budget_message(value: str) -> str:
+    return (
+        f"tta-bench: error: TTA_BENCH_CACHE_BUDGET_GB={value!r}: expected a finite number of "
+        "gigabytes >= 0 (e.g. 50 or 0.5), or unset it for the default (50)\n"
+    )
+
+
+@pytest.mark.parametrize("value", BAD_BUDGETS)
+@pytest.mark.parametrize(
+    "argv",
+    [("env",), ("env", "--json"), ("cache", "list"), ("cache", "clear", "--kind", "decoded")],
+    ids=["env", "env-json", "cache-list", "cache-clear"],
+)
+def test_a_bad_cache_budget_is_refused_by_env_and_cache(capsys, monkeypatch, argv, value):
+    monkeypatch.setenv("TTA_BENCH_CACHE_BUDGET_GB", value)
+    rc, out, err = cli(capsys, *argv)
+    assert (rc, out, err) == (2, "", _budget_message(value))
+
+
+@pytest.mark.parametrize("value", ["abc", "nan", "-1"])
+def test_a_bad_cache_budget_is_refused_by_run_before_setup(run_cli, monkeypatch, value):
+    monkeypatch.setenv("TTA_BENCH_CACHE_BUDGET_GB", value)
+    rc, err = run_cli("seeds=[0]", "cache=always")
+    assert (rc, err) == (2, _budget_message(value))
+
+
+@pytest.mark.parametrize("argv", [("profile", "--batches", "1"), ("sweep", "method=zeroshot")])
+def test_a_bad_cache_budget_is_refused_by_profile_and_sweep(capsys, monkeypatch, tmp_path, argv):
+    from tta_bench_testplugin import model
+
+    monkeypatch.setenv("TTA_BENCH_CACHE_BUDGET_GB", "nan")
+    before = model.builds
+    extra = ["--dir", str(tmp_path / "sweep")] if argv[0] == "sweep" else []
+    rc, out, err = cli(capsys, *argv, *extra, "seeds=[0]")
+    assert (rc, err) == (2, _budget_message("nan"))
+    assert model.builds == before and not (tmp_path / "sweep").exists()
+
+
+@pytest.mark.parametrize(("value", "gb"), [(None, 50.0), ("", 50.0), ("0", 0.0), ("2.5", 2.5)])
+def test_a_good_cache_budget_is_read_in_one_place(monkeypatch, value, gb):
+    from tta_bench.run import cache
+
+    if value is None:
+        monkeypatch.delenv("TTA_BENCH_CACHE_BUDGET_GB", raising=False)
+    else:
+        monkeypatch.setenv("TTA_BENCH_CACHE_BUDGET_GB", value)
+    assert cache.cache_budget_gb() == gb
+    assert cache.cache_budget_bytes() == int(gb * 2**30)
+
+
+@pytest.mark.parametrize("value", BAD_BUDGETS)
+def test_the_api_refuses_a_bad_cache_budget_with_a_value_error(monkeypatch, value):
+    from tta_bench.run import cache
+
+    monkeypatch.setenv("TTA_BENCH_CACHE_BUDGET_GB", value)
+    with pytest.raises(ValueError) as info:
+        cache.cache_budget_bytes()
+    assert str(info.value) == _budget_message(value).removeprefix("tta-bench: error: ").strip()
+
+
+# -- sweep: every name of every value list checked before anything is launched ---------------
+@pytest.mark.parametrize(
+    ("overrides", "expected"),
+    [
+        (["method=norm_tnet,zeroshot"], "unknown method 'norm_tnet'. Did you mean 'norm_tent'?"),
+        (["method=zeroshot,norm_tnet"], "unknown method 'norm_tnet'. Did you mean 'norm_tent'?"),
+        (["method=choice(zeroshot,zeroshoot)"], "unknown method 'zeroshoot'. Did you mean"),
+        (["model=tiny-clap"], "unknown model 'tiny-clap'. Did you mean 'tiny-clip'?"),
+        (
+            ["method=zeroshot", "suite=tiny-shifts,tiny-shfits"],
+            "unknown suite 'tiny-shfits'. Did you mean 'tiny-shifts'",
+        ),
+    ],
+)
+def test_a_sweep_refuses_an_unknown_name_in_any_value_list(capsys, tmp_path, overrides, expected):
+    from tta_bench_testplugin import model
+
+    before = model.builds
+    sweep_dir = tmp_path / "sweep"
+    rc, out, err = cli(capsys, "sweep", "--dir", str(sweep_dir), "seeds=[0]", *overrides)
+    assert rc == 2, err
+    assert err.startswith("tta-bench: error: ") and expected in err and "Available: " in err
+    assert err.count("\n") == 1 and "Traceback" not in err
+    assert model.builds == before and not sweep_dir.exists()
+
+
+def test_the_sweep_check_takes_registered_names_and_presets():
+    from tta_bench.run import sweep
+
+    sweep.check_choices(["method=zeroshot,norm_tent", "model=tiny-clip", "suite=tiny-shifts"])
+    sweep.check_choices(["method=glob(*)", "seeds=[0],[1]", "+method.lr=1,2"])
+    with pytest.raises(ValueError, match="unknown method 'nope'"):
+        sweep.check_choices(["method=zeroshot", "method=nope"])

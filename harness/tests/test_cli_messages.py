@@ -41,3 +41,27 @@ def test_version_from_the_console_and_python_m(module):
     )
     assert done.returncode == 0
     assert done.stdout.strip() == f"tta-bench {tta_bench.__version__}"
+
+
+@pytest.mark.parametrize("under", [False, True], ids=["file", "under-a-file"])
+def test_env_says_what_is_wrong_with_a_cache_path_that_is_a_file(
+    capsys, tmp_path, monkeypatch, under
+):
+    import json
+
+    blocker = tmp_path / "a-file"
+    blocker.write_text("not a folder", encoding="utf-8")
+    path = blocker / "cache" if under else blocker
+    monkeypatch.setenv("TTA_BENCH_CACHE", str(path))
+    problem = (
+        f"{path} (not usable: {blocker} is a file, not a folder; set TTA_BENCH_CACHE to a "
+        "writable folder)"
+    )
+    rc, out, err = cli(capsys, "env", "--json")
+    assert (rc, err) == (0, "")
+    doc = json.loads(out)  # valid JSON all the same
+    assert doc["cache dir"] == problem
+    assert doc["decoded cache"] == doc["text-head cache"] == "unknown (no usable cache dir)"
+    assert "plugin distributions" in doc
+    rc, out, err = cli(capsys, "env")
+    assert (rc, err) == (0, "") and problem in out

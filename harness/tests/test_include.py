@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import signal
 import textwrap
 from pathlib import Path
 
@@ -235,3 +236,68 @@ def test_the_python_api_includes_for_a_block(tmp_path, local):
         assert [f.path.name for f in files] == ["my_method.py", "suites.yaml"]
         assert registry("methods").origin("my-local").version == _sha(local / "my_method.py")[:12]
     assert "my-local" not in registry("methods").names()
+
+
+@pytest.mark.parametrize("name", ["latin1.py", "latin1.yaml"])
+def test_a_file_that_is_not_utf8_is_an_error_naming_it(capsys, tmp_path, name):
+    path = tmp_path / name
+    path.write_bytes("# café\nTTA_BENCH = {}\n".encode("latin-1"))
+    rc, out, err = cli(capsys, "ls", "methods", "--include", str(path))
+    assert rc == 2 and not out
+    assert f"--include {str(path)!r}: not UTF-8 text (invalid byte 0xe9 at offset 5)" in err
+    assert err.count("\n") == 1  # one line, no traceback
+
+
+def test_a_non_utf8_file_in_an_included_directory_is_named(capsys, tmp_path):
+    (tmp_path / "bad.py").write_bytes(b"\xff\xfe = 1\n")
+    rc, _, err = cli(capsys, "ls", "methods", "--include", str(tmp_path))
+    assert rc == 2
+    assert f"--include {str(tmp_path / 'bad.py')!r}: not UTF-8 text" in err
+
+
+def test_a_fifo_is_refused_without_opening_it(tmp_path):
+    import os
+
+    from .helpers import run_subprocess
+
+    fifo = tmp_path / "pipe.py"
+    os.mkfifo(fifo)
+    # Opening a FIFO for reading blocks until a writer comes: a hang, not an error.
+    proc = run_subprocess("ls", "methods", "--include", str(fifo), timeout=60)
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr == (
+        f"tta-bench: error: --include {str(fifo)!r}: not a regular file (a FIFO); give a "
+        "Python (.py) or YAML (.yaml, .yml) file, or a directory of them\n"
+    )
+
+
+def test_the_api_refuses_a_fifo_with_a_value_error(tmp_path):
+    import os
+
+    from tta_bench.include import add_include
+
+    fifo = tmp_path / "pipe.yaml"
+    os.mkfifo(fifo)
+
+    def hung(*_):
+        raise TimeoutError("add_include opened the FIFO and waited for a writer")
+
+    previous = signal.signal(signal.SIGALRM, hung)
+    signal.alarm(20)
+    try:
+        with pytest.raises(ValueError, match="not a regular file"):
+            add_include(fifo)
+    finally:
+        signal.alarm(0)
+        signal.signal(signal.SIGALRM, previous)
+
+
+def test_a_fifo_in_an_included_directory_is_refused_naming_it(capsys, tmp_path):
+    import os
+
+    fifo = tmp_path / "pipe.py"
+    os.mkfifo(fifo)
+    (tmp_path / "sub.yaml").mkdir()  # a folder is no component file: left alone
+    rc, out, err = cli(capsys, "ls", "methods", "--include", str(tmp_path))
+    assert rc == 2 and not out
+    assert f"--include {str(fifo)!r}: not a regular file (a FIFO)" in err

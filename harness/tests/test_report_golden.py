@@ -102,3 +102,53 @@ def test_table_cli_refuses_mixed_protocols(capsys):
     files = [str(GOLDEN / "golden_zeroshot.json"), str(GOLDEN / "golden_tent_bs16.json")]
     assert main(["table", *files]) == 2
     assert "different protocols" in capsys.readouterr().err
+
+
+# -- markdown from a stranger's results files: their strings render as text -----------------
+def _hostile_dir(tmp_path: Path) -> Path:
+    """The golden runs with HTML, a link, a pipe and backticks in every string the markdown
+    leaderboard shows: method preset, model, shift, dataset, protocol id, provenance, and
+    the names and reasons of files left out."""
+    d = tmp_path / "hostile"
+    d.mkdir()
+    proto_id = "golden@v1`<img src=x onerror=alert(2)>`"
+    shift = "<img src=x onerror=alert(1)>"
+    for name in ("golden_zeroshot.json", "golden_tent.json"):
+        record = json.loads((GOLDEN / name).read_text())
+        record["protocol"]["id"] = proto_id
+        record["protocol"]["dataset"] = "<iframe src=//evil.example>"
+        record["protocol"]["shifts"] = ["gaussian_noise", shift]
+        for c in record["cells"]:
+            c["shift"] = shift if c["shift"] == "contrast" else c["shift"]
+        if record["method"] == "tent":
+            record["method_preset"] = "<script>alert(1)</script>|![px](http://evil.example/p.png)"
+            record["model"]["name"] = "tiny|<b onmouseover=alert(3)>"
+            record["provenance"]["git_sha"] = "<svg onload=alert(4)>"
+            record["provenance"]["device"]["name"] = "a\nb | <i>c</i>"
+            record["created"] = "[click](javascript:alert(5))"
+        (d / name).write_text(json.dumps(record))
+    other = json.loads((GOLDEN / "golden_tent.json").read_text())
+    other["protocol"]["id"] = "<script>alert(6)</script>"
+    (d / "other.json").write_text(json.dumps(other))
+    (d / "x`<img src=y onerror=alert(7)>`.json").write_text("{not json")
+    return d
+
+
+def test_the_markdown_leaderboard_shows_results_strings_as_text(tmp_path):
+    import re
+
+    d = _hostile_dir(tmp_path)
+    report.write_leaderboard(d, "golden", with_plots=False)
+    text = (d / report.LEADERBOARD_MD).read_text(encoding="utf-8")
+    # no tag, comment or autolink can open outside a code span (which shows it verbatim)
+    outside = re.sub(r"(`+)[^`].*?[^`]\1(?!`)", "", text)
+    assert re.search(r"<[A-Za-z/!?]", outside) is None, outside
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;" in text
+    assert "&lt;img src=x onerror=alert(1)&gt;" in text  # the shift, as a header
+    assert "](http://evil" not in text and "](javascript:" not in text  # no link, no image
+    assert "`` x`<img src=y onerror=alert(7)>`.json ``" in text  # a whole code span
+    assert "Protocol `` golden@v1`<img src=x onerror=alert(2)>` ``" in text
+    assert "the ranked golden@v1\\`&lt;img src=x onerror=alert(2)&gt;\\`" in text  # a reason
+    for table in re.findall(r"(?:^\|.*\n)+", text, flags=re.MULTILINE):
+        widths = {len(re.findall(r"(?<!\\)\|", line)) for line in table.splitlines()}
+        assert len(widths) == 1, table  # a '|' in a name does not add a column

@@ -245,3 +245,66 @@ def test_figures_that_no_longer_fit_are_removed_and_nothing_else(results_dir):
     }
     markdown = (results_dir / report.LEADERBOARD_MD).read_text(encoding="utf-8")
     assert f"({report.PLOT_FOREST})" in markdown and report.PLOT_SEVERITY not in markdown
+
+
+# -- figures: names from results files are drawn as they are, never as mathtext ---------------
+#: Broken mathtext (an unknown symbol) and valid mathtext: both must be shown literally.
+DOLLARS = (r"tent$\notasymbol$", "$x^2$ cost", r"a\$b")
+
+
+def _shown(fig) -> set[str]:
+    """What each text of ``fig`` displays (mathtext-parsed texts are marked)."""
+    from matplotlib.text import Text
+
+    out = set()
+    for t in fig.findobj(Text):
+        shown, math = t._preprocess_math(t.get_text())
+        out.add(f"<math>{shown}" if math else shown)
+    return out
+
+
+def test_dollar_signs_in_names_are_drawn_literally_in_every_plot(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    drawn = []
+    save = plots._save
+    monkeypatch.setattr(plots, "_save", lambda fig, path: (drawn.append(fig), save(fig, path))[1])
+    record = json.loads((GOLDEN / "golden_tent.json").read_text())
+    shifts = record["protocol"]["shifts"]
+    records, labels = [record, record, record], list(DOLLARS)
+    order = [(s, 3) for s in shifts]
+    rows = [(label, 1.0, -0.5, 2.5) for label in labels]
+    plots.forest(rows, DOLLARS[0], tmp_path / "f.png")
+    plots.delta_heatmap(labels, [*DOLLARS[1:], "mean"], [[1.0, 2.0, 3.0]] * 3, DOLLARS[1],
+                        tmp_path / "h.png")  # fmt: skip
+    plots.accuracy_vs_severity(records, labels, tmp_path / "s.png")
+    plots.accuracy_over_stream(records, labels, order, tmp_path / "o.png", [True])
+    plots.accuracy_vs_time(records, labels, tmp_path / "t.png")
+    assert len(drawn) == 5
+    for fig in drawn:
+        shown = _shown(fig)
+        assert not [s for s in shown if s.startswith("<math>")], shown
+        assert set(DOLLARS) <= shown, shown
+
+
+def test_a_stream_plot_shows_a_shift_name_with_dollars_literally(tmp_path, monkeypatch):
+    pytest.importorskip("matplotlib")
+    drawn = []
+    save = plots._save
+    monkeypatch.setattr(plots, "_save", lambda fig, path: (drawn.append(fig), save(fig, path))[1])
+    record = json.loads((GOLDEN / "golden_tent.json").read_text())
+    name = r"$\sqrt{noise$"
+    for c in record["cells"]:
+        c["shift"] = name if c["shift"] == "contrast" else c["shift"]
+    order = [("gaussian_noise", 3), (name, 3)]
+    plots.accuracy_over_stream([record], ["tent"], order, tmp_path / "o.png")
+    assert f"{name} 3" in _shown(drawn[0]) or name in _shown(drawn[0])
+
+
+def test_a_leaderboard_of_runs_named_with_dollars_draws_its_figures(results_dir):
+    pytest.importorskip("matplotlib")
+    record = json.loads((results_dir / "norm_tent.json").read_text())
+    _write(results_dir, "norm_tent.json", {**record, "method_preset": r"tent$\notasymbol$"})
+    _, written = report.write_leaderboard(results_dir, "golden")
+    assert {report.PLOT_FOREST, report.PLOT_HEATMAP, report.PLOT_PARETO} <= {
+        p.name for p in written
+    }

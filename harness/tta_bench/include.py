@@ -41,6 +41,7 @@ import hashlib
 import importlib.util
 import os
 import re
+import stat
 import sys
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -60,7 +61,8 @@ YAML_SUFFIXES = (".yaml", ".yml")
 
 
 class IncludeError(LookupError, ValueError):
-    """An included path that does not exist, is not a Python or YAML file, or whose
+    """An included path that does not exist, is not a regular file or directory (a FIFO is
+    refused without being opened), is not a Python or YAML file, is not UTF-8 text, or whose
     declaration or catalogue is malformed; the message names the file. The registries and
     the catalogue raise it as their ``RegistryError``; the CLI exits 2."""
 
@@ -99,18 +101,72 @@ def _expand(path: str) -> list[Path]:
         raise IncludeError(f"--include {path!r}: no such file or directory")
     p = p.resolve()
     if p.is_dir():
-        return sorted(
+        found = sorted(
             f
             for f in p.iterdir()
-            if f.is_file()
-            and f.suffix.lower() in PY_SUFFIXES + YAML_SUFFIXES
+            if f.suffix.lower() in PY_SUFFIXES + YAML_SUFFIXES
             and not f.name.startswith(("_", "."))
+            and not f.is_dir()
         )
+        for f in found:
+            _check_regular(f, str(f))
+        return found
+    _check_regular(p, path)
     if p.suffix.lower() not in PY_SUFFIXES + YAML_SUFFIXES:
         raise IncludeError(
             f"--include {path!r}: not a Python (.py) or YAML (.yaml, .yml) file, nor a directory"
         )
     return [p]
+
+
+def _check_regular(p: Path, given: str) -> None:
+    """An ``IncludeError`` naming ``given`` unless ``p`` is a regular file (links followed).
+    Decided by ``stat`` alone: opening a FIFO would wait for a writer."""
+    if not p.is_file():
+        raise IncludeError(
+            f"--include {given!r}: not a regular file ({_file_type(p)}); give a Python (.py) "
+            "or YAML (.yaml, .yml) file, or a directory of them"
+        )
+
+
+def _file_type(p: Path) -> str:
+    """What a path that is neither a directory nor a regular file is, in words."""
+    try:
+        mode = p.stat().st_mode
+    except OSError:  # a link that leads nowhere (or in a loop)
+        return "a broken link"
+    for test, name in (
+        (stat.S_ISFIFO, "a FIFO"),
+        (stat.S_ISSOCK, "a socket"),
+        (stat.S_ISCHR, "a character device"),
+        (stat.S_ISBLK, "a block device"),
+    ):
+        if test(mode):
+            return name
+    return "a special file"
+
+
+def _utf8(path: Path, data: bytes) -> str:
+    """``data`` (the bytes of the included file ``path``) as text; an ``IncludeError``
+    naming the file and the first bad byte when it is not UTF-8."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        bad = data[exc.start : exc.start + 1].hex()
+        raise IncludeError(
+            f"--include {str(path)!r}: not UTF-8 text (invalid byte 0x{bad} at offset "
+            f"{exc.start}); save it as UTF-8"
+        ) from None
+
+
+def _read(path: Path) -> bytes:
+    """The bytes of an included file; an ``IncludeError`` naming it when it cannot be read."""
+    try:
+        return path.read_bytes()
+    except OSError as exc:
+        raise IncludeError(
+            f"--include {str(path)!r}: cannot be read ({exc.strerror or exc})"
+        ) from None
 
 
 _FILES: tuple[str, list[IncludedFile]] | None = None
@@ -137,7 +193,9 @@ def included_files() -> list[IncludedFile]:
                     continue
                 seen.add(f)
                 kind = "python" if f.suffix.lower() in PY_SUFFIXES else "yaml"
-                files.append(IncludedFile(f, hashlib.sha256(f.read_bytes()).hexdigest(), kind))
+                data = _read(f)
+                _utf8(f, data)  # every file is text: refused here, naming it
+                files.append(IncludedFile(f, hashlib.sha256(data).hexdigest(), kind))
         _FILES = (key, files)
     return list(_FILES[1])
 
@@ -192,7 +250,7 @@ def _declaration(f: IncludedFile) -> dict[str, dict[str, str]]:
     if key in _DECLARATIONS:
         return _DECLARATIONS[key]
     where = f"included file {f.path}"
-    source = f.path.read_text(encoding="utf-8")
+    source = _utf8(f.path, _read(f.path))
     try:
         tree = ast.parse(source, filename=str(f.path))
     except SyntaxError as exc:
@@ -319,9 +377,10 @@ def read_catalogue(f: IncludedFile) -> dict[str, Any]:
     """An included YAML file's sections (the catalogue checks their names)."""
     import yaml
 
+    text = _utf8(f.path, _read(f.path))
     try:
-        data = yaml.safe_load(f.path.read_text(encoding="utf-8")) or {}
-    except (yaml.YAMLError, OSError, UnicodeDecodeError) as exc:
+        data = yaml.safe_load(text) or {}
+    except yaml.YAMLError as exc:
         raise IncludeError(f"included catalogue {f.path}: {type(exc).__name__}: {exc}") from None
     if not isinstance(data, dict) or not all(
         isinstance(v, dict) or v is None for k, v in data.items() if k != "schema_version"

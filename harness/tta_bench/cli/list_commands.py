@@ -12,6 +12,7 @@ import sys
 from typing import Any
 
 from tta_bench import catalog
+from tta_bench.cli.errors import check_cache_budget
 from tta_bench.registry import KINDS, SINGULAR, registry
 from tta_bench.run.resolve import NO_PLUGINS, UsageError
 
@@ -170,18 +171,59 @@ def _malloc_line() -> str:
     return f"the C library's default ({state['reason']})"
 
 
-def cmd_env(args: argparse.Namespace) -> int:
-    import importlib.metadata as md
-
-    import torch
+def _cache_lines() -> list[tuple[str, str]]:
+    """``env``'s cache dir, decoded-cache and text-head lines. A cache path that cannot be
+    used (a file, a folder under a file, no permission) is said in the ``cache dir`` line,
+    and the other two say ``unknown``: ``env`` reports it instead of failing, so its
+    ``--json`` output stays JSON."""
+    import os
+    from pathlib import Path
 
     from tta_bench.paths import cache_dir
     from tta_bench.run.cache import BUDGET_ENV, cache_budget_bytes, cache_used_bytes
-    from tta_bench.run.spec import resolve_device
     from tta_bench.text_head import text_head_entries
 
+    try:
+        path = cache_dir()
+        used = cache_used_bytes()
+        heads = text_head_entries()
+    except OSError as exc:
+        where = Path(os.environ.get("TTA_BENCH_CACHE") or exc.filename or "?")
+        why = exc.strerror or str(exc)
+        for p in (where, *where.parents):
+            if p.exists():
+                why = f"{p} is a file, not a folder" if not p.is_dir() else why
+                break
+        unknown = "unknown (no usable cache dir)"
+        return [
+            ("cache dir", f"{where} (not usable: {why}; set TTA_BENCH_CACHE to a writable folder)"),
+            ("decoded cache", unknown),
+            ("text-head cache", unknown),
+        ]
+    return [
+        ("cache dir", str(path)),
+        (
+            "decoded cache",
+            f"{used / 2**30:.2f} GiB used of a {cache_budget_bytes() / 2**30:.1f} GiB budget "
+            f"({BUDGET_ENV})",
+        ),
+        (
+            "text-head cache",
+            f"{len(heads)} heads, {sum(h['bytes'] for h in heads) / 2**20:.1f} MiB",
+        ),
+    ]
+
+
+def cmd_env(args: argparse.Namespace) -> int:
+    import importlib.metadata as md
+
+    check_cache_budget()
+
+    import torch
+
+    from tta_bench.run.spec import resolve_device
+
     device = resolve_device("auto")
-    heads = text_head_entries()
     lines = [
         ("tta-bench", md.version("tta-bench")),
         ("python", sys.version.split()[0]),
@@ -200,16 +242,7 @@ def cmd_env(args: argparse.Namespace) -> int:
         ("CPU threads", str(torch.get_num_threads())),
         ("CPU kernels", str(torch.backends.cpu.get_cpu_capability())),
         ("allocator (CPU runs)", _malloc_line()),
-        ("cache dir", str(cache_dir())),
-        (
-            "decoded cache",
-            f"{cache_used_bytes() / 2**30:.2f} GiB used of a {cache_budget_bytes() / 2**30:.1f} "
-            f"GiB budget ({BUDGET_ENV})",
-        ),
-        (
-            "text-head cache",
-            f"{len(heads)} heads, {sum(h['bytes'] for h in heads) / 2**20:.1f} MiB",
-        ),
+        *_cache_lines(),
     ]
     for name in ("torchvision", "open_clip_torch", "timm", "datasets", "hydra-core"):
         try:
@@ -242,6 +275,7 @@ def cmd_cache(args: argparse.Namespace) -> int:
     from tta_bench import text_head
     from tta_bench.run import cache
 
+    check_cache_budget()
     decoded = args.kind in ("all", "decoded")
     heads = args.kind in ("all", "text")
     if args.action == "list":

@@ -10,8 +10,9 @@ import sys
 from typing import Any
 
 from tta_bench import log
-from tta_bench.cli.errors import usage_errors
-from tta_bench.run.resolve import UsageError, check_output, resolve_run
+from tta_bench.cli.errors import check_cache_budget, usage_errors
+from tta_bench.run.output import check_output
+from tta_bench.run.resolve import UsageError, resolve_run
 
 LOGGER = log.LOGGER
 
@@ -32,6 +33,7 @@ def _resolve_run(args: argparse.Namespace) -> tuple[Any, Any]:
 def cmd_run(args: argparse.Namespace) -> int:
     from omegaconf import OmegaConf
 
+    check_cache_budget()
     cfg, spec = _resolve_run(args)
     protocol, method, model = spec.protocol, spec.method, spec.model
     if args.cfg:
@@ -62,6 +64,13 @@ def cmd_run(args: argparse.Namespace) -> int:
     for event in record.get("events", []):
         LOGGER.warning(event)
     seeds = record.get("seeds") or spec.seeds  # what the file holds: merged runs included
+    if spec.shard is not None and not record["cells"]:
+        print(
+            f"\npart {spec.shard} of {spec.method_preset or method} on {protocol.name} got no "
+            f"batch of the stream (more parts than batches): an empty part, which tta-bench "
+            f"merge takes like the others  results: {output}"
+        )
+        return 0
     print(
         f"\n{spec.method_preset or method} on {protocol.name} ({protocol.id}), model {model}, "
         f"seeds {seeds}: accuracy (%)"
@@ -100,10 +109,12 @@ def cmd_sweep(args: argparse.Namespace) -> int:
     from tta_bench.run import sweep
     from tta_bench.run.profiles import rewrite_switches
 
+    check_cache_budget()
     overrides = list(args.overrides)
     with usage_errors():
         overrides = rewrite_switches(overrides)  # a profile's ``<switch>=true``
         sweep.check_launcher(overrides)  # before anything is composed or submitted
+        sweep.check_choices(overrides)  # every method, model and suite of the value lists
         if args.shards is not None:
             overrides = sweep.shard_overrides(overrides, args.shards)
     if args.pack < 1:
@@ -137,6 +148,7 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
     from tta_bench.run import profiler as profile
 
+    check_cache_budget()
     _, spec = _resolve_run(args)
     protocol, method, model = spec.protocol, spec.method, spec.model
     # A slice of the first seed, measured, never written as results or logs.

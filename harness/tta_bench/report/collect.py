@@ -9,7 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -259,12 +259,23 @@ def leaderboard_rows(
     return headers, rows
 
 
-def _protocol_line(proto: dict[str, Any]) -> str:
+def _same(text: str) -> str:
+    return text
+
+
+def _code_span(text: str) -> str:
+    return f"`{text}`"
+
+
+def _protocol_line(proto: dict[str, Any], text: Callable[[str], str] = _same) -> str:
+    """The protocol in words; ``text`` quotes each value taken from the results file."""
+    shifts = ", ".join(text(str(s)) for s in proto.get("shifts") or [])
+    severities = ", ".join(text(str(s)) for s in proto.get("severities") or [])
     return (
-        f"dataset {proto.get('dataset')}, shifts {', '.join(proto.get('shifts') or [])}, "
-        f"severities {', '.join(str(s) for s in proto.get('severities') or [])}, "
-        f"batch size {proto.get('batch_size')}, reset {proto.get('reset')}, "
-        f"images {proto.get('max_images') or 'all'}"
+        f"dataset {text(str(proto.get('dataset')))}, shifts {shifts}, "
+        f"severities {severities}, "
+        f"batch size {text(str(proto.get('batch_size')))}, reset {text(str(proto.get('reset')))}, "
+        f"images {text(str(proto.get('max_images') or 'all'))}"
     )
 
 
@@ -289,11 +300,21 @@ def _provenance_rows(board: Leaderboard) -> tuple[list[str], list[list[str]]]:
     return headers, rows
 
 
-def _notes(board: Leaderboard, baseline: str | None, test: str) -> list[str]:
+def _notes(
+    board: Leaderboard,
+    baseline: str | None,
+    test: str,
+    text: Callable[[str], str] = _same,
+    code: Callable[[str], str] = _code_span,
+) -> list[str]:
+    """What the leaderboard says above its table, as markdown-ish text (the page turns its
+    code spans into ``<code>``). ``text`` and ``code`` quote the values taken from results
+    files as text and as a code span (the markdown leaderboard escapes them; the page's
+    template escapes everything)."""
     proto = board.entries[0].record["protocol"] if board.entries else {}
     test_name = "paired t" if test == "t" else "paired bootstrap (10,000 resamples)"
     notes = [
-        f"Protocol `{board.protocol_id}`: {_protocol_line(proto)}." if proto else "",
+        f"Protocol {code(board.protocol_id)}: {_protocol_line(proto, text)}." if proto else "",
         "Accuracy: per seed the mean over all shift x severity cells, then the mean and the "
         "95% confidence interval (Student t) over seeds.",
         "Cost: measured during the runs (ms per sample split into data wait, adaptation = "
@@ -303,10 +324,12 @@ def _notes(board: Leaderboard, baseline: str | None, test: str) -> list[str]:
     _, label = tables.resolve_baseline([e.record for e in board.entries], baseline)
     if label is not None:
         note = (
-            f"Δ: difference to {label} on the same seeds and cells, {test_name} interval and "
-            "two-sided p-value."
+            f"Δ: difference to {text(label)} on the same seeds and cells, {test_name} interval "
+            "and two-sided p-value."
         )
         if label != tables.baseline_name(baseline):
-            note += f" {label}: the frozen source model each run scored on its identical stream."
+            note += (
+                f" {text(label)}: the frozen source model each run scored on its identical stream."
+            )
         notes.insert(2, note)
     return [n for n in notes if n]

@@ -109,11 +109,16 @@ def to_json(records: Sequence[dict[str, Any]], labels: Sequence[str], **kw: Any)
 
 
 def to_csv(rows: list[dict[str, Any]]) -> str:
-    """Rows as CSV with a header; None is an empty field."""
+    """Rows as CSV with a header; None is an empty field. Numbers are written as numbers;
+    text a spreadsheet would run as a formula (a method, shift or metric name starting with
+    ``=``, ``+``, ``-``, ``@``, ...) gets a leading ``'`` (``tables.csv_cell``)."""
     if not rows:
         return ""
+    fields = list(rows[0])
     buf = io.StringIO()
-    writer = csv.DictWriter(buf, fieldnames=list(rows[0]), lineterminator="\n")
-    writer.writeheader()
-    writer.writerows({k: "" if v is None else v for k, v in r.items()} for r in rows)
+    writer = csv.writer(buf, lineterminator="\n")
+    writer.writerow([tables.csv_cell(k) for k in fields])
+    writer.writerows(
+        [tables.csv_cell("" if r.get(k) is None else r[k]) for k in fields] for r in rows
+    )
     return buf.getvalue()

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import html
 import json
+import re
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -126,6 +127,9 @@ def load_many(paths: Sequence[str | Path]) -> list[dict[str, Any]]:
 
 
 def _heading(title: str, fmt: str) -> str:
+    """``title`` (which holds the suite's name from a results file) as a heading of ``fmt``,
+    on one line: a line break in it cannot start a row or a markdown block of its own."""
+    title = " ".join(title.splitlines())
     if fmt in ("github", "markdown"):
         return f"### {title}\n"
     if fmt == "html":
@@ -194,6 +198,41 @@ def _machine(
     return export.to_csv(export.summary_rows(records, labels, baseline, test))
 
 
+# -- markdown: what results files say is shown as text -----------------------------------
+#: A '<' that starts no tag, comment or autolink (``<0.001``, the tables' small p-values).
+_TAG_LT = re.compile(r"<(?![0-9.]+(?:[^0-9.@A-Za-z]|$))")
+
+
+def md_text(value: Any) -> str:
+    """``value`` as markdown that renders as its own text: on one line (a line break cannot
+    start a block), ``&``, ``<`` and ``>`` as entities (no HTML tag, comment or autolink;
+    the ``<`` of ``<0.001`` is kept), ``\\``, ``|`` and backticks escaped (no extra table
+    column, no code span) and ``](`` broken (no link, no image). The harness's own cells
+    and headings hold none of these, so a leaderboard of ordinary results is byte-identical
+    to an unescaped one."""
+    text = " ".join(str(value).splitlines()).replace("\\", "\\\\")
+    text = _TAG_LT.sub("&lt;", text.replace("&", "&amp;").replace(">", "&gt;"))
+    return text.replace("|", "\\|").replace("`", "\\`").replace("](", "]\\(")
+
+
+def md_code(value: Any) -> str:
+    """``value`` as one markdown code span, shown verbatim whatever it holds: its fence is
+    one backtick longer than its longest run of backticks (padded with spaces where it
+    holds any), and a line break is a space."""
+    text = " ".join(str(value).splitlines())
+    runs = [len(r) for r in re.findall(r"`+", text)]
+    fence = "`" * (max(runs, default=0) + 1)
+    pad = " " if runs else ""
+    return f"{fence}{pad}{text}{pad}{fence}"
+
+
+def _md_table(rows: Sequence[Sequence[Any]], headers: Sequence[Any]) -> str:
+    """A github table of ``md_text`` cells."""
+    return tables.render(
+        [[md_text(c) for c in row] for row in rows], [md_text(h) for h in headers], "github"
+    )
+
+
 def leaderboard_markdown(
     board: Leaderboard,
     baseline: str | None = tables.REFERENCE,
@@ -202,39 +241,34 @@ def leaderboard_markdown(
 ) -> str:
     """The leaderboard as markdown: the ranked table (``leaderboard_rows``), the method x
     shift table, the figures (``images``: the figures to show; True: those that fit the
-    suite, ``leaderboard_figures``), what was left out and the provenance."""
+    suite, ``leaderboard_figures``), what was left out and the provenance. Every string
+    taken from a results file (method, preset, model, shift, protocol, provenance, file
+    names and reasons) renders as text (``md_text``, ``md_code``): no HTML, link or table
+    column of its own."""
     headers, rows = leaderboard_rows(board, baseline, test)
     records = [e.record for e in board.entries]
     labels = [e.label for e in board.entries]
     figures = _figure_list(board, baseline, test, images)
-    parts = [f"# Leaderboard: {board.suite}", ""]
-    parts += [f"{n}\n" for n in _notes(board, baseline, test)]
-    parts += [tables.render(rows, headers, "github"), ""]
+    parts = [f"# Leaderboard: {md_text(board.suite)}", ""]
+    parts += [f"{n}\n" for n in _notes(board, baseline, test, md_text, md_code)]
+    parts += [_md_table(rows, headers), ""]
     if records:
-        parts += [
-            "## Accuracy (%) per shift, mean ± std over seeds",
-            "",
-            tables.method_shift_table(records, "github", labels=labels),
-            "",
-        ]
+        head, rows = tables.method_shift_rows(records, labels)
+        parts += ["## Accuracy (%) per shift, mean ± std over seeds", "", _md_table(rows, head), ""]
         for name in tables.per_shift_metrics(records):
             head, rows = tables.method_shift_rows(records, labels, metric=name)
-            parts += [
-                f"## {per_shift_title(name)}",
-                "",
-                tables.render(rows, head, "github"),
-                "",
-            ]
+            parts += [f"## {md_text(per_shift_title(name))}", "", _md_table(rows, head), ""]
     if figures:
         parts += ["## Plots", ""]
-        for fig in figures:
-            parts += [f"![{fig.title}]({fig.file})", ""]
+        for fig in figures:  # the alt text holds the baseline's name: no bracket ends it
+            alt = md_text(fig.title).replace("[", "\\[").replace("]", "\\]")
+            parts += [f"![{alt}]({fig.file})", ""]
     if board.left_out:
         parts += ["## Left out", ""]
-        parts += [f"- `{name}`: {reason}" for name, reason in board.left_out]
+        parts += [f"- {md_code(name)}: {md_text(reason)}" for name, reason in board.left_out]
         parts.append("")
     p_head, p_rows = _provenance_rows(board)
-    parts += ["## Provenance", "", tables.render(p_rows, p_head, "github"), ""]
+    parts += ["## Provenance", "", _md_table(p_rows, p_head), ""]
     return "\n".join(parts)
 
 

@@ -32,6 +32,13 @@ def available() -> bool:
     return True
 
 
+def literal(text: Any) -> str:
+    """``text`` as matplotlib draws it verbatim: every ``$`` escaped, so no part of a name
+    taken from a results file (method, preset, shift, baseline) is parsed as mathtext (a
+    ``$`` pair would be typeset, a broken one would fail the whole figure)."""
+    return str(text).replace("$", r"\$")
+
+
 def _figure(size: tuple[float, float] = SIZE) -> Any:
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
@@ -68,7 +75,9 @@ def forest(
     """One line per run, top to bottom in the given order: its difference to ``baseline``
     (``(label, mean, low, high)`` in percentage points) with the 95% interval as a bar,
     blue where the interval lies above zero, red below, grey where it spans zero; the
-    figures are written at the right."""
+    figures are written at the right. Labels and ``baseline`` are drawn literally."""
+    rows = [(literal(label), *rest) for label, *rest in rows]
+    baseline = literal(baseline)
     n = len(rows)
     fig = _figure((7.2, 1.2 + 0.3 * max(n, 1)))
     ax = fig.add_subplot(1, 1, 1)
@@ -109,8 +118,12 @@ def delta_heatmap(
 ) -> Path:
     """Rows x columns of differences to ``baseline`` (percentage points; None: no value),
     on a diverging scale symmetric around zero, each cell written in it. The last column is
-    set off by a line (the mean, where the caller puts it last)."""
+    set off by a line (the mean, where the caller puts it last). Labels are drawn literally."""
     import numpy as np
+
+    row_labels = [literal(r) for r in row_labels]
+    column_labels = [literal(c) for c in column_labels]
+    baseline = literal(baseline)
 
     arr = np.array(
         [[np.nan if v is None else float(v) for v in row] for row in values], dtype=float
@@ -163,7 +176,8 @@ def accuracy_vs_severity(
     records: Sequence[dict[str, Any]], labels: Sequence[str], path: str | Path
 ) -> Path:
     """Per method: mean accuracy over shifts at each severity (percent), with the 95% CI
-    over seeds as error bars."""
+    over seeds as error bars; labels are drawn literally."""
+    labels = [literal(label) for label in labels]
     fig = _figure((8.0, 4.4))
     ax = fig.add_subplot(1, 1, 1)
     severities: set[int] = set()
@@ -195,7 +209,8 @@ def accuracy_over_stream(
 ) -> Path:
     """Per method: the accuracy of each (shift, severity) cell (percent, mean over seeds)
     in the stream's order ``order``, one line per run; runs flagged in ``reference`` (the
-    frozen model) are drawn dashed in black."""
+    frozen model) are drawn dashed in black. Labels and shift names are drawn literally."""
+    labels = [literal(label) for label in labels]
     fig = _figure((8.0, 4.4))
     ax = fig.add_subplot(1, 1, 1)
     flags = list(reference) + [False] * (len(records) - len(reference))
@@ -206,7 +221,7 @@ def accuracy_over_stream(
         style = {"color": "black", "linestyle": "--"} if is_ref else {"marker": "o"}
         ax.plot(xs, ys, markersize=3, linewidth=1.2, label=label, **style)
     several = len({sev for _, sev in order}) > 1
-    ticks = [f"{shift} {sev}" if several else shift for shift, sev in order]
+    ticks = [literal(f"{shift} {sev}" if several else shift) for shift, sev in order]
     ax.set_xticks(range(len(order)), ticks, fontsize="small")
     _slant(ax)
     ax.set_xlabel("stream (in order, never reset)")
@@ -230,7 +245,8 @@ def accuracy_vs_time(
 ) -> Path:
     """Accuracy (percent, mean over seeds, 95% CI bars) against total time per sample (ms;
     log scale when the times span more than a decade); the Pareto front is a step line and
-    its runs are labelled in bold. Labels are placed where they overlap no other."""
+    its runs are labelled in bold. Labels are placed where they overlap no other, and
+    drawn literally."""
     from matplotlib import colormaps
 
     fig = _figure((7.2, 4.5))
@@ -253,7 +269,7 @@ def accuracy_vs_time(
             [x], [y], yerr=[100 * (est.half_width or 0.0)], marker="o", capsize=3, color=colour
         )
         points.append((x, y))
-        names.append(label)
+        names.append(literal(label))
     front = pareto_front(points)
     if len(front) > 1:
         ax.step(

@@ -8,8 +8,11 @@ Every function is a pure function of its records, so regenerated tables are iden
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import io
+import math
+import re
 import statistics
 from collections import defaultdict
 from collections.abc import Sequence
@@ -43,16 +46,41 @@ def _fmt(values: list[float], decimals: int = 1) -> str:
     return f"{mean:.{decimals}f} ± {100 * statistics.stdev(values):.{decimals}f}"
 
 
+#: First characters that make a spreadsheet read a CSV cell as a formula (OWASP, "CSV
+#: injection"): such text cells get a leading single quote (``csv_cell``).
+FORMULA_STARTS = ("=", "+", "-", "@", "\t", "\r")
+#: Text that is a number as the tables write one, sign first: ``-0.3``, ``+3.8 [-1.8, +9.4]``,
+#: ``-1,234``, ``-`` (no value). No letters, so no function and no cell reference.
+_NUMBER_TEXT = re.compile(r"[+-][0-9 .,+\-±\[\]%]*")
+
+
+def csv_cell(value: Any) -> Any:
+    """``value`` as a CSV cell a spreadsheet cannot run: text starting with ``=``, ``+``,
+    ``-``, ``@``, tab or CR gets a leading ``'`` (method, shift, model and metric names come
+    from results files a stranger may send). Numbers are never touched: non-text values,
+    and text that is a finite number (``-0.3``, ``+1.5e-3``) or one of the tables' numbers
+    (``+3.8 [-1.8, +9.4]``, ``-``: numerals, signs and punctuation only)."""
+    if not isinstance(value, str) or not value.startswith(FORMULA_STARTS):
+        return value
+    with contextlib.suppress(ValueError):
+        if math.isfinite(float(value)):
+            return value
+    if _NUMBER_TEXT.fullmatch(value):
+        return value
+    return "'" + value
+
+
 def render(rows: list[list[Any]], headers: list[str], fmt: str) -> str:
     """One table in ``fmt`` (see ``FORMATS``); cells are rendered verbatim (no number
-    parsing), so the formatting chosen here is what the reader gets."""
+    parsing), so the formatting chosen here is what the reader gets; in ``csv``, text that
+    a spreadsheet would run as a formula is quoted (``csv_cell``)."""
     if fmt not in FORMATS:
         raise ValueError(f"unknown table format {fmt!r}; available: {', '.join(FORMATS)}")
     if fmt == "csv":
         buf = io.StringIO()
         writer = csv.writer(buf, lineterminator="\n")
-        writer.writerow(headers)
-        writer.writerows(rows)
+        writer.writerow([csv_cell(h) for h in headers])
+        writer.writerows([csv_cell(c) for c in row] for row in rows)
         return buf.getvalue().rstrip("\n")
     text = tabulate(rows, headers=headers, tablefmt=FORMATS[fmt], disable_numparse=True)
     if fmt == "latex":  # tabulate escapes LaTeX specials but leaves these to the encoding

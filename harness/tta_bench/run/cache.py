@@ -38,6 +38,7 @@ from __future__ import annotations
 import contextlib
 import hashlib
 import json
+import math
 import os
 import threading
 import warnings
@@ -413,17 +414,34 @@ def _decode_all(
 
 
 # -- disk budget -------------------------------------------------------------------------
-def cache_budget_bytes() -> int:
-    """The decoded cache's disk budget: ``$TTA_BENCH_CACHE_BUDGET_GB`` (default
-    ``DEFAULT_BUDGET_GB``)."""
+class CacheBudgetEnvError(ValueError):
+    """``TTA_BENCH_CACHE_BUDGET_GB`` is not a finite number >= 0; the message names it."""
+
+
+def cache_budget_gb() -> float:
+    """The decoded cache's disk budget in GiB: ``$TTA_BENCH_CACHE_BUDGET_GB``, unset or empty
+    for ``DEFAULT_BUDGET_GB``. The one place the variable is read: a value that is not a
+    finite number >= 0 (``abc``, ``-1``, ``nan``, ``inf``) raises ``CacheBudgetEnvError`` (a
+    ``ValueError``) naming the variable and the value; the commands that read the cache
+    (``run``, ``profile``, ``sweep``, ``env``, ``cache``) call it before building anything."""
     raw = os.environ.get(BUDGET_ENV)
+    if not raw:
+        return DEFAULT_BUDGET_GB
     try:
-        gb = float(raw) if raw else DEFAULT_BUDGET_GB
+        gb = float(raw)
     except ValueError:
-        raise ValueError(f"{BUDGET_ENV}={raw!r} is not a number of gigabytes") from None
-    if gb < 0:
-        raise ValueError(f"{BUDGET_ENV} must be >= 0, got {gb}")
-    return int(gb * (1 << 30))
+        gb = math.nan
+    if not math.isfinite(gb) or gb < 0:
+        raise CacheBudgetEnvError(
+            f"{BUDGET_ENV}={raw!r}: expected a finite number of gigabytes >= 0 (e.g. 50 or "
+            f"0.5), or unset it for the default ({DEFAULT_BUDGET_GB:g})"
+        )
+    return gb
+
+
+def cache_budget_bytes() -> int:
+    """The decoded cache's disk budget in bytes (``cache_budget_gb``; its errors)."""
+    return int(cache_budget_gb() * (1 << 30))
 
 
 def cache_entries() -> list[dict[str, Any]]:

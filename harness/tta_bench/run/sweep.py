@@ -98,6 +98,48 @@ def check_launcher(overrides: Sequence[str]) -> str:
     return name
 
 
+#: The choices whose every value a sweep checks against the registries before launching.
+CHECKED_CHOICES = ("method", "model", "suite")
+
+
+def check_choices(overrides: Sequence[str]) -> None:
+    """Every value of the ``method=``, ``model=`` and ``suite=`` overrides (each value of a
+    sweep, ``a,b`` or ``choice(a,b)``) must be a registered method or preset, a registered
+    model, a catalogue suite: else the registry's ``UnknownNameError`` (a ``ValueError``:
+    "did you mean ...? Available: ..."), before anything is composed or launched (Hydra
+    would stop at the first job that names it, after the jobs before it ran). A ``glob``
+    sweep picks among registered names already; a value Hydra cannot parse is left to it."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.core.override_parser.types import ValueType
+
+    from tta_bench import catalog
+    from tta_bench.config import resolve_method
+    from tta_bench.registry import UnknownNameError
+
+    parser = OverridesParser.create()
+    for text in overrides:
+        if text.split("=", 1)[0].strip().lstrip("+~") not in CHECKED_CHOICES:
+            continue
+        try:
+            override = parser.parse_overrides([text])[0]
+        except Exception:  # Hydra's grammar errors: Hydra reports them, naming the override
+            continue
+        if override.is_delete() or override.value_type == ValueType.GLOB_CHOICE_SWEEP:
+            continue
+        key = override.get_key_element().lstrip("+~")
+        if override.is_sweep_override():
+            values = [str(v) for v in override.sweep_string_iterator()]
+        else:
+            values = [override.get_value_element_as_str()]
+        for value in values:
+            if key == "method":
+                resolve_method(value)
+            elif key == "model":
+                registry("models").origin(value)
+            elif value not in (suites := catalog.catalog()["suites"]):
+                raise UnknownNameError("suites", value, list(suites))
+
+
 def launcher_defaults(overrides: Sequence[str]) -> list[str]:
     """``hydra.launcher.<key>=<value>`` for each of the harness's launcher defaults the
     overrides leave unset (SLURM: ``SLURM_DEFAULTS``)."""
@@ -429,6 +471,7 @@ def main(
     from tta_bench.run.profiles import rewrite_switches
 
     overrides = rewrite_switches(overrides)  # ``<switch>=true``: ``profile=NAME``
+    check_choices(overrides)  # every name of every value list, before Hydra launches one
     register_configs()
     ConfigStore.instance().store(
         group="hydra/sweeper",
