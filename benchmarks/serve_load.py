@@ -6,8 +6,8 @@
                                     [--slow-clients 0] [--max-pending N]
                                     [--body-timeout-s S]
 
-For each method a server is started as a subprocess (``tta-bench serve --port 0`` on
-127.0.0.1, the default model and digits classes, ``--workers`` worker threads, torch on
+For each method a server is started as a subprocess (``tta-bench serve --no-auth --port 0``
+on 127.0.0.1, the default model and digits classes, ``--workers`` worker threads, torch on
 ``--threads`` CPU threads), warmed up, then driven by ``--clients`` concurrent loopback
 clients (one thread and one keep-alive httpx connection each) sending ``--requests``
 requests in all (split evenly), each with ``--images`` digits test images as PNG files.
@@ -79,11 +79,13 @@ class Server:
     def __init__(self, method: str, workers: int, threads: int, extra: list[str] | None = None):
         self.method = method
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "MKL_NUM_THREADS": str(threads)}
+        env.pop("TTA_BENCH_SERVE_TOKEN", None)  # loopback clients without a token: --no-auth
         cmd = [
             sys.executable,
             "-m",
             "tta_bench.cli",
             "serve",
+            "--no-auth",
             "--method",
             method,
             "--port",

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import struct
+import zlib
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -120,3 +122,40 @@ def coop_layout(root: Path, name: str, labels: Sequence[int] = (0, 2, 1, 2)) -> 
     else:
         (folder / meta["split_file"]).write_text(json.dumps(splits))
     return {"test": [tuple(t) for t in splits["test"]], "folder": folder, "image_dir": image_dir}
+
+
+DIGIT_NAMES = ("zero", "one", "two", "three", "four", "five", "six", "seven", "eight", "nine")
+
+
+def digits_folder(root: Path, classes: Sequence[str] = DIGIT_NAMES, per_class: int = 2) -> Path:
+    """``root/<digit name>/<i>.png``: scikit-learn's digits of ``classes`` (names of
+    ``DIGIT_NAMES``, the default model's own classes) as 32 px RGB PNGs, ``per_class`` each."""
+    from PIL import Image
+    from sklearn.datasets import load_digits
+
+    bunch = load_digits()
+    for name in classes:
+        k = DIGIT_NAMES.index(name)
+        (root / name).mkdir(parents=True, exist_ok=True)
+        for i, row in enumerate(np.flatnonzero(bunch.target == k)[:per_class]):
+            pixels = (bunch.images[row] / 16.0 * 255.0).round().astype(np.uint8)
+            image = Image.fromarray(pixels).resize((32, 32), Image.BICUBIC).convert("RGB")
+            image.save(root / name / f"{i}.png")
+    return root
+
+
+def bilevel_png(path: Path, width: int, height: int) -> Path:
+    """A valid all-black bilevel PNG: 12000 x 12000 is ~20 KB on disk, 144 megapixels."""
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        crc = struct.pack(">I", zlib.crc32(kind + body))
+        return struct.pack(">I", len(body)) + kind + body + crc
+
+    packer = zlib.compressobj(9)
+    row = b"\x00" * (1 + (width + 7) // 8)
+    idat = b"".join(packer.compress(row) for _ in range(height)) + packer.flush()
+    ihdr = struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)
+    path.write_bytes(
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
+    )
+    return path

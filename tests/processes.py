@@ -22,9 +22,11 @@ def python_ok(code: str) -> subprocess.CompletedProcess[str]:
 @contextlib.contextmanager
 def serve_cli(*args: str, env: dict[str, str]) -> Iterator[tuple[subprocess.Popen[str], str]]:
     """``tta-bench serve --port 0 *args`` (the CLI module under this interpreter) in a
-    subprocess with environment ``env`` and text pipes. Yields the process and the base URL
-    its first line announces (asserted there; else its stderr is the message). On exit a
-    process still running is killed; its pipes are closed."""
+    subprocess with environment ``env`` and text pipes. ``args`` name the auth: a token
+    (``--token-file PATH``, or ``TTA_BENCH_SERVE_TOKEN`` in ``env``) or ``--no-auth`` (with
+    the variable not in ``env``); serve refuses to start without one. Yields the process and
+    the base URL its first line announces (asserted there; else its stderr is the message).
+    On exit a process still running is killed; its pipes are closed."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "tta_bench.cli", "serve", "--port", "0", *args],
         env=env,

@@ -117,10 +117,11 @@ def test_the_job_keys_are_declared_once():
 
 
 # -- (b) a method option out of range in tta-bench serve -------------------------------------
-def test_serve_with_a_method_option_out_of_range_exits_2(capsys, factory_calls):
+def test_serve_with_a_method_option_out_of_range_exits_2(capsys, monkeypatch, factory_calls):
     pytest.importorskip("fastapi")
+    monkeypatch.delenv("TTA_BENCH_SERVE_TOKEN", raising=False)  # --no-auth refuses a token
     args = ["--model", NEVER_BUILT, "--classnames", "cat,dog", "--method", "tent", "lr=-1"]
-    assert main(["serve", "--port", "0", *args]) == 2
+    assert main(["serve", "--port", "0", "--no-auth", *args]) == 2
     lines = _stderr_lines(capsys)
     assert len(lines) == 1 and lines[0].endswith(LR_MESSAGE), lines
     assert factory_calls == []
@@ -136,10 +137,11 @@ def test_serve_with_a_method_option_out_of_range_exits_2(capsys, factory_calls):
         (["--session-idle-s", "nan"], "serve.session_idle_s=nan: not a finite number"),
     ],
 )
-def test_serve_with_a_limit_out_of_range_exits_2(capsys, factory_calls, args, message):
+def test_serve_with_a_limit_out_of_range_exits_2(capsys, monkeypatch, factory_calls, args, message):
     pytest.importorskip("fastapi")
+    monkeypatch.delenv("TTA_BENCH_SERVE_TOKEN", raising=False)  # --no-auth refuses a token
     model = ["--model", NEVER_BUILT, "--classnames", "cat,dog"]
-    assert main(["serve", "--port", "0", *model, *args]) == 2
+    assert main(["serve", "--port", "0", "--no-auth", *model, *args]) == 2
     lines = _stderr_lines(capsys)
     assert len(lines) == 1 and lines[0].endswith(message), lines
     assert factory_calls == []

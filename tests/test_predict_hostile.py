@@ -6,10 +6,9 @@ is refused from its header, never decoded, and named with its size under either
 from __future__ import annotations
 
 import json
-import struct
-import zlib
 from pathlib import Path
 
+import fixtures_data as fx
 import numpy as np
 import pytest
 from predict_jobs import batch_results, write_job
@@ -27,23 +26,6 @@ def _digits(n: int) -> tuple[np.ndarray, np.ndarray]:
 
     x, y = digits_arrays("test")
     return x[:n, :, :, 0], y[:n]
-
-
-def _bilevel_png(path: Path, width: int, height: int) -> Path:
-    """A valid all-black bilevel PNG: 12000 x 12000 is ~20 KB on disk, 144 megapixels."""
-
-    def chunk(kind: bytes, body: bytes) -> bytes:
-        crc = struct.pack(">I", zlib.crc32(kind + body))
-        return struct.pack(">I", len(body)) + kind + body + crc
-
-    packer = zlib.compressobj(9)
-    row = b"\x00" * (1 + (width + 7) // 8)
-    idat = b"".join(packer.compress(row) for _ in range(height)) + packer.flush()
-    ihdr = struct.pack(">IIBBBBB", width, height, 1, 0, 0, 0, 0)
-    path.write_bytes(
-        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", ihdr) + chunk(b"IDAT", idat) + chunk(b"IEND", b"")
-    )
-    return path
 
 
 def test_16bit_pngs_predict_exactly_as_their_8bit_copies(tmp_path, digits_stream):
@@ -95,7 +77,7 @@ def budget_dir(tmp_path):
     for i, img in enumerate(gray):
         Image.fromarray(img).save(root / f"{i}.png")
     Image.fromarray(gray[0]).resize((48, 48)).save(root / "5-large.png")
-    _bilevel_png(root / "huge.png", 12000, 12000)
+    fx.bilevel_png(root / "huge.png", 12000, 12000)
     assert (root / "huge.png").stat().st_size < 64_000
     return root
 

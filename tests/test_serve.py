@@ -302,7 +302,8 @@ def test_cli_serves_until_ctrl_c_and_never_writes_uploads(tmp_path):
         "XDG_CACHE_HOME": str(dirs["xdg"]),
         "OMP_NUM_THREADS": "1",
     }
-    with serve_cli("--max-body-mb", "8", env=env) as (proc, url):
+    env.pop("TTA_BENCH_SERVE_TOKEN", None)
+    with serve_cli("--no-auth", "--max-body-mb", "8", env=env) as (proc, url):
         before = {name: _tree(d) for name, d in dirs.items()}
         rng = np.random.default_rng(1)
         big = _png(rng.integers(0, 256, (950, 950, 3), dtype=np.uint8))
@@ -338,8 +339,10 @@ def test_missing_serve_extra_names_the_install_command():
         (["--dataset", "digitz"], "unknown dataset 'digitz'"),
     ],
 )
-def test_bad_serve_arguments_exit_2(capsys, args, message):
+def test_bad_serve_arguments_exit_2(capsys, monkeypatch, args, message):
     from tta_bench.cli import main
 
-    assert main(["serve", "--port", "0", *args]) == 2
+    monkeypatch.delenv("TTA_BENCH_SERVE_TOKEN", raising=False)  # --no-auth refuses a token
+
+    assert main(["serve", "--port", "0", "--no-auth", *args]) == 2
     assert message in capsys.readouterr().err

@@ -225,6 +225,22 @@ def test_elongated_image_that_would_resize_past_the_pixel_limit_is_refused(defau
         assert "32x640000" in detail and "--max-image-pixels" in detail, detail
 
 
+def test_the_service_decodes_under_its_own_pixel_limit_not_the_adapters(default_bundle):
+    """The Adapter refuses images over its ``max_pixels`` (the budget ``predict`` shares);
+    the service decodes its uploads under ``--max-image-pixels`` and hands that limit to its
+    adapter, so an image within the service's limit is never refused (or a 500) there."""
+    from PIL import Image
+
+    adapter = Adapter.from_bundle(default_bundle, dataset="digits", method="zeroshot", device="cpu")
+    adapter.max_pixels = 1000
+    service = Service(adapter, Limits(max_image_pixels=10_000))
+    image = _png(Image.new("RGB", (48, 48)))  # 2304 pixels
+    with running(service) as url, httpx.Client(base_url=url, timeout=60) as client:
+        assert client.post("/predict", files=_files([image])).status_code == 200
+        big = client.post("/predict", files=_files([_png(Image.new("L", (101, 100)))]))
+        assert big.status_code == 413 and "--max-image-pixels" in big.json()["detail"]
+
+
 # -- 3. API docs: off by default, behind the token when on -----------------------------------
 _DOCS = ("/docs", "/redoc", "/openapi.json")
 
@@ -293,7 +309,8 @@ def test_unreadable_token_file_exits_2(tmp_path, capsys):
 
 def test_token_sources(tmp_path, monkeypatch, capsys):
     """--token-file (first line, stripped) beats $TTA_BENCH_SERVE_TOKEN; --token still works
-    but warns that it is visible in ps; --token with --token-file is an error."""
+    but warns that it is visible in ps; --token with --token-file is an error; none at all
+    is an error unless --no-auth."""
     from tta_bench.deploy.serve import TOKEN_ENV, resolve_token
 
     path = tmp_path / "token"
@@ -309,10 +326,84 @@ def test_token_sources(tmp_path, monkeypatch, capsys):
     with pytest.raises(ValueError, match="--token and --token-file"):
         resolve_token("a", str(path))
     monkeypatch.delenv(TOKEN_ENV)
-    assert resolve_token(None, None) is None
+    with pytest.raises(ValueError, match="no token.*--no-auth"):
+        resolve_token(None, None)
+    assert resolve_token(None, None, no_auth=True) is None
     path.chmod(0o644)
     assert resolve_token(None, str(path)) == "from-file"
     assert "chmod 600" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("source", "value"),
+    [("env", ""), ("env", "  \t "), ("argv", ""), ("argv", "   ")],
+)
+def test_an_empty_or_blank_token_from_any_source_exits_2(monkeypatch, capsys, source, value):
+    """``TTA_BENCH_SERVE_TOKEN=`` (a typo in ``$(cat file)``) or ``--token ''`` served with
+    no auth: now refused in one line before anything is built (the unknown method would be
+    reported otherwise), naming where the token came from and ``--no-auth``."""
+    from tta_bench.cli import main
+    from tta_bench.deploy.serve import TOKEN_ENV
+
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    args = ["serve", "--port", "0", "--method", "mrua"]
+    if source == "env":
+        monkeypatch.setenv(TOKEN_ENV, value)
+        named = f"${TOKEN_ENV}"
+    else:
+        args += ["--token", value]
+        named = "--token"
+    assert main(args) == 2
+    lines = _err_lines(capsys)
+    error = lines[-1]
+    assert "empty token" in error and named in error and "--no-auth" in error, lines
+    assert "mura" not in error and "Traceback" not in error
+
+
+def test_serving_without_a_token_needs_no_auth(monkeypatch, capsys):
+    """No token from any source is refused unless --no-auth says so; --no-auth beside a
+    token (--token, --token-file or the variable) is a usage error; both in one line
+    before anything is built."""
+    from tta_bench.cli import main
+    from tta_bench.deploy.serve import TOKEN_ENV, resolve_token
+
+    monkeypatch.delenv(TOKEN_ENV, raising=False)
+    base = ["serve", "--port", "0", "--method", "mrua"]
+    assert main(base) == 2
+    (line,) = _err_lines(capsys)
+    assert "no token" in line and "--token-file" in line and "--no-auth" in line, line
+    token_file = Path(os.devnull)  # never read: the conflict is found first
+    for extra in (["--token", "s3cret"], ["--token-file", str(token_file)]):
+        assert main([*base, "--no-auth", *extra]) == 2, extra
+        lines = _err_lines(capsys)
+        assert "--no-auth" in lines[-1] and extra[0] in lines[-1], (extra, lines)
+    monkeypatch.setenv(TOKEN_ENV, "s3cret")
+    assert main([*base, "--no-auth"]) == 2
+    (line,) = _err_lines(capsys)
+    assert "--no-auth" in line and TOKEN_ENV in line, line
+    assert "s3cret" not in line  # the token itself is never echoed
+    monkeypatch.delenv(TOKEN_ENV)
+    assert resolve_token(None, None, no_auth=True) is None
+    assert main([*base, "--no-auth"]) == 2  # now the method is what is wrong
+    assert "Did you mean 'mura'" in capsys.readouterr().err
+
+
+def test_help_and_startup_line_say_which_auth_is_in_force(default_bundle, capsys):
+    from tta_bench.cli import main
+    from tta_bench.deploy.serve.transport import startup_line
+
+    with pytest.raises(SystemExit) as done:
+        main(["serve", "--help"])
+    assert done.value.code == 0
+    text = " ".join(capsys.readouterr().out.split())
+    assert "--no-auth" in text and "empty token" in text, text
+    guarded = startup_line(_service(default_bundle, token="s3cret"), "http://127.0.0.1:1")
+    assert "auth bearer token" in guarded and "s3cret" not in guarded, guarded
+    open_line = startup_line(_service(default_bundle), "http://127.0.0.1:1")
+    assert "auth none (--no-auth)" in open_line, open_line
+    for bad in ("", "  "):
+        with pytest.raises(ValueError, match="empty token"):
+            _service(default_bundle, token=bad)
 
 
 @pytest.mark.slow
@@ -335,10 +426,12 @@ def test_cli_token_file_guards_the_service_and_stays_out_of_ps(tmp_path):
 
 
 # -- 5. bad addresses before anything is built; disconnects are one log line ----------------
-def test_bad_port_or_host_exits_2_before_the_model_is_built(capsys):
+def test_bad_port_or_host_exits_2_before_the_model_is_built(capsys, monkeypatch):
     """The unknown method would be reported if anything were built first: the address is
     checked before, in one line naming the value."""
     from tta_bench.cli import main
+
+    monkeypatch.delenv("TTA_BENCH_SERVE_TOKEN", raising=False)  # --no-auth refuses a token
 
     busy = socket.socket()
     busy.bind(("127.0.0.1", 0))
@@ -351,7 +444,7 @@ def test_bad_port_or_host_exits_2_before_the_model_is_built(capsys):
             (["--port", str(busy.getsockname()[1])], str(busy.getsockname()[1])),
         ]
         for args, named in cases:
-            assert main(["serve", "--method", "mrua", *args]) == 2, args
+            assert main(["serve", "--no-auth", "--method", "mrua", *args]) == 2, args
             lines = _err_lines(capsys)
             assert len(lines) == 1 and named in lines[0], (args, lines)
             assert "mura" not in lines[0] and "Traceback" not in lines[0]

@@ -11,7 +11,6 @@ import contextlib
 import io
 import struct
 import time
-import types
 import zlib
 from pathlib import Path
 
@@ -74,11 +73,11 @@ def _to_rgb_array(path: Path) -> np.ndarray:
 def _preprocess(path: Path) -> np.ndarray:
     import torch
 
-    from tta_bench.deploy.adapter import Adapter
+    from tta_bench.deploy import DEFAULT_MAX_PIXELS
+    from tta_bench.deploy.inputs import preprocess_images
 
-    # preprocess reads only the model's input size and the device of the adapter
-    adapter = types.SimpleNamespace(image_size=S, device=torch.device("cpu"))
-    batch = Adapter.preprocess(adapter, [path])
+    # Adapter.preprocess: these images at the model's input size, on the adapter's device
+    batch = preprocess_images([path], S, torch.device("cpu"), DEFAULT_MAX_PIXELS)
     return (batch[0] * 255).round().to(torch.uint8).permute(1, 2, 0).numpy()
 
 
@@ -393,6 +392,30 @@ def test_unreadable_files_raise_the_modules_errors_naming_them(tmp_path):
         images.decode_rgb(good.read_bytes(), name="upload.png", formats=["JPEG", "WEBP"])
     with pytest.raises(images.CorruptImageError, match="'upload.png'"):
         images.decode_rgb(truncated.read_bytes(), name="upload.png")
+
+
+def test_broken_symbolic_links_are_unreadable_images_saying_so(tmp_path):
+    """A dangling link and a link loop are ``UnreadableImageError`` (``OSError`` too, so the
+    bad-image policy takes them as any unreadable file), naming the link and what is wrong
+    with it; the benchmark's decode path gives the same error."""
+    from tta_bench.run import images
+
+    dangling = tmp_path / "gone.png"
+    dangling.symlink_to("nowhere.png")
+    loop = tmp_path / "loop.png"
+    loop.symlink_to("loop.png")
+    cases = [
+        (dangling, "a symbolic link to 'nowhere.png', which leads to no file"),
+        (loop, "a symbolic link in a loop"),
+    ]
+    for path, says in cases:
+        for decode in (images.decode_rgb, images.read_header):
+            with pytest.raises(images.UnreadableImageError) as info:
+                decode(path)
+            assert str(path) in str(info.value) and says in str(info.value), info.value
+            assert isinstance(info.value, OSError) and info.value.name == str(path)
+        with pytest.raises(images.UnreadableImageError, match=says):
+            cache.decode_one({"bytes": None, "path": str(path)}, S)
 
 
 # -- the header check and the pixel budget ----------------------------------------------------

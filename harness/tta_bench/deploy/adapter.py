@@ -3,7 +3,8 @@
 The same ``Method`` objects the benchmark runs, outside the benchmark (docs/deploy.md)::
 
     adapter = Adapter.from_open_clip(model, tokenizer, classnames, method=name)
-    pred = adapter(images)          # float [B, 3, S, S] in [0, 1], or PIL images / paths
+    pred = adapter(images)          # float [B, 3, S, S] in [0, 1], or PIL images / paths /
+                                    # numpy [H, W, 3] arrays (``Adapter.preprocess``)
     pred.labels, pred.scores, pred.top_k(5)
     adapter.reset()                 # back to the state right after setup
 
@@ -11,6 +12,13 @@ The same ``Method`` objects the benchmark runs, outside the benchmark (docs/depl
 its predictions. Images at another size go through ``preprocess``: the harness's own
 resize (bicubic, shorter side to the model's size) and centre crop, so a file predicts
 the same here as in a benchmark run.
+
+Bad input fails before the method sees it, so a refused call leaves the adapter as it
+was: NaN and infinity (in tensors, arrays and float images), values outside [0, 1],
+images over ``max_pixels`` (the budget ``predict`` shares, ``tta_bench.deploy``'s
+``DEFAULT_MAX_PIXELS``; checked from a file's header before decoding) are ``ValueError``s
+naming the value; an argument of the wrong type is an ``ArgumentError`` (a ``ValueError``
+and a ``TypeError``) naming the argument.
 
 State sharing. The frozen backbone is never copied per adapter: every adapter of one
 ``SharedBackbone`` (``tta_bench.deploy.backbone``) copies only the tensors its method
@@ -28,7 +36,6 @@ from __future__ import annotations
 import dataclasses
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import numpy as np
@@ -36,11 +43,16 @@ import torch
 from torch import nn
 
 from tta_bench.bounds import check_values
+from tta_bench.deploy import DEFAULT_MAX_PIXELS
 from tta_bench.deploy.backbone import (  # noqa: F401 - _named_tensors: tests import it here
+    ArgumentError,
     SharedBackbone,
     _named_tensors,
+    check_seed,
     default_method,
+    name_or_none,
 )
+from tta_bench.deploy.inputs import check_max_pixels, preprocess_images, tensor_batch
 from tta_bench.method import config_dict
 from tta_bench.model import ModelBundle, Preprocess, ZeroShotClassifier
 from tta_bench.registry import registry
@@ -49,6 +61,7 @@ from tta_bench.text_head import resolve_templates
 
 __all__ = [
     "Adapter",
+    "ArgumentError",
     "Prediction",
     "SharedBackbone",
     "method_config",
@@ -167,6 +180,27 @@ def resolve_device(device: str | torch.device | None, fallback: torch.device | N
     return dev
 
 
+def _check_classnames(classnames: Any) -> list[str]:
+    """``classnames`` as a list: a non-empty sequence of non-empty strings (a string is
+    not one: ``"cat,dog"`` would be 7 classes of one letter); else an ``ArgumentError``."""
+    if isinstance(classnames, str):
+        raise ArgumentError(
+            f"classnames must be a list of class names, got the string {classnames!r}; "
+            "e.g. ['cat', 'dog']"
+        )
+    if not isinstance(classnames, Sequence) or not classnames:
+        raise ArgumentError(
+            "classnames must be a non-empty list of class names (strings), got "
+            f"{type(classnames).__name__} {classnames!r}"
+        )
+    bad = [c for c in classnames if not isinstance(c, str) or not c.strip()]
+    if bad:
+        raise ArgumentError(
+            f"classnames must be non-empty strings; got {', '.join(map(repr, bad[:5]))}"
+        )
+    return list(classnames)
+
+
 # -- predictions -------------------------------------------------------------------------
 @dataclass
 class Prediction:
@@ -197,9 +231,21 @@ class Prediction:
     def __len__(self) -> int:
         return int(self.logits.shape[0])
 
+    def _k(self, k: Any) -> int:
+        """``k`` checked (an integer >= 1; ValueError naming it otherwise) and clipped at
+        the number of classes C."""
+        if isinstance(k, bool) or not isinstance(k, (int, np.integer)) or k < 1:
+            raise ValueError(
+                f"k must be an integer >= 1 (how many of the {self.logits.shape[1]} classes to "
+                f"list per image), got {k!r}"
+            )
+        return min(int(k), int(self.logits.shape[1]))
+
     def top_k(self, k: int = 5) -> list[list[tuple[str, float]]]:
-        """Per image, the ``k`` most probable classes (at most C) as ``(label, prob)``."""
-        k = max(1, min(int(k), self.logits.shape[1]))
+        """Per image, the ``k`` most probable classes as ``(label, prob)``, most probable
+        first. ``k``: an integer >= 1 (ValueError naming it otherwise: 0, -1 and 1.5 are no
+        counts); a ``k`` beyond the C classes is clipped to C (every class, ranked)."""
+        k = self._k(k)
         vals, idx = self.probs.topk(k, dim=-1)
         return [
             [(self.classnames[int(i)], float(v)) for v, i in zip(vr, ir)]
@@ -207,8 +253,9 @@ class Prediction:
         ]
 
     def records(self, k: int = 5) -> list[dict[str, Any]]:
-        """JSON-ready rows: ``{label, index, score, top_k: [{label, index, score}]}``."""
-        k = max(1, min(int(k), self.logits.shape[1]))
+        """JSON-ready rows: ``{label, index, score, top_k: [{label, index, score}]}``;
+        ``k`` as ``top_k``'s (an integer >= 1, clipped to the C classes)."""
+        k = self._k(k)
         probs = self.probs
         vals, idx = probs.topk(k, dim=-1)
         out = []
@@ -243,6 +290,7 @@ class Adapter:
         self.backbone = backbone
         self.method = backbone.instantiate()
         self.calls = 0
+        self._max_pixels = DEFAULT_MAX_PIXELS
 
     # -- construction ----------------------------------------------------------------------
     @classmethod
@@ -281,11 +329,14 @@ class Adapter:
         """Around a model factory's bundle. ``classnames``/``templates`` default to those
         of the registered ``dataset`` in the catalogue; templates else to CLIP's plain
         prompt. ``device`` ("auto", "cpu", "cuda:0", ...): the model is moved there."""
+        check_seed(seed)
         if classnames is None:
             if dataset is None:
                 raise ValueError("give classnames (and templates), or a dataset name")
             classnames, ds_templates = dataset_text_head(dataset)
             templates = ds_templates if templates is None else templates
+        else:
+            classnames = _check_classnames(classnames)
         templates = resolve_templates(DEFAULT_TEMPLATES if templates is None else templates)
         current = next(bundle.clip.parameters()).device
         target = resolve_device(device, current)
@@ -302,14 +353,19 @@ class Adapter:
     ) -> Adapter:
         """Around a registered model (``tta-bench ls models``; default: the catalogues'
         ``defaults: model``); ``kwargs`` as ``from_bundle`` (``method`` default: the
-        catalogues' default method). The method and its overrides are checked before the
-        model is built."""
+        catalogues' default method). The names, the method's overrides, the seed and the
+        class names are checked before the model is built (an argument of the wrong type
+        is an ``ArgumentError``, a ``ValueError`` and ``TypeError`` naming it)."""
         from tta_bench import catalog
 
+        model = name_or_none(model, "model", "a registered model (tta-bench ls models)")
         model = model if model is not None else catalog.default("model")
         factory = registry("models").get(model)
         method = default_method(kwargs.get("method"))
         kwargs["overrides"] = method_config(method, kwargs.get("overrides"))
+        check_seed(kwargs.get("seed", 0))
+        if kwargs.get("classnames") is not None:
+            kwargs["classnames"] = _check_classnames(kwargs["classnames"])
         torch_state = torch.random.get_rng_state()
         torch.manual_seed(0)  # model construction must not depend on ambient state
         try:
@@ -391,8 +447,11 @@ class Adapter:
         )
 
     def spawn(self) -> Adapter:
-        """A fresh, independent adapter over the same shared frozen backbone."""
-        return Adapter(self.backbone)
+        """A fresh, independent adapter over the same shared frozen backbone (with this
+        one's ``max_pixels``)."""
+        other = Adapter(self.backbone)
+        other.max_pixels = self.max_pixels
+        return other
 
     # -- properties ------------------------------------------------------------------------
     @property
@@ -428,56 +487,58 @@ class Adapter:
         """Bytes of tensors this adapter owns (not shared with the backbone) right now."""
         return self.backbone.owned_bytes(self.method)
 
+    @property
+    def max_pixels(self) -> int:
+        """The per-image pixel budget of ``preprocess`` (default ``DEFAULT_MAX_PIXELS`` of
+        ``tta_bench.deploy``, the one ``predict``'s ``max_pixels`` defaults to): an image
+        with more pixels, or whose resize to the model's size would make more, is an
+        ``ImageTooLargeError``, checked from a file's header before any pixel is decoded.
+        Set it to an integer >= 1 (ValueError naming the value otherwise)."""
+        return self._max_pixels
+
+    @max_pixels.setter
+    def max_pixels(self, value: int) -> None:
+        self._max_pixels = check_max_pixels(value)
+
     # -- use -------------------------------------------------------------------------------
-    def preprocess(self, images: Any) -> torch.Tensor:
-        """PIL images, uint8 ``[H, W, 3]`` arrays or image file paths (one or a sequence)
-        -> float ``[B, 3, S, S]`` in [0, 1] on the adapter's device, as the harness decodes:
-        8-bit upright RGB by ``tta_bench.run.images.decode_rgb`` (any mode PIL reads), then a
-        bicubic resize of the shorter side to the model's size S and a centre crop. A file
-        that cannot be decoded raises ``tta_bench.run.images.ImageDecodeError`` naming it."""
-        from PIL import Image
+    def preprocess(self, images: Any, *, max_pixels: int | None = None) -> torch.Tensor:
+        """Images -> float ``[B, 3, S, S]`` in [0, 1] on the adapter's device, decoded as
+        the harness decodes (``tta_bench.run.images.decode_rgb``: 8-bit upright RGB from any
+        mode PIL reads), then a bicubic resize of the shorter side to the model's size S and
+        a centre crop.
 
-        from tta_bench.run.cache import to_rgb_array
-        from tta_bench.run.images import decode_rgb
+        ``images``: one image or a list of them, each a path (``str`` or ``Path``), an
+        encoded file's ``bytes``, a PIL image, or a numpy array ``[H, W, 3]`` (or gray
+        ``[H, W]``), uint8 or float on the 0..1 scale (rounded to 8 bits, as float image
+        files are: ``round(v * 255)``); a numpy array ``[B, H, W, 3]`` is a batch of them.
+        Anything else, ``None`` in a list included, is an ``ArgumentError`` naming it (e.g.
+        ``images[1] is None``); a float array with NaN, infinite or out-of-range values, or
+        an array of another dtype or shape, a ``ValueError`` naming it. Float tensors
+        ``[B, 3, S, S]`` go to ``adapter(images)`` as they are, not through here.
 
-        if isinstance(images, (Image.Image, np.ndarray, str, Path)):
-            images = [images]
-        arrays = []
-        for img in images:
-            if isinstance(img, (str, Path)):
-                img = decode_rgb(img)
-            arrays.append(to_rgb_array(img, self.image_size))
-        if not arrays:
-            raise ValueError("no images to preprocess")
-        batch = torch.from_numpy(np.stack(arrays)).to(self.device)
-        return batch.permute(0, 3, 1, 2).float().div_(255.0).contiguous()
+        ``max_pixels``: the per-image pixel budget for this call (default
+        ``self.max_pixels``): over it, or resized past it (a 1 x 4,000,000 image at S = 224
+        would resize to 224 x 896,000,000), an image is refused (``ImageTooLargeError``),
+        from a file's header before it is decoded. A file that cannot be decoded raises
+        ``tta_bench.run.images.ImageDecodeError`` naming it."""
+        budget = self.max_pixels if max_pixels is None else check_max_pixels(max_pixels)
+        return preprocess_images(images, self.image_size, self.device, budget, "Adapter.max_pixels")
 
     def _as_batch(self, images: Any) -> torch.Tensor:
         if not isinstance(images, torch.Tensor):
             return self.preprocess(images)
-        x = images.unsqueeze(0) if images.dim() == 3 else images
-        size = self.image_size
-        if x.dim() != 4 or x.shape[1] != 3 or tuple(x.shape[-2:]) != (size, size):
-            raise ValueError(
-                f"expected float images [B, 3, {size}, {size}] in [0, 1], got shape "
-                f"{tuple(images.shape)}; Adapter.preprocess(...) resizes PIL images or paths"
-            )
-        if not x.is_floating_point():
-            raise ValueError(
-                f"expected float images in [0, 1], got dtype {x.dtype}; divide uint8 by 255"
-            )
-        if x.numel() and (float(x.min()) < 0.0 or float(x.max()) > 1.0):
-            raise ValueError(
-                f"expected images in [0, 1] (the classifier normalises them itself), got values "
-                f"in [{float(x.min()):.3g}, {float(x.max()):.3g}]"
-            )
-        return x.to(self.device, torch.float32)
+        return tensor_batch(images, self.image_size).to(self.device, torch.float32)
 
     def step(self, images: Any, *, seed: int | None = None) -> torch.Tensor:
         """Adapt (as the method does) and return the logits ``[B, C]`` (float32, CPU).
 
-        ``seed``: the method's seed for this call (default: derived from the adapter's seed
-        and the number of calls since the last reset)."""
+        ``images``: float ``[B, 3, S, S]`` (or one ``[3, S, S]``) in [0, 1], or what
+        ``preprocess`` takes; bad input is refused before the method sees it (NaN and
+        infinity too), so a refused call changes nothing. ``seed``: the method's seed for
+        this call (an integer; default: derived from the adapter's seed and the number of
+        calls since the last reset)."""
+        if seed is not None:
+            seed = check_seed(seed)
         x = self._as_batch(images)
         if seed is None:
             seed = stable_seed("adapter", self.backbone.seed, self.calls) % 2**63

@@ -27,6 +27,7 @@ import threading
 from collections.abc import Mapping
 from typing import Any
 
+import numpy as np
 import torch
 from torch import nn
 
@@ -35,15 +36,47 @@ from tta_bench.model import ZeroShotClassifier
 from tta_bench.registry import registry
 from tta_bench.rng import stable_seed
 
-__all__ = ["SharedBackbone", "default_method"]
+__all__ = ["ArgumentError", "SharedBackbone", "check_seed", "default_method", "name_or_none"]
 
 _SETUP_LOCK = threading.Lock()
+#: The seeds ``torch.Generator.manual_seed`` takes.
+_SEED_RANGE = (-(2**63), 2**64 - 1)
+
+
+class ArgumentError(ValueError, TypeError):
+    """An argument of the wrong type: a ``ValueError`` (bad input, as the docs promise and
+    the CLI's exit 2 catches) and a ``TypeError`` (what Python raises for a wrong type)."""
+
+
+def name_or_none(value: Any, argument: str, what: str) -> str | None:
+    """``value`` when it is a string or None; else an ``ArgumentError`` naming
+    ``argument`` and ``what`` it names (``"a registered method"``)."""
+    if value is None or isinstance(value, str):
+        return value
+    raise ArgumentError(
+        f"{argument} must be the name of {what} (a string) or None for the catalogues' "
+        f"default, got {type(value).__name__} {value!r}"
+    )
+
+
+def check_seed(seed: Any, argument: str = "seed") -> int:
+    """``seed`` as an ``int``: an integer (numpy's too; not a bool) that torch takes,
+    ``-2**63 .. 2**64 - 1``; else an ``ArgumentError`` naming ``argument``."""
+    ok = isinstance(seed, (int, np.integer)) and not isinstance(seed, (bool, np.bool_))
+    if not ok or not _SEED_RANGE[0] <= int(seed) <= _SEED_RANGE[1]:
+        raise ArgumentError(
+            f"{argument} must be an integer in [-2**63, 2**64 - 1], got {seed!r}"
+            + (f" ({type(seed).__name__})" if not ok else "")
+        )
+    return int(seed)
 
 
 def default_method(method: str | None) -> str:
-    """``method``, or the catalogues' default method (``defaults: method``) when None."""
+    """``method``, or the catalogues' default method (``defaults: method``) when None; an
+    ``ArgumentError`` when it is neither a string nor None."""
     from tta_bench import catalog
 
+    method = name_or_none(method, "method", "a registered method (tta-bench ls methods)")
     return method if method is not None else catalog.default("method")
 
 
@@ -110,7 +143,7 @@ class SharedBackbone:
         self.method_name = method
         self.method_cls = registry("methods").get(method)
         self.config = config if config is not None else self.method_cls.Config()
-        self.seed = int(seed)
+        self.seed = check_seed(seed)
         self.source_images = source_images
         for p in model.parameters():
             p.requires_grad_(False)

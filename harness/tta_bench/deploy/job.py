@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 from tta_bench.bounds import bounded, check_values, one_of
+from tta_bench.deploy import DEFAULT_MAX_PIXELS  # the budget the Adapter applies too
 from tta_bench.text_head import resolve_templates
 
 __all__ = [
@@ -31,8 +32,6 @@ __all__ = [
 LAYOUTS = ("auto", "folder", "subfolders", "classes")
 RESETS = ("per_batch", "per_folder", "never")
 ON_BAD_IMAGE = ("skip", "fail_batch")
-#: The default per-image pixel budget (``max_pixels``): 40 megapixels, 120 MB as RGB.
-DEFAULT_MAX_PIXELS = 40_000_000
 #: The key prefix of a job value in an out-of-range message (``predict.top_k=0 is ...``).
 PREFIX = "predict"
 

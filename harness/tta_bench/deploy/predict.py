@@ -297,7 +297,7 @@ class _Job:
         """``(predictions per file, loss)``: adapt on the batch and predict it."""
         adapter, predictions, loss = self.adapter, [], None
         if images:
-            pred = adapter(adapter.preprocess(images))
+            pred = adapter(adapter.preprocess(images, max_pixels=self.job.max_pixels))
             loss = pred.loss
             for pos, row in zip(keep, pred.records(self.job.top_k)):
                 entry = {"file": batch.files[pos], **row}

@@ -59,10 +59,13 @@ generated from it); a value out of range is refused as every config value is
 (``tta_bench.bounds.check_values``: ``serve.workers=0 is out of range: it must be > 0``),
 before anything is built.
 
-Auth: an optional bearer token guards every endpoint but ``/health`` (401 without it): read
-from ``--token-file`` (its first line) or ``$TTA_BENCH_SERVE_TOKEN``; ``--token`` works but is
-visible to every local user in ``ps``. The API docs (``/docs``, ``/redoc``,
-``/openapi.json``) are off unless ``--api-docs``, and then behind the token too.
+Auth, failing closed: a bearer token guards every endpoint but ``/health`` (401 without it):
+read from ``--token-file`` (its first line) or ``$TTA_BENCH_SERVE_TOKEN``; ``--token`` works
+but is visible to every local user in ``ps``. An empty or whitespace token from any source
+is refused (exit 2), as is no token at all unless ``--no-auth`` says to serve without one
+(``--no-auth`` beside a token is refused too); ``resolve_token`` decides. The API docs
+(``/docs``, ``/redoc``, ``/openapi.json``) are off unless ``--api-docs``, and then behind
+the token too.
 
 The package by role: ``limits`` (``Limits``, each limit declared once, and
 ``upload_memory_bound``), ``sessions`` (``Session``, ``Service``), ``app`` (``create_app``

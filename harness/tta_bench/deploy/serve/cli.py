@@ -43,6 +43,12 @@ in ps):
   umask 077; python -c 'import secrets; print(secrets.token_urlsafe(32))' > serve.token
   tta-bench serve --method NAME --host 0.0.0.0 --token-file serve.token
 
+auth fails closed: serve starts only with a token (--token-file PATH,
+${TOKEN_ENV} or --token) or with --no-auth (no token: every endpoint open). An
+empty token from any source (an empty file, {TOKEN_ENV}= from a failed
+$(cat file), --token '') exits 2. The line serve prints once listening says which auth
+is in force.
+
 deadlines: a request's headers must arrive within --header-timeout-s of the connection
 opening (or of its previous response), its body within --body-timeout-s of its headers
 (408 and the connection closed beyond, so a slow client holds nothing for longer); a
@@ -109,13 +115,20 @@ def _add_access_arguments(p: argparse.ArgumentParser) -> None:
         default=None,
         metavar="PATH",
         help="file whose first line is the bearer token required by every endpoint but "
-        f"/health (default: ${TOKEN_ENV}; neither: no auth)",
+        f"/health (default: ${TOKEN_ENV}); an empty token from any source exits 2",
     )
     p.add_argument(
         "--token",
         default=None,
         help="the bearer token itself; visible to every local user in ps: prefer --token-file "
         f"or ${TOKEN_ENV}",
+    )
+    p.add_argument(
+        "--no-auth",
+        action="store_true",
+        help="serve without a token: anyone who can reach the service can use it. Required to "
+        "start with no token (serve refuses to otherwise); an error beside --token, "
+        f"--token-file or ${TOKEN_ENV}",
     )
     p.add_argument(
         "--api-docs",
@@ -136,42 +149,88 @@ def _model_args(items: list[str]) -> dict[str, Any]:
     return out
 
 
+def _empty_token(source: str) -> ValueError:
+    return ValueError(
+        f"empty token from {source}; give the token there (--token-file PATH is recommended), "
+        "or pass --no-auth to serve without one"
+    )
+
+
 def resolve_token(
-    token: str | None, token_file: str | None, environ: Mapping[str, str] | None = None
+    token: str | None,
+    token_file: str | None,
+    environ: Mapping[str, str] | None = None,
+    *,
+    no_auth: bool = False,
 ) -> str | None:
-    """The bearer token: the first line of ``token_file``, stripped; else ``token`` (from
-    the command line: it works, with a warning on stderr that every local user sees it in
-    ``ps``); else ``$TTA_BENCH_SERVE_TOKEN`` of ``environ`` (default ``os.environ``); None
-    (no auth) when none is given or it is empty. ValueError naming the file when it is
-    missing, unreadable, not text, or its first line is empty, and when both ``token`` and
-    ``token_file`` are given. A token file other users may read is a warning."""
+    """The bearer token, failing closed: the first line of ``token_file``, stripped; else
+    ``token`` (from the command line: it works, with a warning on stderr that every local
+    user sees it in ``ps``); else ``$TTA_BENCH_SERVE_TOKEN`` of ``environ`` (default
+    ``os.environ``). None (no auth) only with ``no_auth`` (``--no-auth``) and no token
+    from any source.
+
+    ValueError (the CLI exits 2) naming the source when: a token from any source is empty
+    or whitespace (``TTA_BENCH_SERVE_TOKEN=`` from a failed ``$(cat file)`` must not open
+    the service); ``token_file`` is missing, unreadable or not text; none is given without
+    ``no_auth``; ``no_auth`` is given with a token (``--token``, ``--token-file`` or the
+    variable set, even empty); both ``token`` and ``token_file`` are given. A token file
+    other users may read is a warning. The token itself is never in a message."""
+    env = environ if environ is not None else os.environ
     if token is not None and token_file is not None:
         raise ValueError("give one of --token and --token-file, not both")
-    if token_file is not None:
-        try:
-            with open(token_file, encoding="utf-8") as f:
-                first = f.readline(4096).strip()
-            mode = os.stat(token_file).st_mode
-        except (OSError, UnicodeDecodeError) as exc:
-            reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
-            raise ValueError(f"cannot read --token-file {token_file}: {reason}") from None
-        if not first:
+    if no_auth:
+        given = (
+            "--token" if token is not None else "--token-file" if token_file is not None else None
+        )
+        if given is not None:
+            raise ValueError(f"give one of --no-auth and {given}, not both")
+        if TOKEN_ENV in env:
             raise ValueError(
-                f"--token-file {token_file}: its first line is empty; expected the token there"
+                f"--no-auth, but ${TOKEN_ENV} is set; unset it to serve without a token, or "
+                "drop --no-auth to use it"
             )
-        if mode & 0o077:
-            logging.getLogger("tta_bench").warning(
-                f"serve: --token-file {token_file} is readable by other users (mode "
-                f"{mode & 0o777:o}); chmod 600 {token_file}"
-            )
-        return first
+        return None
+    if token_file is not None:
+        return _token_from_file(token_file)
     if token is not None:
+        if not token.strip():
+            raise _empty_token("--token")
         logging.getLogger("tta_bench").warning(
             "serve: --token is visible to every local user in ps; put the token in a file "
             f"(--token-file PATH, mode 600) or in ${TOKEN_ENV}"
         )
-        return token or None
-    return (environ if environ is not None else os.environ).get(TOKEN_ENV) or None
+        return token.strip()
+    if TOKEN_ENV in env:
+        value = env[TOKEN_ENV].strip()
+        if not value:
+            raise _empty_token(f"${TOKEN_ENV}")
+        return value
+    raise ValueError(
+        f"no token: give one with --token-file PATH (or ${TOKEN_ENV}), or pass --no-auth to "
+        "serve without one (anyone who can reach the service can then use it)"
+    )
+
+
+def _token_from_file(token_file: str) -> str:
+    """The first line of ``token_file``, stripped (see ``resolve_token``)."""
+    try:
+        with open(token_file, encoding="utf-8") as f:
+            first = f.readline(4096).strip()
+        mode = os.stat(token_file).st_mode
+    except (OSError, UnicodeDecodeError) as exc:
+        reason = exc.strerror if isinstance(exc, OSError) and exc.strerror else exc
+        raise ValueError(f"cannot read --token-file {token_file}: {reason}") from None
+    if not first:
+        raise ValueError(
+            f"--token-file {token_file}: its first line is empty (an empty token); expected "
+            "the token there, or pass --no-auth to serve without one"
+        )
+    if mode & 0o077:
+        logging.getLogger("tta_bench").warning(
+            f"serve: --token-file {token_file} is readable by other users (mode "
+            f"{mode & 0o777:o}); chmod 600 {token_file}"
+        )
+    return first
 
 
 _FROM_ARGS: Any = object()
@@ -179,13 +238,14 @@ _FROM_ARGS: Any = object()
 
 def build_service(args: argparse.Namespace, token: str | None = _FROM_ARGS) -> Service:
     """The service a ``tta-bench serve`` command line describes (bad input: ValueError);
-    ``token`` defaults to ``resolve_token`` of the command line's."""
+    ``token`` defaults to ``resolve_token`` of the command line's (``--no-auth`` is needed
+    to build one without a token)."""
     require_extra()
     from tta_bench.deploy.adapter import Adapter
 
     limits = limits_from_options(args)
     if token is _FROM_ARGS:
-        token = resolve_token(args.token, args.token_file)
+        token = resolve_token(args.token, args.token_file, no_auth=args.no_auth)
     classnames = (
         [c.strip() for c in args.classnames.split(",") if c.strip()] if args.classnames else None
     )
@@ -197,10 +257,10 @@ def build_service(args: argparse.Namespace, token: str | None = _FROM_ARGS) -> S
         "overrides": list(args.overrides),
     }
     adapter = Adapter.from_settings(argparse.Namespace(**settings))
-    if not token and args.host not in ("127.0.0.1", "localhost", "::1"):
+    if token is None and args.host not in ("127.0.0.1", "localhost", "::1"):
         logging.getLogger("tta_bench").warning(
-            f"serve: listening on {args.host} without a token; anyone who can reach it can "
-            f"use it (--token-file PATH or ${TOKEN_ENV})"
+            f"serve: listening on {args.host} with --no-auth; anyone who can reach it can "
+            f"use it (--token-file PATH or ${TOKEN_ENV} to require a token)"
         )
     return Service(adapter, limits, token=token)
 
@@ -212,7 +272,7 @@ def main(args: argparse.Namespace) -> int:
     from tta_bench import catalog
 
     limits_from_options(args)  # out of range: refused before anything is built
-    token = resolve_token(args.token, args.token_file)
+    token = resolve_token(args.token, args.token_file, no_auth=args.no_auth)
     sock = _bind(args.host, args.port)
     try:
         try:

@@ -52,8 +52,17 @@ class Service:
     decoding and the method's calls run on the worker threads."""
 
     def __init__(self, adapter: Any, limits: Limits | None = None, *, token: str | None = None):
+        """``token``: the bearer token every endpoint but ``/health`` requires, or None for
+        none (the command line needs ``--no-auth`` for that). An empty or whitespace token
+        is a ``ValueError``, never read as no auth; the token is used stripped."""
+        if token is not None and (not isinstance(token, str) or not token.strip()):
+            shown = "an empty token" if isinstance(token, str) else f"a {type(token).__name__}"
+            raise ValueError(
+                f"empty token: Service(token=...) got {shown}; expected a non-empty string, "
+                "or None to serve without a token (--no-auth)"
+            )
         self.limits = limits or Limits()
-        self.token = token or None
+        self.token = token.strip() if token is not None else None
         self.template = adapter
         self.executor = ThreadPoolExecutor(self.limits.workers, thread_name_prefix="tta-serve")
         # One pooled adapter per worker: a sessionless request never waits for one.
@@ -154,9 +163,10 @@ class Service:
         import torch
 
         check_headers(uploads, self.limits, self.template.image_size)
+        limit = self.limits.max_image_pixels  # the service's, not the adapter's default
         return torch.cat(
             [
-                self.template.preprocess([decode_image(n, d, self.limits.max_image_pixels)])
+                self.template.preprocess([decode_image(n, d, limit)], max_pixels=limit)
                 for n, d in uploads
             ]
         )

@@ -20,7 +20,7 @@ from tta_bench.deploy.serve.app import create_app, require_extra
 from tta_bench.deploy.serve.limits import Limits
 from tta_bench.deploy.serve.sessions import Service
 
-__all__ = ["check_port", "running", "serve"]
+__all__ = ["check_port", "running", "serve", "startup_line"]
 
 #: The server's log (uvicorn's): one line per misbehaving client, never a traceback.
 _log = logging.getLogger("uvicorn.error")
@@ -213,6 +213,19 @@ def running(
         sock.close()
 
 
+def startup_line(service: Service, url: str) -> str:
+    """The line ``serve`` prints once listening: the method, the URL (scripts read it
+    from this line), the workers and the auth in force (never the token itself)."""
+    if service.token is not None:
+        auth = "auth bearer token, required by every endpoint but /health"
+    else:
+        auth = "auth none (--no-auth): anyone who can reach it can use it"
+    return (
+        f"tta-bench serve: {service.template.method_name} on {url} "
+        f"(workers {service.limits.workers}; {auth}); Ctrl-C stops"
+    )
+
+
 def serve(
     service: Service,
     host: str = "127.0.0.1",
@@ -229,12 +242,7 @@ def serve(
     sock.listen(128)
     url = f"http://{host}:{sock.getsockname()[1]}"
     server = _server(service, log_level, api_docs)
-    print(
-        f"tta-bench serve: {service.template.method_name} on {url} "
-        f"(workers {service.limits.workers}, auth {'bearer' if service.token else 'none'}); "
-        "Ctrl-C stops",
-        flush=True,
-    )
+    print(startup_line(service, url), flush=True)
     try:
         server.run(sockets=[sock])
     finally:
