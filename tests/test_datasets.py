@@ -228,6 +228,112 @@ def test_imagefolder_and_parquet(tmp_path):
     assert decode(p, 32, use_cache=False).images.shape == (2, 32, 32, 3)
 
 
+def _raw_paths(stream) -> list[str]:
+    import datasets
+
+    raw = stream.dataset.cast_column("image", datasets.Image(decode=False))["image"]
+    return [r["path"] for r in raw]
+
+
+def test_broken_image_links_are_listed_and_follow_the_bad_image_policy(tmp_path, tmp_cache):
+    """A dangling ``*.png`` link and a link loop are bad images like a corrupt file: listed
+    (never silently dropped, never aborting the listing), then skipped and reported under
+    ``skip`` and an error naming each under ``fail``, by every source (decoded cache and
+    streamed decoding)."""
+    from tta_bench.run.sources import open_source
+
+    root = tmp_path / "f"
+    fx.tree(root, ["cat", "dog"], per_folder=2, ext=".png")
+    dangling = root / "cat" / "gone.png"
+    dangling.symlink_to("nowhere.png")
+    (root / "dog" / "folder.png").mkdir()  # a folder named like an image is not an image
+    s = factory("imagefolder")(data_dir=str(root))
+    assert str(dangling) in _raw_paths(s) and len(s) == 5
+    loop = root / "dog" / "loop.png"
+    loop.symlink_to("loop.png")
+    (root / "knot").symlink_to("knot")  # a looping link beside the class folders: no class
+    s = factory("imagefolder")(data_dir=str(root))
+    assert s.classnames == ["cat", "dog"]
+    assert [os.path.basename(p) for p in _raw_paths(s)] == [
+        "gone.png", "img0.png", "img1.png", "img0.png", "img1.png", "loop.png"
+    ]  # fmt: skip
+    assert s.labels.tolist() == [0, 0, 0, 1, 1, 1]
+    broken = [(0, str(dangling)), (5, str(loop))]
+    skipped = decode(s, 24, on_bad_image="skip")
+    assert [(b["index"], b["path"]) for b in skipped.bad] == broken
+    assert "symbolic link" in skipped.bad[0]["error"] and "loop" in skipped.bad[1]["error"]
+    with pytest.raises(BadImageError, match="2 image") as info:
+        decode(s, 24)
+    assert str(dangling) in str(info.value) and str(loop) in str(info.value)
+    streamed = open_source(s, 24, cache="never", on_bad_image="skip")
+    got = streamed.fetch(np.arange(len(s)))
+    assert got.kept.tolist() == [1, 2, 3, 4]
+    assert [(b["index"], b["path"]) for b in got.bad] == broken
+    failing = open_source(s, 24, cache="never")
+    with pytest.raises(BadImageError, match=str(loop)):
+        failing.check_bad(failing.fetch(np.arange(len(s))).bad)
+
+
+def _partial_warnings(caught) -> list[str]:
+    return [str(w.message) for w in caught if "partial" in str(w.message)]
+
+
+def _build(fn, **kwargs):
+    """``fn(**kwargs)`` and the messages of the "partial data" warnings it gave."""
+    import warnings
+
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        stream = fn(**kwargs)
+    return stream, _partial_warnings(caught)
+
+
+def test_empty_class_folders_warn_once_naming_them_as_partial_data(tmp_path):
+    """A class folder of a published layout (ImageNet-A/-R/-Sketch/-C wnid trees, -V2 index
+    folders, an image folder) with no image file, or a class link that leads nowhere:
+    one warning per stream listing them all, saying the data is partial."""
+    a_root = tmp_path / "imagenet-a"
+    wnids = ["n01498041", "n01531178", "n01534433"]
+    fx.tree(a_root, wnids, per_folder=1, ext=".jpg")
+    full, said = _build(factory("imagenet_a"), data_dir=str(tmp_path))
+    assert said == [] and len(full) == 3
+    (a_root / wnids[1] / "img0.jpg").unlink()  # emptied
+    (a_root / wnids[2] / "img0.jpg").rename(a_root / wnids[2] / "img0.txt")  # no image file
+    a, said = _build(factory("imagenet_a"), data_dir=str(tmp_path))
+    assert len(a) == 1
+    [message] = said
+    assert str(a_root.resolve()) in message and "2 class folder(s)" in message, message
+    assert wnids[1] in message and wnids[2] in message and wnids[0] not in message, message
+    (a_root / "n01558993").symlink_to("moved-away")  # a class folder link that is dangling
+    _, [message] = _build(factory("imagenet_a"), data_dir=str(tmp_path))
+    assert "3 class folder(s)" in message and "n01558993 (a symbolic link" in message, message
+
+    fx.tree(tmp_path / "f", ["cat", "dog"], per_folder=1)
+    (tmp_path / "f" / "dog" / "img0.JPEG").unlink()
+    (tmp_path / "f" / "emu").mkdir()
+    s, [message] = _build(factory("imagefolder"), data_dir=str(tmp_path / "f"))
+    assert s.classnames == ["cat", "dog", "emu"] and "dog, emu" in message, message
+
+    v2 = tmp_path / "imagenetv2-matched-frequency-format-val"
+    fx.tree(v2, ["0", "2"], per_folder=1, ext=".jpeg")
+    (v2 / "2" / "img0.jpeg").unlink()
+    _, [message] = _build(factory("imagenet_v2"), data_dir=str(tmp_path))
+    assert str(v2.resolve()) in message and ": 2;" in message, message
+    (v2 / "0" / "img0.jpeg").unlink()  # no image at all: an error, not an empty stream
+    with pytest.raises(DataUnavailableError, match="imagenet_v2: no image files"):
+        factory("imagenet_v2")(data_dir=str(tmp_path))
+
+    c_root = tmp_path / "imagenet-c"
+    fx.tree(c_root / "fog" / "5", wnids[:2], per_folder=2, size=(224, 224))
+    for f in (c_root / "fog" / "5" / wnids[1]).iterdir():
+        f.unlink()
+    for subset in (None, 1000):
+        _, [message] = _build(
+            factory("imagenet_c"), shift="fog", severity=5, data_dir=str(tmp_path), subset=subset
+        )
+        assert "fog/5" in message and wnids[1] in message, message
+
+
 # -- local HF copies: the requested split only, by the hub's file naming ------------------
 def pixel_values(stream):
     """The distinct pixel values of a stream's images (each split's images hold one)."""

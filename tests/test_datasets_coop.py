@@ -114,6 +114,36 @@ def test_missing_images_and_bad_split_names(tmp_path):
         factory("eurosat")(split="validation", data_dir=str(tmp_path))
 
 
+def test_broken_image_links_of_a_split_follow_the_bad_image_policy(tmp_path, tmp_cache):
+    """An image the split lists that is a dangling link or a link loop is there but
+    unreadable: a bad image (skipped and reported under ``skip``, an error naming it under
+    ``fail``), not missing data; a file that is not there at all stays missing data (an
+    emptied class folder refuses the set, naming what to download)."""
+    from tta_bench.data import BadImageError
+    from tta_bench.run.cache import decode
+
+    info = fx.coop_layout(tmp_path, "eurosat", LABELS)
+    dangling = info["image_dir"] / info["test"][1][0]
+    loop = info["image_dir"] / info["test"][2][0]
+    dangling.unlink()
+    dangling.symlink_to("nowhere.jpg")
+    loop.unlink()
+    loop.symlink_to(loop.name)
+    stream = factory("eurosat")(data_dir=str(tmp_path))
+    assert len(stream) == 4
+    skipped = decode(stream, 24, on_bad_image="skip")
+    assert [(b["index"], os.path.basename(b["path"])) for b in skipped.bad] == [
+        (1, dangling.name), (2, loop.name)
+    ]  # fmt: skip
+    with pytest.raises(BadImageError, match=loop.name):
+        decode(stream, 24)
+    cname = info["test"][0][0].split("/")[0]
+    for f in (info["image_dir"] / cname).iterdir():  # an emptied class folder
+        f.unlink()
+    with pytest.raises(DataUnavailableError, match="of the 4 images of its test split"):
+        factory("eurosat")(data_dir=str(tmp_path))
+
+
 def test_aircraft_variants_must_match(tmp_path):
     info = fx.coop_layout(tmp_path, "fgvc_aircraft", LABELS)
     variants = info["folder"] / "variants.txt"

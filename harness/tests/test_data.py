@@ -8,6 +8,7 @@ import json
 import multiprocessing
 import os
 import time
+import warnings
 
 import numpy as np
 import pytest
@@ -214,3 +215,43 @@ def test_auto_decodes_a_small_split_when_the_stream_reaches_it_not_in_setup(
     assert len(entries) == 1 and entries[0]["name"] == streams[0].name
     expected = cache.decode(streams[0], 16, use_cache=False).images
     assert np.array_equal(np.asarray(item["images"]), expected)
+
+
+def _one_class_warnings(caught: list[warnings.WarningMessage]) -> list[str]:
+    return [str(w.message) for w in caught if "single class" in str(w.message)]
+
+
+def test_a_one_class_domain_warns_that_its_accuracy_means_nothing(tmp_path, fresh_cache):
+    """A classifier over one class is always right: a run over a one-class split scores
+    100% whatever the method. Every policy's source warns once, naming the domain (and its
+    folder where the dataset records one); two classes or more: no such warning."""
+    import shutil
+
+    root = tmp_path / "imgs"
+    write_folder(root)
+    for name in ("green", "red", "yellow"):
+        shutil.rmtree(root / name)
+    stream = _folder_stream(root)
+    assert stream.classnames == ["blue"]
+    for policy in POLICIES:
+        with warnings.catch_warnings(record=True) as caught:
+            warnings.simplefilter("always")
+            sources.open_source(stream, 16, cache=policy)
+        [message] = _one_class_warnings(caught)
+        assert "domain 'folder-imgs'" in message and "'blue'" in message, message
+        assert "accuracy" in message and "meaningless" in message, message
+    stream.metadata["source"] = str(root)  # what the plugin's folder datasets record
+    with pytest.warns(UserWarning, match="single class") as caught:
+        record = run(tmp_path / "one.json", "zeroshot", "tiny-folder", data_dir=str(root))
+    assert record["cells"][0]["accuracy"] == 1.0  # the score the warning is about
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sources.open_source(stream, 16, cache="never")
+    assert str(root) in _one_class_warnings(caught)[0]
+    write_folder(tmp_path / "two")
+    shutil.rmtree(tmp_path / "two" / "green")
+    shutil.rmtree(tmp_path / "two" / "red")
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        sources.open_source(_folder_stream(tmp_path / "two"), 16, cache="never")
+    assert _one_class_warnings(caught) == []

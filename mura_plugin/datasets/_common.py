@@ -238,18 +238,78 @@ def load_hub(hub_id: str, split: str, revision: str | None, missing: str) -> Any
         ) from exc
 
 
+def is_broken_link(path: Path) -> bool:
+    """Whether ``path`` is a symbolic link that leads to nothing: dangling (its target, or
+    a link further along, does not exist) or in a loop."""
+    return os.path.islink(path) and not os.path.exists(path)
+
+
+def _listed_image(entry: os.DirEntry[str]) -> bool:
+    """Whether a folder entry is listed as an image: named with an image extension, and a
+    file or a link that leads to no file (dangling or in a loop; it is a bad image, left
+    to the run's ``--on-bad-image`` policy, never dropped here). A folder, or a link to
+    one, is not."""
+    if not entry.name.lower().endswith(IMAGE_EXTENSIONS):
+        return False
+    try:
+        if entry.is_file():
+            return True
+    except OSError:  # a link loop (ELOOP), a target that cannot be looked at: unreadable
+        return True
+    return entry.is_symlink() and is_broken_link(Path(entry.path))
+
+
 def list_images(folder: Path) -> list[Path]:
-    """Image files directly in ``folder``, sorted by name (deterministic order)."""
+    """Image files directly in ``folder``, sorted by name (deterministic order); links named
+    like images that lead to no file (dangling or in a loop) are listed too: the decoder
+    reports them as unreadable images, which the bad-image policy skips or fails on."""
     with os.scandir(folder) as it:
-        files = [
-            Path(e.path) for e in it if e.is_file() and e.name.lower().endswith(IMAGE_EXTENSIONS)
-        ]
+        files = [Path(e.path) for e in it if _listed_image(e)]
     return sorted(files, key=lambda p: p.name)
 
 
+def _is_folder(entry: os.DirEntry[str]) -> bool:
+    try:
+        return entry.is_dir()
+    except OSError:  # a link loop: leads to no folder
+        return False
+
+
 def class_folders(root: Path) -> list[str]:
+    """The non-hidden sub-folders of ``root`` (links to folders included), sorted by name.
+    A link that leads nowhere (dangling or in a loop) is none: ``broken_links`` names it."""
     with os.scandir(root) as it:
-        return sorted(e.name for e in it if e.is_dir() and not e.name.startswith("."))
+        return sorted(e.name for e in it if not e.name.startswith(".") and _is_folder(e))
+
+
+def broken_links(root: Path) -> list[str]:
+    """The non-hidden entries of ``root`` that are links leading nowhere (``is_broken_link``),
+    sorted: in a class-folder tree, most likely class folders that moved."""
+    with os.scandir(root) as it:
+        return sorted(
+            e.name
+            for e in it
+            if not e.name.startswith(".") and e.is_symlink() and is_broken_link(Path(e.path))
+        )
+
+
+def warn_empty_classes(root: Path, empty: Sequence[str], what: str) -> None:
+    """One ``UserWarning`` naming every class folder of the tree ``root`` that holds no image
+    file (``empty``: folder names, in the order given) and then every link in ``root`` that
+    leads nowhere (``broken_links``): the run's data is partial. Nothing when there are
+    neither."""
+    broken = broken_links(root)
+    named = [*empty, *(f"{b} (a symbolic link that leads to no folder)" for b in broken)]
+    if not named:
+        return
+    shown = ", ".join(named[:10])
+    more = f" and {len(named) - 10} more" if len(named) > 10 else ""
+    warnings.warn(
+        f"{what}: {len(named)} class folder(s) under {root} hold no image file: {shown}{more}; "
+        "the run's data is partial (those classes are never tested, so its scores are not "
+        "those of the full set)",
+        stacklevel=2,  # the factory's line: a split built twice (an ad-hoc suite) warns once
+    )
 
 
 def folder_dataset(files: Sequence[Path], labels: Sequence[int]) -> Any:
@@ -264,11 +324,21 @@ def folder_dataset(files: Sequence[Path], labels: Sequence[int]) -> Any:
 
 def files_fingerprint(root: Path, files: Sequence[Path]) -> str:
     """Identity of local files: their paths relative to ``root`` and sizes (a changed or
-    replaced file changes the decoded-cache key)."""
+    replaced file changes the decoded-cache key; an unreadable one, a dangling link say,
+    counts as ``unreadable``)."""
     h = hashlib.sha256(str(root).encode())
     for f in files:
-        h.update(f"{f.relative_to(root)}:{f.stat().st_size};".encode())
+        h.update(f"{f.relative_to(root)}:{_size(f)};".encode())
     return h.hexdigest()[:16]
+
+
+def _size(file: Path) -> int | str:
+    """The byte size of ``file``; ``"unreadable"`` for a link that leads to no file (a bad
+    image the run reports; listed all the same)."""
+    try:
+        return file.stat().st_size
+    except OSError:
+        return "unreadable"
 
 
 def check_labels(labels: Any, num_classes: int, what: str) -> np.ndarray:

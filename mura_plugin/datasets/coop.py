@@ -194,7 +194,9 @@ def _coop(
         rels, labels = read_coop_split(root / meta["split_file"], split, names, name)
     image_dir = root / meta["image_dir"]
     files = [image_dir / r for r in rels]
-    missing = [f for f in files if not f.is_file()]
+    # a link that leads to no file is there, but unreadable: a bad image for the run's
+    # --on-bad-image policy, not missing data
+    missing = [f for f in files if not (f.is_file() or c.is_broken_link(f))]
     if missing:
         raise DataUnavailableError(
             f"{name}: {len(missing)} of the {len(files)} images of its {split} split are missing "

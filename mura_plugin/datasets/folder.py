@@ -40,7 +40,10 @@ def imagefolder(
     templates: str | Sequence[str] | None = None,
     name: str = "imagefolder",
 ) -> DomainStream:
-    """A local image-folder tree as a ``DomainStream``."""
+    """A local image-folder tree as a ``DomainStream``: one class per sub-folder (sorted by
+    name), its images every image file in it (a link that leads to no file included: a bad
+    image for the run's policy). A class folder without images, or a link beside them that
+    leads nowhere, is a warning that the data is partial."""
     root = _root(data_dir, "imagefolder")
     folders = c.class_folders(root)
     if not folders:
@@ -52,12 +55,15 @@ def imagefolder(
         )
     files: list[Path] = []
     labels: list[int] = []
+    empty: list[str] = []
     for i, folder in enumerate(folders):
         found = c.list_images(root / folder)
         files += found
         labels += [i] * len(found)
+        empty += [] if found else [folder]
     if not files:
         raise DataUnavailableError(f"imagefolder: no image files under {root}/<class>/")
+    c.warn_empty_classes(root, empty, "imagefolder")
     return DomainStream(
         name=name,
         classnames=names,

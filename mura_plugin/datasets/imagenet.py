@@ -58,9 +58,11 @@ def _per_class_pick(files: list[Path], wnid: str, per_class: int | None) -> list
 
 
 def _wnid_tree(
-    root: Path, wnids: Sequence[str], per_class: int | None = None
+    root: Path, wnids: Sequence[str], per_class: int | None = None, *, what: str
 ) -> tuple[list[Path], list[int]]:
-    """Files of ``root/<wnid>/*`` with labels = position of the wnid in ``wnids``."""
+    """Files of ``root/<wnid>/*`` with labels = position of the wnid in ``wnids``; a wnid
+    folder without images (or a link in ``root`` that leads nowhere) is a warning that the
+    data is partial (``what`` names the set)."""
     pos = {w: i for i, w in enumerate(wnids)}
     folders = c.class_folders(root)
     unknown = [f for f in folders if f not in pos]
@@ -71,12 +73,16 @@ def _wnid_tree(
         )
     files: list[Path] = []
     labels: list[int] = []
+    empty: list[str] = []
     for folder in folders:
-        chosen = _per_class_pick(c.list_images(root / folder), folder, per_class)
+        found = c.list_images(root / folder)
+        chosen = _per_class_pick(found, folder, per_class)
         files += chosen
         labels += [pos[folder]] * len(chosen)
+        empty += [] if found else [folder]
     if not files:
         raise DataUnavailableError(f"{root}: no image files in <wnid>/ folders")
+    c.warn_empty_classes(root, empty, what)
     return files, labels
 
 
@@ -132,7 +138,7 @@ def _hub_or_tree(
         data_dir, meta["local_dirs"], lambda p: _has_wnid_folders(p) or c.is_hf_copy(p)
     )
     if local is not None and not c.is_hf_copy(local):
-        files, labels = _wnid_tree(local, wnids, per_class)
+        files, labels = _wnid_tree(local, wnids, per_class, what=name)
         fp = f"{name}/tree/{c.files_fingerprint(local, files)}"
         return c.folder_dataset(files, labels), fp, {"source": str(local)}
     if per_class is not None:
@@ -225,7 +231,8 @@ def imagenet_c(
         raise ValueError("imagenet_c: a domain needs shift=<corruption> and severity=<1..5>")
     meta, local, domain = _imagenet_c_domain(shift, severity, data_dir, subset)
     assert domain is not None
-    files, labels = _wnid_tree(domain, meta["wnids"], _per_class(subset))
+    what = f"imagenet_c/{shift}/{severity}"
+    files, labels = _wnid_tree(domain, meta["wnids"], _per_class(subset), what=what)
     fp = f"imagenet_c/{shift}/{severity}/subset={subset}/{c.files_fingerprint(local, files)}"
     return _stream(
         f"imagenet_c/{shift}/{severity}",
@@ -301,10 +308,15 @@ def imagenet_v2(
         )
     files: list[Path] = []
     labels: list[int] = []
+    empty: list[str] = []
     for folder in sorted(c.class_folders(local), key=int):  # numeric order, not "10" < "2"
         found = c.list_images(local / folder)
         files += found
         labels += [int(folder)] * len(found)
+        empty += [] if found else [folder]
+    if not files:
+        raise DataUnavailableError(f"imagenet_v2: no image files in {local}/<class index>/")
+    c.warn_empty_classes(local, empty, f"imagenet_v2-{variant}")
     fp = f"imagenet_v2/{variant}/{c.files_fingerprint(local, files)}"
     ds = c.folder_dataset(files, labels)
     return _stream(f"imagenet_v2-{variant}", meta, ds, fp, templates, source=str(local))

@@ -53,6 +53,7 @@ hence the pixel count, for a budget checked before decoding.
 
 from __future__ import annotations
 
+import errno
 import io
 import os
 import re
@@ -131,7 +132,8 @@ class ImageTooLargeError(ImageDecodeError):
 
 
 class UnreadableImageError(ImageDecodeError, OSError):
-    """The file cannot be read (missing, a folder, no permission, a dangling symlink)."""
+    """The file cannot be read (missing, a folder, no permission, a symbolic link that is
+    dangling or in a loop: the message then says which)."""
 
 
 class CorruptImageError(ImageDecodeError, OSError):
@@ -184,11 +186,36 @@ def _open(source: ImageSource, name: str, formats: Sequence[str] | None) -> Imag
     except OSError as exc:
         if exc.errno is not None:  # from the file system, before PIL read a byte
             raise UnreadableImageError(
-                f"image {name!r} cannot be read: {exc.strerror or exc}", name
+                f"image {name!r} cannot be read: {exc.strerror or exc}{_link_note(source)}",
+                name,
             ) from exc
         raise CorruptImageError(_corrupt_message(name, exc), name) from exc
     except Exception as exc:  # noqa: BLE001 - a parser's error on hostile bytes is bad input
         raise CorruptImageError(_corrupt_message(name, exc), name) from exc
+
+
+def _link_note(source: ImageSource) -> str:
+    """What is wrong with ``source`` when it is a path to a symbolic link that leads to no
+    file: `` (a symbolic link in a loop)`` or `` (a symbolic link to 'x', which leads to
+    no file)``; ``""`` for anything else (never raises)."""
+    if not isinstance(source, (str, os.PathLike)):
+        return ""
+    target: Any = None
+    try:
+        path = os.fspath(source)
+        if not os.path.islink(path):
+            return ""
+        target = os.readlink(path)
+        os.stat(path)
+    except OSError as exc:
+        if exc.errno == errno.ELOOP:
+            return " (a symbolic link in a loop)"
+        if exc.errno in (errno.ENOENT, errno.ENOTDIR) and target is not None:
+            return f" (a symbolic link to {target!r}, which leads to no file)"
+        return ""
+    except (TypeError, ValueError):  # a path the file system refuses (a NUL byte, ...)
+        return ""
+    return ""
 
 
 def _corrupt_message(name: str, exc: BaseException) -> str:

@@ -3,6 +3,7 @@ policy (``open_source``; ``tta_bench.run.cache`` explains the policies)."""
 
 from __future__ import annotations
 
+import warnings
 from dataclasses import dataclass
 from typing import Any
 
@@ -175,13 +176,15 @@ def open_source(
     on_bad_image: str = "fail",
     pending_bytes: int = 0,
 ) -> Source:
-    """The ``Source`` of one split under the cache policy (module docstring).
+    """The ``Source`` of one split under the cache policy (module docstring); a split of a
+    single class is a warning (``warn_one_class``).
     ``pending_bytes``: what the run's other ``CachingSource`` splits will still write to the
     cache (``auto`` streams a split that would take the cache past its budget)."""
     if cache not in CACHE_POLICIES:
         raise ValueError(f"unknown cache policy {cache!r}; available: {', '.join(CACHE_POLICIES)}")
     if on_bad_image not in ON_BAD_IMAGE:
         raise ValueError(f"on_bad_image must be one of {ON_BAD_IMAGE}, got {on_bad_image!r}")
+    warn_one_class(stream)
     _check_stored_size(stream, size)
     native = _native_array(stream, size)
     if native is not None:
@@ -197,6 +200,24 @@ def open_source(
             return CachingSource(stream, size, on_bad_image)
     dec = decode(stream, size, progress=progress, on_bad_image=on_bad_image)
     return _array_source(stream.name, dec)
+
+
+def warn_one_class(stream: DomainStream) -> None:
+    """A ``UserWarning`` when ``stream`` has a single class, naming the domain and where its
+    data is (``metadata["source"]``, the folder of a folder dataset): a classifier over one
+    class is always right, so the run scores 100% whatever the model or method. Every
+    dataset's split passes here (``open_source``), so each one gets it."""
+    if len(stream.classnames) != 1:
+        return
+    source = stream.metadata.get("source")
+    where = f" ({source})" if source else ""
+    warnings.warn(
+        f"domain {stream.name!r}{where} has a single class ({stream.classnames[0]!r}): a "
+        "classifier over one class is always right, so its accuracy is 100% whatever the "
+        "model or method, and meaningless; give the data at least two classes (for an image "
+        "folder, two class sub-folders)",
+        stacklevel=3,
+    )
 
 
 def _array_source(name: str, dec: Decoded) -> ArraySource:
