@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -84,12 +85,13 @@ def _refused_by_rescore(capsys, out: Path, *words: str) -> None:
 # -- per-sample identity --------------------------------------------------------------
 def test_each_file_carries_its_run_and_cell(runs):
     record = results.load_results(runs / "tent.json")
-    table = pq.read_table(_cell_path(runs / "tent.json", "dim", 3, 1))
+    path = _cell_path(runs / "tent.json", "dim", 3, 1)
+    table = pq.read_table(path)
     found = samples.identity(table)
     assert found["run_key"] == results.record_key(record, with_weights=True)
     assert found["cell"] == ["dim", 3, 1] and found["method"] == "norm_tent"
     assert found["rows"] == table.num_rows == 32
-    assert found["rows_sha256"] == samples.rows_digest(table)
+    assert found["data_sha256"] == samples.data_digest(path.read_bytes())
     assert "reference" in table.column_names  # the frozen model's predictions, for merge
 
 
@@ -143,7 +145,7 @@ def test_a_file_without_identity_is_refused(tent, capsys):
     max_examples=40, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
 )
 @given(data=st.data())
-def test_any_single_value_edit_of_a_cell_file_is_refused(runs, data):
+def test_any_single_value_edit_of_a_cell_file_is_refused(runs, tmp_path, data):
     table = pq.read_table(_cell_path(runs / "tent.json", "dim", 1, 0))
     columns = {n: table.column(n).combine_chunks() for n in table.column_names}
     name = data.draw(st.sampled_from(sorted(columns)))
@@ -160,11 +162,12 @@ def test_any_single_value_edit_of_a_cell_file_is_refused(runs, data):
         values[row] = _changed(old, data)
     columns[name] = pa.array(values, column.type)
     edited = pa.table(columns).replace_schema_metadata(table.schema.metadata)
+    folder = Path(tempfile.mkdtemp(dir=tmp_path))  # one per example
+    pq.write_table(edited, samples.cell_file(folder, "dim", 1, 0))
     record = results.load_results(runs / "tent.json")
     with pytest.raises(ValueError, match="is not cell"):
         samples.verify_cell(
-            edited,
-            "f.parquet",
+            samples.open_cell(folder, "dim", 1, 0),
             run_key=results.record_key(record, with_weights=True),
             key=("dim", 1, 0),
             method="norm_tent",
@@ -222,7 +225,7 @@ def test_edited_labels_in_a_part_are_refused(sharded, tmp_path):
         _cell_path(parts[1], "noise", 1, 0),
         lambda c: c.__setitem__("label", pa.array(np.zeros(len(c["label"]), np.int64))),
     )
-    with pytest.raises(shard.MergeError, match="row digest"):
+    with pytest.raises(shard.MergeError, match="data digest"):
         shard.merge_parts(parts)
 
 

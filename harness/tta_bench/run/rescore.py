@@ -58,10 +58,9 @@ def recompute(path: str | Path) -> tuple[dict[str, Any], dict[tuple[str, int, in
         if cell.get("diverged"):
             continue  # reported, never scored
         key = results.cell_key(cell)
-        file = samples.cell_file(folder, *key)
-        table = samples.read_cell(folder, *key)
-        samples.verify_cell(table, file, run_key=run_key, key=key, method=label, n=cell["n"])
-        rows = samples.cell_rows(table, key, str(file))
+        found = samples.open_cell(folder, *key)
+        samples.verify_cell(found, run_key=run_key, key=key, method=label, n=cell["n"])
+        rows = samples.cell_rows(found.table, key, str(found.path))
         out[key] = samples.score_rows(
             rows, ood_score=ood_score, per_class="per_class_accuracy" in cell
         )

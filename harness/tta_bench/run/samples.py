@@ -14,10 +14,11 @@ written atomically when its cell's group finishes, before the results file lists
 so a resumed run finds the files of the cells it skips; a rerun of a cell replaces its file.
 
 Each file carries the identity of its run and cell in its Parquet metadata (``IDENTITY``:
-the run key, the cell key, the method label, the row count and a SHA-256 digest of its
-rows, ``rows_digest``); ``verify_cell`` refuses a file whose identity, cell, rows or digest
-do not match the run that reads it, so ``rescore`` and ``merge`` never score another run's
-samples or edited rows.
+the run key, the cell key, the method label, the row count and the SHA-256 of the file's
+data pages, ``data_digest``: every value of every row as stored, everything before the
+Parquet footer that holds the identity); ``verify_cell`` refuses a file whose identity,
+cell, method, rows or digest do not match the run that reads it, so ``rescore`` and
+``merge`` never score another run's samples or edited rows.
 """
 
 from __future__ import annotations
@@ -25,6 +26,7 @@ from __future__ import annotations
 import hashlib
 import json
 import re
+import struct
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -99,7 +101,6 @@ def write_cell(
     with its identity (``run_key``: the results record's ``record_key(..., with_weights=
     True)``; the cell; ``method``; the row count and digest) in the file's metadata."""
     import pyarrow as pa
-    import pyarrow.parquet as pq
 
     logits = np.asarray(cell.logits, dtype=np.float32)
     n, classes = logits.shape
@@ -134,43 +135,54 @@ def write_cell(
     if with_logits:
         columns["logits"] = pa.FixedSizeListArray.from_arrays(pa.array(logits.reshape(-1)), classes)
     table = pa.table(columns)
+    data = data_digest(_parquet_bytes(table))
     identity = {
         "format": IDENTITY_FORMAT,
         "run_key": run_key,
         "cell": [cell.shift, int(cell.severity), int(cell.seed)],
         "method": method,
         "rows": n,
-        "rows_sha256": rows_digest(table),
+        "data_sha256": data,
     }
-    table = table.replace_schema_metadata({IDENTITY: json.dumps(identity, sort_keys=True)})
+    meta = {IDENTITY: json.dumps(identity, sort_keys=True)}
+    raw = _parquet_bytes(table.replace_schema_metadata(meta))
+    # the data pages do not depend on the footer's metadata
+    assert data_digest(raw) == data, "Parquet data pages changed with the metadata"
     dest = cell_file(folder, cell.shift, cell.severity, cell.seed)
     with atomic_path(dest) as tmp:
-        pq.write_table(table, tmp)
+        Path(tmp).write_bytes(raw)
     return dest
 
 
-def rows_digest(table: Any) -> str:
-    """SHA-256 of every column of a cell's rows (``pyarrow.Table``): each column's name, type
-    and values in row order, the columns by name. Any edit of a value, a row or a column
-    changes it."""
+def _parquet_bytes(table: Any) -> bytes:
     import pyarrow as pa
+    import pyarrow.parquet as pq
 
-    h = hashlib.sha256()
-    for name in sorted(table.column_names):
-        column = table.column(name).combine_chunks()
-        shape = [len(column)]
-        while pa.types.is_fixed_size_list(column.type):  # the type's field names vary
-            shape.append(column.type.list_size)
-            column = column.flatten()
-        if pa.types.is_string(column.type) or pa.types.is_large_string(column.type):
-            values = "\0".join(column.to_pylist()).encode()
-            kind = "str"
-        else:
-            array = np.ascontiguousarray(column.to_numpy(zero_copy_only=False))
-            values, kind = array.tobytes(), array.dtype.str
-        h.update(f"{name}:{kind}:{shape};".encode())
-        h.update(values)
-    return h.hexdigest()
+    sink = pa.BufferOutputStream()
+    pq.write_table(table, sink)
+    return sink.getvalue().to_pybytes()
+
+
+def data_digest(raw: bytes) -> str:
+    """SHA-256 of a Parquet file's data pages: its bytes before the footer (the footer's
+    length is the 4 bytes before the closing ``PAR1``). Any edit of a value, a row or a
+    column changes them; the identity in the footer does not."""
+    if len(raw) < 12 or raw[-4:] != b"PAR1":
+        raise ValueError("not a Parquet file (no closing PAR1 marker)")
+    footer = struct.unpack("<I", raw[-8:-4])[0]
+    if footer + 8 > len(raw):
+        raise ValueError("not a Parquet file (its footer length runs past its start)")
+    return hashlib.sha256(memoryview(raw)[: len(raw) - 8 - footer]).hexdigest()
+
+
+@dataclass
+class CellFile:
+    """A cell's per-sample file as read: its path, its rows (``pyarrow.Table``) and the
+    digest of its data pages (``data_digest``)."""
+
+    path: Path
+    table: Any
+    data_sha256: str
 
 
 def identity(table: Any) -> dict[str, Any] | None:
@@ -186,19 +198,19 @@ def identity(table: Any) -> dict[str, Any] | None:
 
 
 def verify_cell(
-    table: Any,
-    path: str | Path,
+    cell: CellFile,
     *,
     run_key: dict[str, Any],
     key: tuple[str, int, int],
     method: str,
     n: int,
 ) -> None:
-    """Refuse (``ValueError`` naming ``path`` and what differs) a cell file that is not
+    """Refuse (``ValueError`` naming the file and what differs) a cell file that is not
     the rows of cell ``key`` of the run ``run_key`` by ``method`` with ``n`` samples: no
-    identity in its metadata, another run, cell, method or row count, row columns that
-    contradict its identity (its own ``seed`` column saying 1 in a seed-0 file), or rows
-    whose digest differs from the one written with them (edited labels, scaled logits)."""
+    identity in its metadata, another run, cell (another seed's file renamed), method or
+    row count, or data pages whose digest differs from the one written with them (edited
+    labels, scaled logits, a changed seed column)."""
+    path, table = cell.path, cell.table
     found = identity(table)
     if found is None or found.get("format") != IDENTITY_FORMAT:
         raise ValueError(
@@ -206,7 +218,7 @@ def verify_cell(
             "tta-bench): it cannot be tied to this run; rerun with log_samples=logits"
         )
     wrong = [
-        f"run key {k} {found['run_key'].get(k)!r} (the run's: {v!r})"
+        f"run key {k} {(found.get('run_key') or {}).get(k)!r} (the run's: {v!r})"
         for k, v in run_key.items()
         if (found.get("run_key") or {}).get(k) != v
     ]
@@ -216,30 +228,32 @@ def verify_cell(
         wrong.append(f"method {found.get('method')!r} (the run's: {method!r})")
     if found.get("rows") != n or table.num_rows != n:
         wrong.append(f"{table.num_rows} rows (identity {found.get('rows')}, the cell's n {n})")
-    for column, want in (("method", method), ("shift", key[0]), ("severity", key[1]),
-                         ("seed", key[2])):  # fmt: skip
-        if column in table.column_names and table.num_rows:
-            values = set(table.column(column).to_pylist())
-            if values != {want}:
-                wrong.append(f"its {column} column says {sorted(values, key=str)} (not {want!r})")
-    if not wrong and rows_digest(table) != found.get("rows_sha256"):
-        wrong.append("its rows differ from those written with it (row digest)")
+    if not wrong and cell.data_sha256 != found.get("data_sha256"):
+        wrong.append("its rows differ from those written with it (data digest)")
     if wrong:
         raise ValueError(f"{path} is not cell {key} of this run: {'; '.join(wrong)}")
 
 
-def read_cell(folder: Path, shift: str, severity: int, seed: int) -> Any:
-    """The cell's rows as a ``pyarrow.Table``; a missing or unreadable file is a
-    ``ValueError`` naming it."""
+def open_cell(folder: Path, shift: str, severity: int, seed: int) -> CellFile:
+    """The cell's file, read once: its rows and the digest of its data pages; a missing or
+    unreadable file is a ``ValueError`` naming it."""
+    import pyarrow as pa
     import pyarrow.parquet as pq
 
     path = cell_file(folder, shift, severity, seed)
     if not path.is_file():
         raise ValueError(f"no per-sample file {str(path)!r} for cell ({shift}, {severity}, {seed})")
     try:
-        return pq.read_table(path)
+        raw = path.read_bytes()
+        return CellFile(path, pq.read_table(pa.BufferReader(raw)), data_digest(raw))
     except Exception as exc:  # pyarrow's own errors (truncated or not Parquet)
         raise ValueError(f"{path}: not a readable per-sample Parquet file ({exc})") from exc
+
+
+def read_cell(folder: Path, shift: str, severity: int, seed: int) -> Any:
+    """The cell's rows as a ``pyarrow.Table``; a missing or unreadable file is a
+    ``ValueError`` naming it."""
+    return open_cell(folder, shift, severity, seed).table
 
 
 def references(table: Any) -> np.ndarray | None:

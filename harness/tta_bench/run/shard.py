@@ -273,13 +273,11 @@ def _merged_rows(
     rows = []
     for path, cell in pieces:
         rec = parts[path]
-        folder = samples.samples_dir(path)
-        file = samples.cell_file(folder, *key)
-        table = samples.read_cell(folder, *key)
+        found = samples.open_cell(samples.samples_dir(path), *key)
+        file = found.path
         try:
             samples.verify_cell(
-                table,
-                file,
+                found,
                 run_key=results.record_key(rec, with_weights=True),
                 key=key,
                 method=samples.method_label(rec),
@@ -287,7 +285,7 @@ def _merged_rows(
             )
         except ValueError as exc:
             raise MergeError(str(exc)) from exc
-        piece = samples.cell_rows(table, key, str(file))
+        piece = samples.cell_rows(found.table, key, str(file))
         _check_counts(file, cell, samples.score_rows(piece, ood_score=record_ood_score(rec)))
         shard = rec["shard"]
         foreign = sorted({int(b) for b in piece.batches if b % shard["count"] != shard["index"]})
