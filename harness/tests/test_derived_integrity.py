@@ -1,5 +1,5 @@
 """Derived results never trust their inputs: per-sample files carry their run's identity
-(run key, cell, method, rows, row digest), ``rescore`` and ``merge`` refuse files that are
+(run key, cell, method, rows, the digest of the data pages), ``rescore`` and ``merge`` refuse files that are
 not the run's own or were edited, ``merge`` recomputes every count from the rows (the
 reference accuracy too) and checks each part's batches against the stream's layout, empty
 parts merge, and ``rescore --write`` keeps the previous file and never writes one readers

@@ -5,7 +5,7 @@ The metrics are the same functions the runner applies (``tta_bench.metrics.compu
 through ``samples.score_rows``) to the same float32 logits, so a metric stored in the
 results file is reproduced exactly; a metric registered after the run is computed for the
 first time. Every cell file must be the run's own (``samples.verify_cell``: its identity,
-cell, method, row count and row digest), or nothing is scored.
+cell, method, row count and the digest of its data pages), or nothing is scored.
 
 ``write=True`` stores every recomputed figure (the metrics, ``error``, the reference
 accuracy when its rows were logged) in the cells and the summary, under the results lock:
