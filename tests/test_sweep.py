@@ -137,6 +137,18 @@ def test_a_sharded_sweep_merges_its_parts_into_the_whole_cell(tmp_path):
     ]
 
 
+def test_a_sharded_sweep_with_more_parts_than_batches_merges(tmp_path):
+    # before: the parts that got no batch ended in a traceback on every rerun, never merged
+    grid = ["method=tent", "seeds=[0]", "protocol.reset=episodic_batch",
+            "protocol.shifts=[contrast]", "protocol.max_images=4",
+            "protocol.batch_size=4"]  # fmt: skip
+    done = _sweep_rc("--dir", str(tmp_path / "s"), "--shards", "4", *grid)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert done.stdout.count("got no batch of the stream") == 3
+    merged = results.load_results(next((tmp_path / "s").glob("*.json")))
+    assert [(c["shift"], c["n"]) for c in merged["cells"]] == [("contrast", 4)]
+
+
 def _sweep_rc(*args: str, env: dict | None = None) -> subprocess.CompletedProcess:
     cmd = [sys.executable, "-m", "tta_bench.cli", "sweep", *args]
     return subprocess.run(cmd, env=env or dict(os.environ), capture_output=True, text=True,

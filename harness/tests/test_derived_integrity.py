@@ -1,9 +1,10 @@
 """Derived results never trust their inputs: per-sample files carry their run's identity
-(run key, cell, method, rows, the digest of the data pages), ``rescore`` and ``merge`` refuse files that are
-not the run's own or were edited, ``merge`` recomputes every count from the rows (the
-reference accuracy too) and checks each part's batches against the stream's layout, empty
-parts merge, and ``rescore --write`` keeps the previous file and never writes one readers
-refuse. Each case was a silent wrong result or a destroyed file before."""
+(run key, cell, method, rows, the digest of their data pages), ``rescore`` and ``merge``
+refuse files that are not the run's own or were edited, ``merge`` recomputes every count
+from the rows (the reference accuracy too) and checks each part's batches against the
+stream's layout, empty parts merge, and ``rescore --write`` keeps the previous file and
+never writes one readers refuse. Each case was a silent wrong result or a destroyed file
+before."""
 
 from __future__ import annotations
 
@@ -295,3 +296,24 @@ def test_merged_parts_equal_the_unsharded_run_for_any_layout(tmp_path, count, ba
     whole = _run("norm_tent", d / "w.json", [*EPISODIC, *extra])
     parts = _parts(d, count, extra)
     assert _scores(shard.merge_parts(parts)) == _scores(whole)
+
+
+@settings(
+    max_examples=15, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture]
+)
+@given(data=st.data())
+def test_any_single_count_edit_of_a_part_is_refused(sharded, tmp_path, data):
+    parts = _copy_parts(sharded[2], Path(tempfile.mkdtemp(dir=tmp_path)))
+    path = data.draw(st.sampled_from(parts))
+    record = json.loads(path.read_text())
+    cell = data.draw(st.sampled_from(record["cells"]))
+    field = data.draw(st.sampled_from(["accuracy", "error", "reference_accuracy", "n"]))
+    n = cell["n"]
+    if field == "n":
+        cell["n"] = n + data.draw(st.sampled_from([1, -1]))
+    else:
+        others = [k / n for k in range(n + 1) if k / n != cell[field]]
+        cell[field] = data.draw(st.sampled_from(others))
+    path.write_text(json.dumps(record))
+    with pytest.raises(shard.MergeError):
+        shard.merge_parts(parts)

@@ -336,9 +336,15 @@ def _run_one(spec: Any, sweep_dir: Path, num: Any, packed: str = "") -> str:
     output = sweep_dir / RUNS / job_filename(spec)
     record = runner.run(spec, output)
     mean = record["summary"]["mean_accuracy"]
+    if not record["cells"]:
+        scored = f"no cell (part {spec.shard} got no batch of the stream)"
+    elif mean is None:
+        scored = f"not scored ({record['summary'].get('n_diverged', 0)} cell(s) diverged)"
+    else:
+        scored = f"mean accuracy {100 * mean:.2f}%"
     print(
         f"[job {num} pid {os.getpid()}] {spec.method} seeds {spec.seeds} on {spec.protocol.id}: "
-        f"mean accuracy {100 * mean:.2f}%, {len(record['cells'])} cells "
+        f"{scored}, {len(record['cells'])} cells "
         f"({record.get('skipped_cells', 0)} skipped as finished){packed} -> {output}",
         flush=True,
     )
