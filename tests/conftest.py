@@ -62,3 +62,20 @@ def tmp_cache(tmp_path, monkeypatch):
     """An empty tta-bench cache directory for tests of caching itself."""
     monkeypatch.setenv("TTA_BENCH_CACHE", str(tmp_path / "cache"))
     return tmp_path / "cache"
+
+
+@pytest.fixture()
+def pil_loads(monkeypatch):
+    """The sizes of the images PIL decodes (``ImageFile.load``) during the test, in order:
+    a check that must refuse from the header alone leaves it empty."""
+    from PIL import ImageFile
+
+    loaded: list[tuple[int, int]] = []
+    real_load = ImageFile.ImageFile.load
+
+    def spy(self):
+        loaded.append(self.size)
+        return real_load(self)
+
+    monkeypatch.setattr(ImageFile.ImageFile, "load", spy)
+    return loaded

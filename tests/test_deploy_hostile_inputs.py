@@ -199,12 +199,11 @@ def test_top_k_takes_an_integer_from_1_and_clips_at_the_classes(default_bundle, 
 
 # -- 5. the pixel budget of predict and serve, before decoding -------------------------------
 def test_the_adapter_refuses_an_image_over_the_pixel_budget_before_decoding_it(
-    tmp_path, default_bundle, monkeypatch
+    tmp_path, default_bundle, pil_loads
 ):
     """A 12000 x 12000 PNG (20 KB) that ``predict`` and ``serve`` refuse from its header
     was decoded whole by the Adapter; now refused by the one declared budget, as a path,
     as a lazily opened PIL image and as bytes, with no pixel decoded."""
-    from PIL import ImageFile
 
     from tta_bench.deploy import DEFAULT_MAX_PIXELS
     from tta_bench.deploy.job import PredictJob
@@ -215,14 +214,7 @@ def test_the_adapter_refuses_an_image_over_the_pixel_budget_before_decoding_it(
     adapter = Adapter.from_bundle(default_bundle, dataset="digits", device="cpu")
     assert adapter.max_pixels == DEFAULT_MAX_PIXELS == PredictJob("i", "o").max_pixels
     assert adapter.spawn().max_pixels == DEFAULT_MAX_PIXELS
-    loaded = []
-    real_load = ImageFile.ImageFile.load
-
-    def spy(self):
-        loaded.append(self.size)
-        return real_load(self)
-
-    monkeypatch.setattr(ImageFile.ImageFile, "load", spy)
+    loaded = pil_loads
     message = (
         rf"is 12000x12000 = 144000000 pixels; the limit is {DEFAULT_MAX_PIXELS} pixels per "
         r"image \(Adapter.max_pixels\)"

@@ -83,18 +83,10 @@ def budget_dir(tmp_path):
 
 
 def test_an_image_over_the_pixel_budget_is_skipped_from_its_header_never_decoded(
-    tmp_path, budget_dir, monkeypatch, capsys
+    tmp_path, budget_dir, pil_loads, capsys
 ):
-    from PIL import ImageFile
 
-    loaded = []
-    real_load = ImageFile.ImageFile.load
-
-    def spy(self):
-        loaded.append(self.size)
-        return real_load(self)
-
-    monkeypatch.setattr(ImageFile.ImageFile, "load", spy)
+    loaded = pil_loads
     out = tmp_path / "out"
     job = write_job(tmp_path, input_dir=str(budget_dir), output_dir=str(out))  # default budget
     assert main(["predict", "--config", str(job), "--quiet"]) == 0
