@@ -12,9 +12,8 @@ import sys
 from typing import Any
 
 from tta_bench import catalog
-from tta_bench.cli.errors import check_cache_budget
 from tta_bench.registry import KINDS, SINGULAR, registry
-from tta_bench.run.resolve import NO_PLUGINS, UsageError
+from tta_bench.run.resolve import NO_PLUGINS, UsageError, check_cache_budget
 
 LIST_KINDS = (
     *[k for k in KINDS if k != "configs"],

@@ -10,9 +10,9 @@ import sys
 from typing import Any
 
 from tta_bench import log
-from tta_bench.cli.errors import check_cache_budget, usage_errors
+from tta_bench.cli.errors import usage_errors
 from tta_bench.run.output import check_output
-from tta_bench.run.resolve import UsageError, resolve_run
+from tta_bench.run.resolve import UsageError, check_cache_budget, resolve_run
 
 LOGGER = log.LOGGER
 
@@ -33,7 +33,6 @@ def _resolve_run(args: argparse.Namespace) -> tuple[Any, Any]:
 def cmd_run(args: argparse.Namespace) -> int:
     from omegaconf import OmegaConf
 
-    check_cache_budget()
     cfg, spec = _resolve_run(args)
     protocol, method, model = spec.protocol, spec.method, spec.model
     if args.cfg:
@@ -148,7 +147,6 @@ def cmd_profile(args: argparse.Namespace) -> int:
 
     from tta_bench.run import profiler as profile
 
-    check_cache_budget()
     _, spec = _resolve_run(args)
     protocol, method, model = spec.protocol, spec.method, spec.model
     # A slice of the first seed, measured, never written as results or logs.

@@ -18,6 +18,7 @@ from tta_bench import catalog
 from tta_bench.report import stats, tables
 from tta_bench.report.columns import table_columns
 from tta_bench.run import results
+from tta_bench.run.samples import method_label
 
 #: Leaderboard columns, taken from the summary and cost tables; ``METRICS`` stands for the
 #: summary's column of every metric the runs hold (``tta_bench.report.columns``).
@@ -74,16 +75,13 @@ def _labels(records: Sequence[dict[str, Any]]) -> list[str]:
     configurations."""
     configs: dict[str, set[str]] = {}
     for r in records:
-        configs.setdefault(_name(r), set()).add(_config_hash(r))
+        configs.setdefault(method_label(r), set()).add(_config_hash(r))
     return [
-        f"{_name(r)} [cfg {_config_hash(r)}]" if len(configs[_name(r)]) > 1 else _name(r)
+        f"{method_label(r)} [cfg {_config_hash(r)}]"
+        if len(configs[method_label(r)]) > 1
+        else method_label(r)
         for r in records
     ]
-
-
-def _name(record: dict[str, Any]) -> str:
-    """A run's name: its preset (``method=<preset>``) when it came from one, else its method."""
-    return record.get("method_preset") or record["method"]
 
 
 def _expected_protocol(suite: str, candidates: list[tuple[Path, dict[str, Any]]]) -> str:

@@ -20,11 +20,10 @@ from typing import Any
 import numpy as np
 import torch
 
-from tta_bench import metrics
 from tta_bench.method import Method
 from tta_bench.run.cost import PassCounter, PeakMemory, PhaseTimer, rss_bytes
 from tta_bench.run.results import now_iso
-from tta_bench.run.samples import CellSamples
+from tta_bench.run.samples import CellSamples, score
 from tta_bench.run.stream import Batch, Stream
 
 #: Time phases a cell reports, in the order of its entry.
@@ -124,9 +123,6 @@ class _Cell:
     """What a cell accumulates over its batches (possibly several visits or mixed batches)."""
 
     n: int = 0
-    correct: int = 0
-    n_known: int = 0  # in-distribution rows (all but an open-set cell's OOD rows)
-    ref_correct: int = 0
     batches: int = 0
     seconds: dict[str, float] = field(default_factory=lambda: dict.fromkeys(PHASES, 0.0))
     adapt_s: float = 0.0
@@ -138,7 +134,8 @@ class _Cell:
     labels: list[torch.Tensor] = field(default_factory=list)
     indices: list[np.ndarray] = field(default_factory=list)  # dataset rows, stream order
     batch_numbers: list[np.ndarray] = field(default_factory=list)
-    references: list[torch.Tensor] = field(default_factory=list)  # the frozen model's
+    #: the frozen model's predictions (scored by ``samples.score``)
+    references: list[torch.Tensor] = field(default_factory=list)
     diverged: dict[str, Any] | None = None
 
 
@@ -172,21 +169,16 @@ class CellBook:
         ref_pred: torch.Tensor | None,
         cost: BatchCost,
     ) -> None:
-        """Score one batch against its labels (which the method never saw)."""
+        """Fold one batch into its cells: logits, labels (which the method never saw), the
+        frozen model's predictions and costs, scored when the cells are (``entries``)."""
         logits_cpu, labels_cpu = logits.detach().float().cpu(), labels.cpu()
-        hit = logits_cpu.argmax(dim=1) == labels_cpu
-        known = labels_cpu >= 0  # an open-set cell's OOD rows are labelled -1
         ref_cpu = None if ref_pred is None else ref_pred.cpu()
-        ref_hit = None if ref_cpu is None else ref_cpu == labels_cpu
         for d, sel in _rows_by_domain(batch):
             cell = self.cells.setdefault(d, _Cell())
-            m = int(hit[sel].numel())
+            m = int(labels_cpu[sel].numel())
             share = m / len(batch)
             cell.n += m
-            cell.n_known += int(known[sel].sum())
-            cell.correct += int(hit[sel].sum())
-            if ref_hit is not None:
-                cell.ref_correct += int(ref_hit[sel].sum())
+            if ref_cpu is not None:
                 cell.references.append(ref_cpu[sel])
             cell.batches += 1
             if cost.flops is not None:  # counting slows the batch down: leave it untimed
@@ -268,18 +260,15 @@ class CellBook:
         if c.diverged is not None:
             entry.update(accuracy=None, error=None, reference_accuracy=None, diverged=c.diverged)
         else:
-            logits, labels = torch.cat(c.logits), torch.cat(c.labels)
-            entry.update(metrics.compute_all(logits, labels, self.ood_score))
-            known = max(c.n_known, 1)
-            entry["error"] = 1.0 - c.correct / known
-            ref = c.correct if self.is_reference else c.ref_correct
-            entry["reference_accuracy"] = ref / known if self.reference else None
-            if c.n_known != c.n:  # open-set: the closed-set metrics score the known rows
-                entry.update(n_known=c.n_known, n_ood=c.n - c.n_known)
-            if self.per_class:
-                entry["per_class_accuracy"] = metrics.per_class_accuracy(
-                    logits, labels, logits.shape[1]
+            entry.update(
+                score(
+                    torch.cat(c.logits),
+                    torch.cat(c.labels),
+                    self._references(c),
+                    ood_score=self.ood_score,
+                    per_class=self.per_class,
                 )
+            )
         entry.update(
             time_per_sample_s=per_sample(method_s + data_s),
             method_time_per_sample_s=per_sample(method_s),

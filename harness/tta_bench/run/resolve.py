@@ -41,7 +41,11 @@ NO_PLUGINS = (
 )
 
 
-def _check_cache_budget() -> None:
+def check_cache_budget() -> None:
+    """``TTA_BENCH_CACHE_BUDGET_GB`` read once (``tta_bench.run.cache.cache_budget_gb``): a
+    bad value is a ``UsageError`` naming it, before anything is composed or built. Every
+    run (``resolve_run``) checks it; so do the commands that read the cache without one
+    (``env``, ``cache``, ``sweep``)."""
     from tta_bench.run.cache import cache_budget_gb
 
     try:
@@ -87,7 +91,7 @@ def resolve_run(
     from tta_bench.config import compose
 
     _require_plugins("methods")
-    _check_cache_budget()  # TTA_BENCH_CACHE_BUDGET_GB, before anything is composed
+    check_cache_budget()
     overrides = _profile_switches(overrides)
     o_method, overrides = _split_choice(overrides, "method")
     o_model, overrides = _split_choice(overrides, "model")

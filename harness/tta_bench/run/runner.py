@@ -273,8 +273,7 @@ class Evaluation:
             record["method_resolved"] = resolved
         if spec.log_samples:  # before the results file lists the cells
             names = {d: s.name for d, s in self.inputs.streams.items()}
-            label = spec.method_preset or spec.method
-            run_key = results.record_key(record, with_weights=True)
+            label, run_key = samples.method_label(record), results.record_key(record, True)
             for cell in book.samples(seed, names):
                 samples.write_cell(
                     samples.samples_dir(self.output), label, cell,

@@ -63,7 +63,8 @@ def samples_dir(results: str | Path) -> Path:
 
 
 def method_label(record: dict[str, Any]) -> str:
-    """The method name a run's per-sample files carry (its preset's, if it ran one)."""
+    """A run's name: its preset (``method=<preset>``) when it came from one, else its method;
+    the name its per-sample files carry and the leaderboard shows."""
     return str(record.get("method_preset") or record["method"])
 
 
@@ -278,33 +279,53 @@ def logits_and_labels(table: Any, path: str = "") -> tuple[np.ndarray, np.ndarra
     return np.array(logits, dtype=np.float32), labels  # a writable copy (torch.from_numpy)
 
 
-def score_rows(
-    rows: CellSamples, *, ood_score: str = "msp", per_class: bool = False
+def score(
+    logits: Any,
+    labels: Any,
+    references: Any = None,
+    *,
+    ood_score: str = "msp",
+    per_class: bool = False,
 ) -> dict[str, Any]:
-    """Every derived figure of a cell from its rows, as the runner computes it: each
-    registered metric (``metrics.compute_all``), ``error`` over the in-distribution rows,
-    ``reference_accuracy`` from the frozen model's predictions (None when not logged),
-    ``n_known`` / ``n_ood`` for an open-set cell, ``per_class_accuracy`` on request."""
+    """Every derived figure of a cell from its rows (float32 ``logits [N, C]`` and int64
+    ``labels [N]`` tensors, in stream order): each registered metric
+    (``metrics.compute_all``), ``error`` over the in-distribution rows,
+    ``reference_accuracy`` from the frozen model's predictions ``references [N]`` (None:
+    not scored), ``n_known`` / ``n_ood`` for an open-set cell, ``per_class_accuracy`` on
+    request. The runner scores its cells with it, and ``rescore`` and ``merge`` rescore
+    them from their per-sample files with it."""
     import torch
 
     from tta_bench import metrics
 
-    lt = torch.from_numpy(np.ascontiguousarray(rows.logits, dtype=np.float32))
-    yt = torch.from_numpy(np.ascontiguousarray(rows.labels, dtype=np.int64))
-    n = len(yt)
-    entry: dict[str, Any] = dict(metrics.compute_all(lt, yt, ood_score))
-    correct = int((lt.argmax(dim=1) == yt).sum())
-    n_known = int((yt >= 0).sum())  # an open-set cell's OOD rows are labelled -1
-    entry["error"] = 1.0 - correct / max(n_known, 1)
-    refs = rows.references
+    n = len(labels)
+    entry: dict[str, Any] = dict(metrics.compute_all(logits, labels, ood_score))
+    n_known = int((labels >= 0).sum())  # an open-set cell's OOD rows are labelled -1
+    known = max(n_known, 1)
+    entry["error"] = 1.0 - int((logits.argmax(dim=1) == labels).sum()) / known
     entry["reference_accuracy"] = (
-        None if refs is None else int((refs == rows.labels).sum()) / max(n_known, 1)
+        None if references is None else int((torch.as_tensor(references) == labels).sum()) / known
     )
-    if per_class:
-        entry["per_class_accuracy"] = metrics.per_class_accuracy(lt, yt, lt.shape[1])
-    if n_known != n:
+    if n_known != n:  # open-set: the closed-set metrics score the known rows
         entry.update(n_known=n_known, n_ood=n - n_known)
+    if per_class:
+        entry["per_class_accuracy"] = metrics.per_class_accuracy(logits, labels, logits.shape[1])
     return entry
+
+
+def score_rows(
+    rows: CellSamples, *, ood_score: str = "msp", per_class: bool = False
+) -> dict[str, Any]:
+    """``score`` of a cell's per-sample rows (``CellSamples``)."""
+    import torch
+
+    return score(
+        torch.from_numpy(np.ascontiguousarray(rows.logits, dtype=np.float32)),
+        torch.from_numpy(np.ascontiguousarray(rows.labels, dtype=np.int64)),
+        rows.references,
+        ood_score=ood_score,
+        per_class=per_class,
+    )
 
 
 def cell_rows(table: Any, key: tuple[str, int, int], path: str = "") -> CellSamples:

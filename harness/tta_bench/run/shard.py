@@ -439,7 +439,7 @@ def merge_parts(paths: Sequence[str | Path], output: str | Path | None = None) -
     merged["skipped_images"] = bad
     if output is not None:
         out = Path(output)
-        label = first.get("method_preset") or first["method"]
+        label = samples.method_label(first)
         run_key = results.record_key(merged, with_weights=True)
         for cell_rows in rows:  # before the results file lists the cells
             samples.write_cell(samples.samples_dir(out), label, cell_rows, 5, True, run_key=run_key)
