@@ -15,7 +15,14 @@ from typing import Any
 
 import yaml
 
-from tta_bench.registry import DISABLE_ENV, KINDS, RESET_HOOKS, RegistryError, distribution_allowed
+from tta_bench.registry import (
+    DISABLE_ENV,
+    KINDS,
+    RESET_HOOKS,
+    RegistryError,
+    UnknownNameError,
+    distribution_allowed,
+)
 
 CATALOG_GROUP = "tta_bench.catalogs"
 #: The harness's own catalogue (its metrics), registered through the same entry point group.
@@ -90,6 +97,15 @@ def catalog() -> dict[str, dict[str, Any]]:
 def entry(section: str, name: str) -> dict[str, Any]:
     """Metadata of one component or suite; empty if the catalogue does not describe it."""
     return dict(catalog()[section].get(name) or {})
+
+
+def suite(name: str) -> dict[str, Any]:
+    """The catalogue's suite ``name`` (its fields as the catalogue lists them); an unknown
+    name is an ``UnknownNameError`` ("did you mean ...; available: ...")."""
+    suites = catalog()["suites"]
+    if name not in suites:
+        raise UnknownNameError("suites", name, list(suites))
+    return dict(suites[name])
 
 
 def dataset_flag(dataset: str | None, flag: str) -> bool:

@@ -287,8 +287,7 @@ def validate(
         if suite is not None:
             from tta_bench import catalog
 
-            if suite not in catalog.catalog()["suites"]:
-                raise UnknownNameError("suites", suite, list(catalog.catalog()["suites"]))
+            catalog.suite(suite)
         if model is not None:
             registry("models").origin(model)
         s = sample(model, suite, data_dir, device)

@@ -21,7 +21,6 @@ from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
 from tta_bench import catalog
-from tta_bench.registry import UnknownNameError
 
 #: When the harness calls ``method.reset()``.
 RESET_POLICIES = {
@@ -260,13 +259,10 @@ def adhoc_suite(
 def load_protocol(suite: str, **overrides: Any) -> Protocol:
     """Resolve a named suite from the catalogue (or an ad-hoc suite of this process,
     ``adhoc_suite``), applying non-None overrides."""
-    suites = catalog.catalog()["suites"]
-    if suite in _ADHOC and suite not in suites:
+    if suite in _ADHOC and suite not in catalog.catalog()["suites"]:
         spec = copy.deepcopy(_ADHOC[suite])
-    elif suite not in suites:
-        raise UnknownNameError("suites", suite, list(suites))
     else:
-        spec = dict(suites[suite])
+        spec = catalog.suite(suite)
     unknown = set(spec) - PROTOCOL_FIELDS
     if unknown:
         raise ValueError(

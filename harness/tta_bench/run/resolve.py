@@ -209,12 +209,7 @@ def _choose_suite(
         model = model or _default("model")
     else:
         suite = suite or _default("suite")
-        catalog_suites = catalog.catalog()["suites"]
-        if suite not in catalog_suites:
-            from tta_bench.registry import UnknownNameError
-
-            raise UnknownNameError("suites", suite, list(catalog_suites))
-        model = model or catalog_suites[suite].get("default_model")
+        model = model or catalog.suite(suite).get("default_model")
     return suite, model, dataset, adhoc, data_dir, overrides
 
 

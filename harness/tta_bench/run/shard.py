@@ -125,22 +125,29 @@ def check_shardable(reset: str, suite: str, shard: Shard) -> None:
 def stream_layout(stream: Any) -> list[dict[str, Any]]:
     """Every cell of a whole ``stream`` (before ``take``): its key, its batch numbers as
     runs ``[[first, last], ...]`` and its sample count, in stream order."""
-    cells: dict[int, dict[str, Any]] = {}
+    numbers: dict[int, list[int]] = {}
+    sizes: dict[int, int] = {}
     for b in stream.batches:
         for d in sorted({int(x) for x in b.domains.tolist()}):
-            shift, severity = stream.domains[d]
-            c = cells.setdefault(
-                d,
-                {"shift": shift, "severity": int(severity), "seed": int(stream.seed),
-                 "batches": [], "n": 0},
-            )  # fmt: skip
-            runs = c["batches"]
-            if runs and runs[-1][1] + 1 == b.number:
-                runs[-1][1] = b.number
-            elif not runs or runs[-1][1] != b.number:
-                runs.append([b.number, b.number])
-            c["n"] += int((b.domains == d).sum())
-    return list(cells.values())
+            numbers.setdefault(d, []).append(b.number)
+            sizes[d] = sizes.get(d, 0) + int((b.domains == d).sum())
+    return [
+        {"shift": stream.domains[d][0], "severity": int(stream.domains[d][1]),
+         "seed": int(stream.seed), "batches": batch_runs(numbers[d]), "n": sizes[d]}
+        for d in numbers
+    ]  # fmt: skip
+
+
+def batch_runs(numbers: list[int]) -> list[list[int]]:
+    """Increasing batch numbers as runs of consecutive ones: ``[0, 1, 2, 3, 7]`` ->
+    ``[[0, 3], [7, 7]]``."""
+    runs: list[list[int]] = []
+    for b in numbers:
+        if runs and runs[-1][1] + 1 == b:
+            runs[-1][1] = b
+        else:
+            runs.append([b, b])
+    return runs
 
 
 def take(stream: Any, shard: Shard) -> Any:
@@ -340,13 +347,8 @@ def _check_counts(file: Path, cell: dict[str, Any], scored: dict[str, Any]) -> N
 
 def _runs(numbers: list[int]) -> str:
     """``0-3, 7`` for the sorted batch numbers ``[0, 1, 2, 3, 7]``."""
-    out: list[list[int]] = []
-    for b in numbers:
-        if out and out[-1][1] + 1 == b:
-            out[-1][1] = b
-        else:
-            out.append([b, b])
-    return ", ".join(f"{a}-{z}" if a != z else f"{a}" for a, z in out) or "none"
+    runs = batch_runs(numbers)
+    return ", ".join(f"{a}-{z}" if a != z else f"{a}" for a, z in runs) or "none"
 
 
 def _combine_costs(entry: dict[str, Any], cells: list[dict[str, Any]]) -> None:

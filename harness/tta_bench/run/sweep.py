@@ -114,7 +114,6 @@ def check_choices(overrides: Sequence[str]) -> None:
 
     from tta_bench import catalog
     from tta_bench.config import resolve_method
-    from tta_bench.registry import UnknownNameError
 
     parser = OverridesParser.create()
     for text in overrides:
@@ -136,8 +135,8 @@ def check_choices(overrides: Sequence[str]) -> None:
                 resolve_method(value)
             elif key == "model":
                 registry("models").origin(value)
-            elif value not in (suites := catalog.catalog()["suites"]):
-                raise UnknownNameError("suites", value, list(suites))
+            else:
+                catalog.suite(value)
 
 
 def launcher_defaults(overrides: Sequence[str]) -> list[str]:
