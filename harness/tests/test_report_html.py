@@ -263,11 +263,18 @@ def _shown(fig) -> set[str]:
     return out
 
 
-def test_dollar_signs_in_names_are_drawn_literally_in_every_plot(tmp_path, monkeypatch):
-    pytest.importorskip("matplotlib")
+@pytest.fixture()
+def drawn_figures(monkeypatch):
+    """The figures the plots save during the test, in order (they are still written)."""
     drawn = []
     save = plots._save
     monkeypatch.setattr(plots, "_save", lambda fig, path: (drawn.append(fig), save(fig, path))[1])
+    return drawn
+
+
+def test_dollar_signs_in_names_are_drawn_literally_in_every_plot(tmp_path, drawn_figures):
+    pytest.importorskip("matplotlib")
+    drawn = drawn_figures
     record = json.loads((GOLDEN / "golden_tent.json").read_text())
     shifts = record["protocol"]["shifts"]
     records, labels = [record, record, record], list(DOLLARS)
@@ -286,11 +293,9 @@ def test_dollar_signs_in_names_are_drawn_literally_in_every_plot(tmp_path, monke
         assert set(DOLLARS) <= shown, shown
 
 
-def test_a_stream_plot_shows_a_shift_name_with_dollars_literally(tmp_path, monkeypatch):
+def test_a_stream_plot_shows_a_shift_name_with_dollars_literally(tmp_path, drawn_figures):
     pytest.importorskip("matplotlib")
-    drawn = []
-    save = plots._save
-    monkeypatch.setattr(plots, "_save", lambda fig, path: (drawn.append(fig), save(fig, path))[1])
+    drawn = drawn_figures
     record = json.loads((GOLDEN / "golden_tent.json").read_text())
     name = r"$\sqrt{noise$"
     for c in record["cells"]:

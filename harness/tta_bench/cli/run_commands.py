@@ -64,8 +64,10 @@ def cmd_run(args: argparse.Namespace) -> int:
         LOGGER.warning(event)
     seeds = record.get("seeds") or spec.seeds  # what the file holds: merged runs included
     if spec.shard is not None and not record["cells"]:
+        from tta_bench.run.samples import method_label
+
         print(
-            f"\npart {spec.shard} of {spec.method_preset or method} on {protocol.name} got no "
+            f"\npart {spec.shard} of {method_label(record)} on {protocol.name} got no "
             f"batch of the stream (more parts than batches): an empty part, which tta-bench "
             f"merge takes like the others  results: {output}"
         )
