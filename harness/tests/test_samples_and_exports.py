@@ -101,7 +101,7 @@ def test_a_bad_log_samples_value_is_refused(capsys, tmp_path):
     rc, _, err = cli(
         capsys, "run", "--quiet", "--output", str(tmp_path / "r.json"), "log_samples=maybe"
     )
-    assert rc == 2 and "log_samples='maybe': expected false, true or logits" in err
+    assert rc == 2 and "log_samples='maybe': expected auto, false, true or logits" in err
 
 
 RESULTS = [str(GOLDEN / "golden_zeroshot.json"), str(GOLDEN / "golden_tent.json")]

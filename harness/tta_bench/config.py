@@ -16,7 +16,7 @@ from typing import Any, Optional
 
 from omegaconf import MISSING, DictConfig, OmegaConf
 
-from tta_bench.bounds import bounded
+from tta_bench.bounds import bounded, one_of
 from tta_bench.registry import registry
 
 
@@ -34,6 +34,16 @@ class ProtocolOverrides:
     severity_table: Optional[str] = None
     #: ``non_iid`` only: Dirichlet concentration of the label order (part of the id).
     dirichlet_delta: Optional[float] = bounded(None, gt=0)
+    #: ``label_shift`` only: the most classes a batch holds, drawn per batch (part of the id).
+    classes_per_batch: Optional[int] = bounded(None, ge=1)
+    #: ``imbalanced`` only: largest over smallest class share of the kept long-tailed subset
+    #: (part of the id).
+    imbalance_ratio: Optional[float] = bounded(None, gt=1)
+    #: N stream orders per cell, replicates 0..N-1 sharing one corrupted image set
+    #: (``tta_bench.run.orders``; part of the id).
+    orders: Optional[int] = bounded(None, ge=2)
+    #: The compute-matched track (``tta_bench.run.realtime``; part of the id).
+    realtime: Optional[bool] = None
     #: ``INDEX/COUNT``: run only part INDEX of COUNT of every cell (the batches whose number
     #: is INDEX mod COUNT), for reset policies episodic_batch/episodic_sample only; the parts
     #: are combined exactly by ``tta-bench merge`` (``tta_bench.run.shard``). Not part of the id.
@@ -75,8 +85,9 @@ class RunConfig:
     method: Any = MISSING
     model: Any = MISSING
     suite: str = MISSING
-    #: Three seeds: the mean over seeds with its 95% interval, from one plain `run`.
-    seeds: list[int] = field(default_factory=lambda: [0, 1, 2])
+    #: The replicates: by default three seeds (the mean over seeds with its 95% interval,
+    #: from one plain `run`), or 0..N-1 with ``protocol.orders=N``.
+    seeds: Optional[list[int]] = None
     device: str = "auto"  # auto | cpu | cuda | cuda:N
     #: Results JSON path; default: a timestamped file under ``results_dir``.
     output: Optional[str] = None
@@ -91,9 +102,11 @@ class RunConfig:
     #: Also record each cell's accuracy per class.
     per_class_accuracy: bool = False
     #: Per-sample outputs beside the results file (``<stem>.samples/``, one Parquet file
-    #: per cell; ``tta_bench.run.samples``): false, true (label, prediction, top-k classes and
-    #: probabilities) or logits (also the full logits, which ``tta-bench rescore`` needs).
-    log_samples: Any = False
+    #: per cell; ``tta_bench.run.samples``): auto (the default: as true, except when resuming
+    #: an output whose finished cells have none, which stays without), false, true (label,
+    #: prediction, top-k classes and probabilities: what ``tta-bench compare`` pairs) or
+    #: logits (also the full logits, which ``tta-bench rescore`` needs).
+    log_samples: Any = "auto"
     #: Classes listed per sample with ``log_samples``.
     log_samples_top_k: int = bounded(5, ge=1)
     #: Experiment trackers that receive the run as it goes (``tta_bench.run.trackers``): any of
@@ -113,6 +126,11 @@ class RunConfig:
     #: Decoded-image cache: auto (reuse entries; cache small splits, stream large ones),
     #: always (decode whole splits into the cache first) or never (decode on demand).
     cache: str = "auto"
+    #: Image-feature cache of a method that reads its images only through their features
+    #: (``Method.features_only``; ``tta_bench.run.features``): auto (on with
+    #: ``protocol.orders``: each image is encoded once and every order replays the features)
+    #: or never. Results are identical either way.
+    feature_cache: str = one_of("auto", ("auto", "never"))
 
 
 def _simple_type(default: Any) -> Any:

@@ -121,6 +121,28 @@ class Method(abc.ABC):
     def reset(self) -> None:  # noqa: B027 - stateless methods have nothing to reset
         """Return to exactly the state right after ``setup()``."""
 
+    @torch.no_grad()
+    def predict(self, images: torch.Tensor) -> torch.Tensor:
+        """Logits ``[B, C]`` of the method's current state without adapting: the batches a
+        ``realtime`` protocol reveals while the method is still busy adapting
+        (``tta_bench.run.realtime``). Default: the (maybe adapted) model's forward; a
+        method whose prediction adds other state (a cache, a memory) overrides it."""
+        return self.model(images).float()
+
+    # -- the feature path (``tta_bench.run.features``) -----------------------------------
+    def features_only(self) -> bool:
+        """True when this instance's ``step(images)`` reads its images only through one
+        ``model.encode_image(images)`` in float32, so that ``step(images)`` equals
+        ``step_features(model.encode_image(images))``: the runner may then replay cached
+        image features instead of decoding, corrupting and encoding the images again
+        (``protocol.orders``). Such a method defines ``step_features``."""
+        return False
+
+    def step_features(self, features: torch.Tensor) -> torch.Tensor:
+        """``step`` on the L2-normalised float32 image features ``[B, D]`` of the batch
+        (``model.encode_image``); only called when ``features_only()`` is True."""
+        raise NotImplementedError(f"{type(self).__name__} has no feature path")
+
     def source_images_needed(self) -> int:
         """How many clean, unlabeled source-domain images the method needs before
         ``setup()`` (e.g. EATA's Fisher information); 0 = none. The runner hands them over

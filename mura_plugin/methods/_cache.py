@@ -50,32 +50,59 @@ class EntropyCache:
         self.values = torch.zeros(classes, shots, value_dim, device=device)
         self.stamp = torch.full((classes, shots), -1, dtype=torch.long, device=device)
         self.inserted = 0
+        # Derived state, kept until the cache changes (``changed``): the slot each class
+        # would evict with its entropy, and the keys and values of the filled slots. They
+        # spare a stream of offers and lookups most of its small tensor operations; the
+        # arithmetic on the values is the same.
+        self._slot: dict[int, tuple[int, float]] = {}
+        self._filled: tuple[int, torch.Tensor | None, torch.Tensor | None] | None = None
+
+    def changed(self, cls: int) -> None:
+        """Forget the derived state after a write to class ``cls``'s slots (a subclass that
+        writes the slots itself calls it)."""
+        self._slot.pop(cls, None)
+        self._filled = None
 
     def evictable(self, cls: int) -> int:
         """The slot a new entry of class ``cls`` would take: a free one, else the most
         recently inserted of the highest-entropy entries (the official list's last)."""
-        ent = self.entropy[cls]
-        top = ent.max()
-        tied = torch.nonzero(ent == top).flatten()
-        return int(tied[self.stamp[cls, tied].argmax()])
+        return self._evictable(cls)[0]
+
+    def _evictable(self, cls: int) -> tuple[int, float]:
+        got = self._slot.get(cls)
+        if got is None:
+            ent = self.entropy[cls]
+            top = ent.max()
+            tied = torch.nonzero(ent == top).flatten()
+            slot = int(tied[self.stamp[cls, tied].argmax()])
+            got = self._slot[cls] = (slot, float(ent[slot]))
+        return got
 
     def offer(self, cls: int, key: torch.Tensor, ent: float, value: torch.Tensor) -> None:
         """Insert into a free slot, else replace the highest-entropy one if ``ent`` is lower
         (ties: ``evictable``)."""
-        slot = self.evictable(cls)
-        if ent < float(self.entropy[cls, slot]):
+        slot, worst = self._evictable(cls)
+        if ent < worst:
             self.keys[cls, slot] = key
             self.entropy[cls, slot] = ent
             self.values[cls, slot] = value
             self.stamp[cls, slot] = self.inserted
             self.inserted += 1
+            self.changed(cls)
 
     def logits(self, feature: torch.Tensor, alpha: float, beta: float) -> torch.Tensor:
-        valid = torch.isfinite(self.entropy).flatten()
-        if not bool(valid.any()):
+        filled = self._filled
+        if filled is None or filled[0] != self.inserted:
+            valid = torch.isfinite(self.entropy).flatten()
+            if bool(valid.any()):
+                keys = self.keys.flatten(0, 1)[valid]
+                filled = (self.inserted, keys, self.values.flatten(0, 1)[valid])
+            else:
+                filled = (self.inserted, None, None)
+            self._filled = filled
+        _, keys, values = filled
+        if keys is None or values is None:
             return torch.zeros(self.values.shape[-1], device=feature.device)
-        keys = self.keys.flatten(0, 1)[valid]
-        values = self.values.flatten(0, 1)[valid]
         affinity = keys @ feature
         return alpha * (torch.exp(-beta * (1 - affinity)) @ values)
 

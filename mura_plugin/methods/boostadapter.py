@@ -207,6 +207,7 @@ class _FifoCache(EntropyCache):
         self.values[cls, slot] = value
         self.stamp[cls, slot] = self.inserted
         self.inserted += 1
+        self.changed(cls)
 
 
 class BoostAdapter(OwnHead, Method):

@@ -71,7 +71,7 @@ import torch.nn.functional as F
 
 from mura_plugin.methods._text_heads import SINGLE_PROMPT, class_head
 from tta_bench.bounds import bounded, one_of
-from tta_bench.method import PRECISIONS, Method, autocast_context
+from tta_bench.method import PRECISIONS, Method, autocast_context, effective_precision
 
 __all__ = ["ECALP", "ECALPConfig", "LabelGraph", "propagate"]
 
@@ -260,6 +260,13 @@ class ECALP(Method):
     def step(self, images: torch.Tensor) -> torch.Tensor:
         with autocast_context(self.config.precision, self.device):
             feats = self.model.encode_image(images)
-        feats = F.normalize(feats.float(), dim=-1)
+        return self.step_features(feats)
+
+    def features_only(self) -> bool:
+        return effective_precision(self.config.precision, self.device) == "fp32"
+
+    @torch.no_grad()
+    def step_features(self, features: torch.Tensor) -> torch.Tensor:
+        feats = F.normalize(features.float(), dim=-1)
         scores = torch.stack([self.graph.add(f) for f in feats])
         return self.config.output_scale * scores

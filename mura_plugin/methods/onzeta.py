@@ -71,7 +71,7 @@ import torch.nn.functional as F
 from mura_plugin.methods._text_heads import SINGLE_PROMPT, TEXT_HEADS, class_head
 from tta_bench.bounds import bounded, one_of
 from tta_bench.catalog import dataset_flag, fine_grained
-from tta_bench.method import PRECISIONS, Method, autocast_context
+from tta_bench.method import PRECISIONS, Method, autocast_context, effective_precision
 
 __all__ = [
     "ONZETA_7",
@@ -184,6 +184,12 @@ class OnZeta(Method):
         with autocast_context(self.config.precision, self.device):
             feats = self.model.encode_image(images)
         return self.update_features(feats)
+
+    def features_only(self) -> bool:
+        return effective_precision(self.config.precision, self.device) == "fp32"
+
+    def step_features(self, features: torch.Tensor) -> torch.Tensor:
+        return self.update_features(features)
 
     @torch.no_grad()
     def update_features(self, feats: torch.Tensor) -> torch.Tensor:

@@ -72,7 +72,7 @@ from mura_plugin.methods._text_heads import TEXT_HEADS as TEXT_HEAD_CHOICES
 from mura_plugin.methods._view_budget import encode_flat, encode_in_chunks
 from mura_plugin.methods._view_config import original_first
 from tta_bench.bounds import bounded, one_of
-from tta_bench.method import PRECISIONS, Method, autocast_context
+from tta_bench.method import PRECISIONS, Method, autocast_context, effective_precision
 from tta_bench.text_head import resolve_templates
 
 __all__ = ["TDA", "TDAConfig", "VIEWS", "official_templates", "uses_views"]
@@ -186,10 +186,7 @@ class TDA(OwnHead, Method):
         if not self.multi_view:
             with autocast_context(cfg.precision, self.device):
                 feats = self.model.encode_image(images)
-            feats = feats.float()
-            feats = feats / feats.norm(dim=-1, keepdim=True)
-            logits = self.model.logits_from_features(feats, self.head).float()
-            return feats, logits, view_entropy(logits), logits.softmax(dim=-1)
+            return self._single_view(feats)
 
         def encode(views: torch.Tensor) -> torch.Tensor:
             with autocast_context(cfg.precision, self.device):
@@ -211,25 +208,47 @@ class TDA(OwnHead, Method):
             images, settings, self.generator, encode, cfg.view_memory_mb, reduce=reduce
         )
 
+    def _single_view(self, feats: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        """``_inputs`` of one view from its image features (renormalised in float32)."""
+        feats = feats.float()
+        feats = feats / feats.norm(dim=-1, keepdim=True)
+        logits = self.model.logits_from_features(feats, self.head).float()
+        return feats, logits, view_entropy(logits), logits.softmax(dim=-1)
+
+    def features_only(self) -> bool:
+        return (
+            not self.multi_view
+            and effective_precision(self.config.precision, self.device) == "fp32"
+        )
+
+    @torch.no_grad()
+    def step_features(self, features: torch.Tensor) -> torch.Tensor:
+        return self._update(*self._single_view(features))
+
     @torch.no_grad()
     def step(self, images: torch.Tensor) -> torch.Tensor:
+        return self._update(*self._inputs(images))
+
+    def _update(
+        self, feats: torch.Tensor, logits: torch.Tensor, ent: torch.Tensor, probs: torch.Tensor
+    ) -> torch.Tensor:
+        """Offer each image to the caches in order and return its cache-corrected logits."""
         cfg = self.config
-        feats, logits, ent, probs = self._inputs(images)
         c = logits.shape[-1]
         prop = ent / math.log2(c)  # the official normalisation
         ratio = float(self.model.logit_scale) / 100.0 if cfg.scale_alpha else 1.0
         eye = torch.eye(c, device=logits.device)
+        # per-sample scalars read once for the batch (the same values as element by element)
+        preds, ents, props = logits.argmax(dim=1).tolist(), ent.tolist(), prop.tolist()
+        pos_alpha, neg_alpha = self.pos_alpha * ratio, cfg.neg_alpha * ratio
         out = []
-        for i in range(images.shape[0]):
-            pred = int(logits[i].argmax())
-            self.pos.offer(pred, feats[i], float(ent[i]), eye[pred])
-            if cfg.neg_entropy_lower < float(prop[i]) < cfg.neg_entropy_upper:
+        for i, (pred, entropy) in enumerate(zip(preds, ents)):
+            self.pos.offer(pred, feats[i], entropy, eye[pred])
+            if cfg.neg_entropy_lower < props[i] < cfg.neg_entropy_upper:
                 mask = (probs[i] > cfg.neg_mask_lower) & (probs[i] < cfg.neg_mask_upper)
-                self.neg.offer(pred, feats[i], float(ent[i]), mask.float())
-            final = logits[i].clone()
-            final += self.pos.logits(feats[i], self.pos_alpha * ratio, self.pos_beta)
-            final -= self.neg.logits(feats[i], cfg.neg_alpha * ratio, cfg.neg_beta)
-            out.append(final)
+                self.neg.offer(pred, feats[i], entropy, mask.float())
+            final = logits[i] + self.pos.logits(feats[i], pos_alpha, self.pos_beta)
+            out.append(final - self.neg.logits(feats[i], neg_alpha, cfg.neg_beta))
         return torch.stack(out)
 
 

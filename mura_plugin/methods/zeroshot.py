@@ -24,3 +24,10 @@ class ZeroShot(Method):
     @torch.no_grad()
     def step(self, images: torch.Tensor) -> torch.Tensor:
         return self.model(images).float()
+
+    def features_only(self) -> bool:
+        return True  # float32 always: ``model(images)`` is its features' logits
+
+    @torch.no_grad()
+    def step_features(self, features: torch.Tensor) -> torch.Tensor:
+        return self.model.logits_from_features(features).float()

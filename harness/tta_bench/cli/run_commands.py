@@ -81,6 +81,8 @@ def cmd_run(args: argparse.Namespace) -> int:
     print(tables.summary_table([record]))
     if len(seeds) < 2:
         print("one seed: no interval over seeds; add seeds=[0,1,2] for the 95% CIs")
+    _print_orders(record)
+    _print_realtime(record)
     print("\ncost")
     print(tables.cost_table(record))
     mean = record["summary"]["mean_accuracy"]
@@ -91,6 +93,44 @@ def cmd_run(args: argparse.Namespace) -> int:
     else:
         print(f"\nmean accuracy {100 * mean:.2f}%  {wall}")
     return 0
+
+
+def _print_orders(record: dict[str, Any]) -> None:
+    """With ``protocol.orders``: the spread of the suite accuracy over the stream orders and
+    its Expected Tail Accuracy, and how the images were encoded."""
+    from tta_bench.report.stats import TAIL_FRACTION, order_spread
+
+    spread = order_spread(record)
+    if spread is None:
+        return
+    est = spread.estimate
+    ci = "" if est.ci_low is None else f" [{100 * est.ci_low:.2f}, {100 * est.ci_high:.2f}]"
+    print(
+        f"over {est.n} stream orders: accuracy {100 * est.mean:.2f}%{ci} (95% CI of the mean); "
+        f"central 95% of orders {100 * spread.low:.2f}-{100 * spread.high:.2f}%; Expected "
+        f"Tail Accuracy (mean of the worst {TAIL_FRACTION:.0%}, {spread.tail_n} orders) "
+        f"{100 * spread.tail:.2f}%"
+    )
+    cache = record.get("feature_cache")
+    if cache:
+        print(
+            f"feature cache: {cache['images_encoded']} images encoded once "
+            f"({cache['encode_s']:.1f} s), their features replayed to every order"
+        )
+
+
+def _print_realtime(record: dict[str, Any]) -> None:
+    """On the realtime track: the share of samples the method adapted on."""
+    books = [c["realtime"] for c in record["cells"] if c.get("realtime")]
+    if not books:
+        return
+    adapted = sum(b["adapted_samples"] for b in books)
+    seen = sum(b["samples"] for b in books)
+    print(
+        f"realtime track: adapted on {adapted} of {seen} samples "
+        f"({100 * adapted / max(seen, 1):.1f}%); the others were predicted by the current "
+        "state while the method was busy"
+    )
 
 
 def _print_skipped_images(record: dict[str, Any]) -> None:

@@ -261,3 +261,49 @@ def paired_comparison(
         p_value=p,
         confidence=confidence,
     )
+
+
+#: The share of the worst replicates the Expected Tail Accuracy averages.
+TAIL_FRACTION = 0.1
+
+
+@dataclass(frozen=True)
+class OrderSpread:
+    """A figure over many stream orders (``protocol.orders``): the estimate over orders,
+    the central 95% of the orders' values (``low``, ``high``: the 2.5th and 97.5th
+    percentiles) and the Expected Tail Accuracy (``tail``: the mean of the worst
+    ``TAIL_FRACTION`` of orders, at least one)."""
+
+    estimate: Estimate
+    low: float
+    high: float
+    tail: float
+    tail_n: int
+
+
+def tail_mean(values: Iterable[float], fraction: float = TAIL_FRACTION) -> tuple[float, int]:
+    """``(mean of the lowest ceil(fraction * n) values, how many)``: the Expected Tail
+    Accuracy of Fuchs et al. (OGA, 2024) when the values are per-order accuracies."""
+    vals = sorted(float(v) for v in values)
+    if not vals:
+        raise ValueError("tail_mean() needs at least one value")
+    if not 0 < fraction <= 1:
+        raise ValueError(f"fraction must be in (0, 1], got {fraction}")
+    k = max(1, math.ceil(fraction * len(vals)))
+    return statistics.fmean(vals[:k]), k
+
+
+def order_spread(
+    record: dict[str, Any], key: str = "accuracy", confidence: float = 0.95
+) -> OrderSpread | None:
+    """The suite figure over the stream orders of a record whose protocol has ``orders``
+    (each order: the mean over its cells); None for other records, or when a cell
+    diverged or none holds ``key``."""
+    if not (record.get("protocol") or {}).get("orders") or diverged_cells(record):
+        return None
+    per_order = list(per_seed_means(cell_values(record, key)).values())
+    if not per_order:
+        return None
+    low, high = (float(q) for q in np.quantile(per_order, [0.025, 0.975]))
+    tail, k = tail_mean(per_order)
+    return OrderSpread(describe(per_order, confidence), low, high, tail, k)

@@ -89,6 +89,7 @@ class BatchMeasurement:
         self._counter = counter
         self._before = (counter.forward, counter.backward)
         self._passes: tuple[int, int] | None = None
+        self._extra_forward = 0
         self.count_flops = count_flops
         self.flop_mode: Any = _flop_counter(count_flops)
         self.cost: BatchCost | None = None
@@ -96,15 +97,26 @@ class BatchMeasurement:
     def passes_done(self) -> None:
         """Take the method's encoder passes now (the first call counts)."""
         if self._passes is None:
-            self._passes = (self._counter.forward, self._counter.backward)
+            self._passes = (self._counter.forward + self._extra_forward, self._counter.backward)
+
+    def add_forward(self, n: int) -> None:
+        """Count ``n`` forward passes the counter cannot see (replayed image features,
+        ``tta_bench.run.features``), before ``passes_done``."""
+        self._extra_forward += int(n)
+
+    def passes(self) -> tuple[int, int]:
+        """``(forward, backward)`` encoder passes of the method's step (after
+        ``passes_done``)."""
+        assert self._passes is not None, "passes_done() first"
+        return self._passes[0] - self._before[0], self._passes[1] - self._before[1]
 
     def finish(self, seconds: dict[str, float], adapt_s: float) -> None:
-        assert self._passes is not None
+        forward, backward = self.passes()
         self.cost = BatchCost(
             seconds=seconds,
             adapt_s=adapt_s,
-            forward=self._passes[0] - self._before[0],
-            backward=self._passes[1] - self._before[1],
+            forward=forward,
+            backward=backward,
             flops=float(self.flop_mode.get_total_flops()) if self.count_flops else None,
         )
 

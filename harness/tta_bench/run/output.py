@@ -57,7 +57,7 @@ def _check_resumed_samples(path: Any, old: dict[str, Any], spec: Any) -> None:
     cells have no per-sample file would leave them without one, silently. Refuse it."""
     from tta_bench.run import samples
 
-    if not spec.log_samples:
+    if not spec.log_samples or spec.log_samples_auto:  # auto: the runner leaves them off
         return
     folder = samples.samples_dir(path)
     lacking = [
@@ -69,6 +69,7 @@ def _check_resumed_samples(path: Any, old: dict[str, Any], spec: Any) -> None:
         raise UsageError(
             f"--output {str(path)!r} already holds {len(lacking)} finished cell(s) without "
             f"per-sample files (they were run without log_samples), which a resumed run skips; "
-            "log_samples applies to the cells a run computes: choose a new --output, or set "
-            "resume=false to run every cell again"
+            "log_samples applies to the cells a run computes: choose a new --output, set "
+            "resume=false to run every cell again, or log_samples=false (or auto) to go on "
+            "without per-sample files"
         )

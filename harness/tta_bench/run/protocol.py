@@ -17,6 +17,7 @@ from __future__ import annotations
 import copy
 import hashlib
 import json
+import math
 from dataclasses import asdict, dataclass, field, fields
 from typing import Any
 
@@ -33,6 +34,10 @@ RESET_POLICIES = {
     "mixed_domains": "all (shift, severity) domains shuffled into one stream, never reset",
     "non_iid": "reset at the start of every cell; inside it the label order is temporally "
     "correlated, drawn with a Dirichlet(dirichlet_delta) per class over time slots",
+    "label_shift": "reset at the start of every cell; each batch holds at most "
+    "classes_per_batch classes, drawn per batch; every sample of the cell once",
+    "imbalanced": "reset at the start of every cell; the cell keeps a long-tailed subset of "
+    "its samples (largest/smallest class imbalance_ratio), shuffled",
 }
 #: Policies whose cells within a seed depend on each other: run and resumed per seed.
 STATEFUL = frozenset({"continual", "gradual", "mixed_domains"})
@@ -40,11 +45,15 @@ SHIFT_SOURCES = ("synthetic", "dataset")
 #: Fields left out of the id while None (``Protocol.identity``).
 OPTIONAL_IN_ID = (
     "dirichlet_delta",
+    "classes_per_batch",
+    "imbalance_ratio",
     "source",
     "data_fingerprint",
     "ood",
     "severity_table",
     "templates",
+    "orders",
+    "realtime",
 )
 
 
@@ -70,6 +79,13 @@ class Protocol:
     #: Concentration of the per-class Dirichlet over time slots (``non_iid`` only): small
     #: values put each class into few consecutive batches (strongly non-i.i.d.).
     dirichlet_delta: float | None = None
+    #: Classes per batch (``label_shift`` only): each batch holds at most this many classes,
+    #: drawn per batch (``tta_bench.run.stream.label_shift_batches``). Part of the id when set.
+    classes_per_batch: int | None = None
+    #: Largest over smallest class share (``imbalanced`` only, > 1): the cell keeps a
+    #: long-tailed subset of each domain (``tta_bench.run.stream.imbalanced_subset``). Part of
+    #: the id when set.
+    imbalance_ratio: float | None = None
     #: The text head every method starts from: prompt templates (one '{}' each), resolved
     #: from the suite's ``templates`` (a catalogue template set or a list) or else the
     #: dataset's catalogue entry. Part of the id.
@@ -86,6 +102,15 @@ class Protocol:
     #: score}`` of an out-of-distribution set mixed into every test split; part of the id
     #: when set.
     ood: dict[str, Any] | None = None
+    #: N stream orders per cell (``tta_bench.run.orders``): the run's seeds are the pinned
+    #: list 0..N-1, each the order and method seed of one replicate, while every order sees
+    #: the same corrupted images (the shift noise is seeded by ``noise_seed``, not by the
+    #: order); None: one order per seed, each seed its own noise. Part of the id when set.
+    orders: int | None = None
+    #: The compute-matched track (``tta_bench.run.realtime``): the stream reveals one batch
+    #: per unit of the reference's cost; a method whose step costs k units adapts on one
+    #: batch in k and predicts the others with its current state. Part of the id when set.
+    realtime: bool | None = None
     description: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -111,6 +136,13 @@ class Protocol:
             from tta_bench.run.openset import check_ood
 
             object.__setattr__(self, "ood", check_ood(self.ood))
+        if self.orders is not None and not (isinstance(self.orders, int) and self.orders >= 2):
+            raise ValueError(
+                f"orders={self.orders!r}: the number of stream orders per cell is an integer "
+                ">= 2 (e.g. protocol.orders=100), or null for one order per seed"
+            )
+        if self.realtime is False:  # the default track: left out of the id as None
+            object.__setattr__(self, "realtime", None)
         if self.max_images is not None and self.max_images < 1:
             raise ValueError(f"max_images must be >= 1 or null, got {self.max_images}")
         if self.reset == "non_iid":
@@ -123,6 +155,36 @@ class Protocol:
             raise ValueError(
                 f"dirichlet_delta={self.dirichlet_delta} only applies to reset policy "
                 f"'non_iid', not {self.reset!r}"
+            )
+        self._check_label_shift_fields()
+
+    def _check_label_shift_fields(self) -> None:
+        """``classes_per_batch`` (an integer >= 1) set exactly with ``label_shift``,
+        ``imbalance_ratio`` (a finite number > 1) exactly with ``imbalanced``; a
+        ``ValueError`` naming the value otherwise. Whether ``classes_per_batch`` fits a
+        domain's number of classes is checked when its stream is built."""
+        k, ratio = self.classes_per_batch, self.imbalance_ratio
+        if self.reset == "label_shift":
+            if not (isinstance(k, int) and not isinstance(k, bool) and k >= 1):
+                raise ValueError(
+                    "reset policy 'label_shift' needs classes_per_batch, an integer >= 1 "
+                    f"(e.g. protocol.classes_per_batch=3), got {k!r}"
+                )
+        elif k is not None:
+            raise ValueError(
+                f"classes_per_batch={k} only applies to reset policy 'label_shift', "
+                f"not {self.reset!r}"
+            )
+        if self.reset == "imbalanced":
+            if not (isinstance(ratio, (int, float)) and 1 < ratio < math.inf):
+                raise ValueError(
+                    "reset policy 'imbalanced' needs imbalance_ratio, a finite number > 1 "
+                    f"(e.g. protocol.imbalance_ratio=10), got {ratio!r}"
+                )
+        elif ratio is not None:
+            raise ValueError(
+                f"imbalance_ratio={ratio} only applies to reset policy 'imbalanced', "
+                f"not {self.reset!r}"
             )
 
     def domain_datasets(self) -> list[str]:
@@ -155,21 +217,38 @@ class Protocol:
 
     @property
     def id(self) -> str:
-        """``<suite>@v<version>-<policy>[-d<delta>]-bs<batch>[-ood<ratio>]-<digest of
-        identity()>``."""
+        """``<suite>@v<version>-<policy>[-d<delta>|-k<classes>|-r<ratio>]-bs<batch>
+        [-ood<ratio>]-<digest of identity()>``."""
         blob = json.dumps(self.identity(), sort_keys=True, default=list)
         digest = hashlib.sha256(blob.encode()).hexdigest()[:10]
         policy = self.reset
         if self.reset == "non_iid":
             policy += f"-d{self.dirichlet_delta:g}"
+        elif self.reset == "label_shift":
+            policy += f"-k{self.classes_per_batch}"
+        elif self.reset == "imbalanced":
+            policy += f"-r{self.imbalance_ratio:g}"
         ood = f"-ood{self.ood['ratio']:g}" if self.ood is not None else ""
-        return f"{self.name}@v{self.version}-{policy}-bs{self.batch_size}{ood}-{digest}"
+        extra = (f"-o{self.orders}" if self.orders else "") + ("-rt" if self.realtime else "")
+        return f"{self.name}@v{self.version}-{policy}-bs{self.batch_size}{ood}{extra}-{digest}"
+
+    def noise_seed(self, seed: int) -> int:
+        """The seed of the shift noise of replicate ``seed``: the seed itself, or 0 for every
+        order of a protocol with ``orders`` (the orders differ in order and method seed
+        only, so their images, and their image features, are the same)."""
+        return 0 if self.orders else int(seed)
+
+    def default_seeds(self) -> list[int]:
+        """The seeds a run uses when it names none: 0, 1, 2, or 0..orders-1."""
+        return list(range(self.orders)) if self.orders else [0, 1, 2]
 
 
 PROTOCOL_FIELDS = {f.name for f in fields(Protocol)}
 #: Fields a run may override (the override changes the protocol id).
 OVERRIDABLE = (
     "templates",
+    "orders",
+    "realtime",
     "shifts",
     "severities",
     "batch_size",
@@ -177,6 +256,8 @@ OVERRIDABLE = (
     "max_images",
     "severity_table",
     "dirichlet_delta",
+    "classes_per_batch",
+    "imbalance_ratio",
     "ood_dataset",
     "ood_dataset_args",
     "ood_ratio",
@@ -299,6 +380,8 @@ def load_protocol(suite: str, **overrides: Any) -> Protocol:
     spec["severities"] = tuple(int(s) for s in spec.get("severities") or (5,))
     if spec.get("dirichlet_delta") is not None:
         spec["dirichlet_delta"] = float(spec["dirichlet_delta"])
+    if spec.get("imbalance_ratio") is not None:
+        spec["imbalance_ratio"] = float(spec["imbalance_ratio"])
     if spec.get("reset") == "episodic_sample":
         spec["batch_size"] = 1
     given = spec.get("templates")

@@ -423,6 +423,7 @@ def _check_spec(spec: Any) -> None:
     """Values Hydra's types cannot check, before any setup: seeds, device, cache policy,
     components, model arguments, source images, the output path."""
     from tta_bench.run.cache import CACHE_POLICIES
+    from tta_bench.run.features import FEATURE_CACHE_POLICIES
     from tta_bench.run.spec import resolve_device
 
     if not spec.seeds:
@@ -433,6 +434,17 @@ def _check_spec(spec: Any) -> None:
         raise UsageError(f"seeds={spec.seeds} repeats a seed")
     if any(int(s) < 0 for s in spec.seeds):
         raise UsageError(f"seeds={spec.seeds}: seeds are non-negative integers, e.g. [0,1,2]")
+    orders = spec.protocol.orders
+    if orders and any(int(s) >= orders for s in spec.seeds):
+        raise UsageError(
+            f"seeds={spec.seeds} with protocol.orders={orders}: the orders are the pinned "
+            f"seeds 0..{orders - 1}; leave seeds out, or name some of them (a shard of orders)"
+        )
+    if spec.feature_cache not in FEATURE_CACHE_POLICIES:
+        raise UsageError(
+            f"unknown feature_cache policy {spec.feature_cache!r}; available: "
+            f"{', '.join(FEATURE_CACHE_POLICIES)}"
+        )
     if spec.log_samples and int(spec.log_samples_top_k) < 1:
         raise UsageError(
             f"log_samples_top_k={spec.log_samples_top_k}: the per-sample files keep the k >= 1 "

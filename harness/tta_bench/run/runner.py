@@ -29,7 +29,9 @@ from tta_bench.run import results, resume, samples, shard
 from tta_bench.run.accounting import CellBook, CostMeter, log_batch, non_finite
 from tta_bench.run.allocator import reuse_large_blocks
 from tta_bench.run.cost import PeakMemory
+from tta_bench.run.features import FeatureStore
 from tta_bench.run.inputs import RunInputs
+from tta_bench.run.realtime import Pace
 from tta_bench.run.record import new_record
 from tta_bench.run.resume import finished_record
 from tta_bench.run.spec import RunSpec, resolve_device
@@ -114,6 +116,9 @@ class Evaluation:
             record["parameters"] = previous.get("parameters")
             record["cells"] = list(previous["cells"])
             done = {resume.cell_key(c) for c in record["cells"]}
+        self.log_samples = spec.log_samples
+        if spec.log_samples_auto and previous is not None and _lacks_samples(self.output, previous):
+            self.log_samples = None  # auto: an output without per-sample files stays so
         streams, finished = [], {}
         for seed in spec.seeds:
             stream = build_stream(self.protocol, seed, self.inputs.labels)
@@ -125,10 +130,23 @@ class Evaluation:
             self.skipped_cells += sum(len(stream.groups[g]) for g in finished[seed])
             streams.append(stream.without_groups(finished[seed]))
         record["cells"] = resume.drop_unfinished(record["cells"], streams, finished)
+        self.features = FeatureStore() if self._replays_features() else None
         record["seeds"] = sorted(set(spec.seeds) | {int(c["seed"]) for c in record["cells"]})
         record["skipped_cells"] = self.skipped_cells
         record["summary"] = results.summarize(record["cells"])
         return record, streams
+
+    def _replays_features(self) -> bool:
+        """Whether the run replays cached image features (``tta_bench.run.features``): a
+        protocol with ``orders``, ``feature_cache=auto``, and a method whose instances read
+        their images only through their features (a set-up instance is asked)."""
+        spec = self.spec
+        if spec.feature_cache != "auto" or not self.protocol.orders or self.observer:
+            return False
+        if self.method_cls.features_only is Method.features_only:
+            return False
+        probe = self._fresh_method(self.inputs.base(self.inputs.domains[0]), spec.seeds[0])
+        return bool(probe.features_only())
 
     def _fresh_method(
         self, base: ZeroShotClassifier, seed: int, stream_length: int | None = None
@@ -162,7 +180,16 @@ class Evaluation:
         if record["cells"]:  # a resumed file, its unfinished cells dropped; a new run's file
             writer.submit(record)  # appears with its first finished group
         plan = [(s, b) for s in streams for b in s.batches][: self.max_batches]
-        it = _Batches(self.inputs.loader([b for _, b in plan], self.spec.seeds[0]))
+        if self.features is not None and plan:  # every image encoded once, then replayed
+            self.features.fill(self.inputs, self.protocol.noise_seed(0), self.meter.timer,
+                               self.spec.progress)  # fmt: skip
+            record["feature_cache"] = {
+                "images_encoded": self.features.encoded,
+                "encode_s": self.features.seconds,
+            }
+            it = _Batches(iter(()))
+        else:
+            it = _Batches(self.inputs.loader([b for _, b in plan], self.spec.seeds[0]))
         from tqdm.auto import tqdm
 
         bar = tqdm(
@@ -219,12 +246,12 @@ class Evaluation:
         self, stream: Stream, group: list[Batch], it: Any, bar: Any, record: dict[str, Any]
     ) -> list[dict[str, Any]]:
         """Run one group's batches through a fresh method; return its cells."""
-        spec, seed, meter = self.spec, stream.seed, self.meter
+        spec, seed = self.spec, stream.seed
         base = self.inputs.base(stream.domains[_first_domain(group[0])])
         # samples until the protocol's next reset: the group's first run of batches
         first_reset = next((i for i, b in enumerate(group) if i and b.reset_before), len(group))
         method = self._fresh_method(base, seed, sum(len(b) for b in group[:first_reset]))
-        meter.watch(method)
+        self.meter.watch(method)
         _record_parameters(record, method)
         book = CellBook(
             stream,
@@ -233,53 +260,90 @@ class Evaluation:
             per_class=spec.per_class_accuracy,
             ood_score=self.protocol.ood["score"] if self.protocol.ood else "msp",
         )
-        diverged: str | None = None
-        diverged_at = -1
-        seeds = self.batch_seeds[seed]
+        state = _GroupState(method, base, book, Pace(bool(self.protocol.realtime)))
         with PeakMemory(self.device) as memory:
             for batch in group:
-                count_flops = spec.flops and not book.seen(_first_domain(batch))
-                with meter.batch(count_flops) as measured:
-                    x, y, batch = self.inputs.prepare(next(it), batch, stream, seed, meter)
-                    if len(batch) == 0:  # every image of it was skipped as unreadable
-                        continue
-                    if self.observer is not None:
-                        self.observer(seed, batch, x)
-                    if diverged is None:
-                        with meter.phase("method"), measured.flop_mode:
-                            if batch.reset_before:
-                                method.reset()
-                            method.reseed(seeds[batch.number])
-                            logits = method.step(x).detach().float()
-                        measured.passes_done()
-                        loss = method.last_loss if method.adapts else None
-                        diverged = non_finite(logits, loss)
-                        if diverged is not None:  # later batches: the state is lost from here
-                            diverged_at = batch.number
-                    ref = None
-                    if diverged is None and (spec.reference or self._log is not None):
-                        with meter.phase("reference"), torch.no_grad():
-                            ref = base(x).argmax(dim=1)
-                if diverged is not None:  # reported, never scored; the state is lost
-                    book.diverge(batch, diverged, at=diverged_at)
-                else:
-                    book.fold(batch, logits, y, ref if spec.reference else None, measured.cost)
-                    if self._log is not None:
-                        log_batch(self._log, seed, batch, stream, loss, logits, y, ref,
-                                  measured.cost, self.device)  # fmt: skip
+                self._run_batch(stream, batch, it, state)
                 bar.update(1)
         resolved = method.resolved_settings()
         if resolved:
             record["method_resolved"] = resolved
-        if spec.log_samples:  # before the results file lists the cells
+        if self.log_samples:  # before the results file lists the cells
             names = {d: s.name for d, s in self.inputs.streams.items()}
             label, run_key = samples.method_label(record), results.record_key(record, True)
             for cell in book.samples(seed, names):
                 samples.write_cell(
                     samples.samples_dir(self.output), label, cell,
-                    spec.log_samples_top_k, spec.log_samples == "logits", run_key=run_key,
+                    spec.log_samples_top_k, self.log_samples == "logits", run_key=run_key,
                 )  # fmt: skip
-        return book.entries(seed, memory)
+        cells = book.entries(seed, memory)
+        state.pace.annotate(cells)
+        return cells
+
+    def _batch_inputs(
+        self, it: Any, batch: Batch, stream: Stream
+    ) -> tuple[torch.Tensor, torch.Tensor, Batch]:
+        """The batch's images (corrupted) or, replaying features, its image features; its
+        labels; its kept rows."""
+        if self.features is not None:
+            with self.meter.phase("data"):
+                return self.features.take(batch, stream, self.inputs.labels, self.device)
+        noise = self.protocol.noise_seed(stream.seed)
+        return self.inputs.prepare(next(it), batch, stream, noise, self.meter)
+
+    def _run_batch(self, stream: Stream, batch: Batch, it: Any, state: _GroupState) -> None:
+        """One batch: its inputs, the method's step (or, on the realtime track while the
+        method is busy, its prediction), the checks, the reference, and the cell's books."""
+        spec, meter, method, book = self.spec, self.meter, state.method, state.book
+        count_flops = spec.flops and not book.seen(_first_domain(batch))
+        replay = self.features is not None
+        with meter.batch(count_flops) as measured:
+            x, y, batch = self._batch_inputs(it, batch, stream)
+            if len(batch) == 0:  # every image of it was skipped as unreadable
+                return
+            if self.observer is not None:
+                self.observer(stream.seed, batch, x)
+            adapted = state.pace.adapts_now()
+            if state.diverged is None:
+                with meter.phase("method"), measured.flop_mode:
+                    if batch.reset_before:
+                        method.reset()
+                    method.reseed(self.batch_seeds[stream.seed][batch.number])
+                    if replay:
+                        logits = method.step_features(x).detach().float()
+                    else:
+                        logits = (method.step(x) if adapted else method.predict(x)).detach()
+                        logits = logits.float()
+                if replay:  # the features stand for one tower pass per image
+                    measured.add_forward(len(batch))
+                measured.passes_done()
+                state.pace.done(batch, stream, adapted, *measured.passes())
+                loss = method.last_loss if method.adapts and adapted else None
+                state.diverged = non_finite(logits, loss)
+                if state.diverged is not None:  # later batches: the state is lost from here
+                    state.diverged_at = batch.number
+            ref = None
+            if state.diverged is None and (spec.reference or self._log is not None):
+                with meter.phase("reference"), torch.no_grad():
+                    ref = state.base.logits_from_features(x) if replay else state.base(x)
+                    ref = ref.argmax(dim=1)
+        if state.diverged is not None:  # reported, never scored; the state is lost
+            book.diverge(batch, state.diverged, at=state.diverged_at)
+            return
+        book.fold(batch, logits, y, ref if spec.reference else None, measured.cost)
+        if self._log is not None:
+            log_batch(self._log, stream.seed, batch, stream, loss, logits, y, ref,
+                      measured.cost, self.device)  # fmt: skip
+
+
+class _GroupState:
+    """What the batches of one group share: the method, the frozen reference, the cells'
+    books, the realtime pace, and where (if anywhere) the method diverged."""
+
+    def __init__(self, method: Method, base: ZeroShotClassifier, book: CellBook, pace: Pace):
+        self.method, self.base, self.book, self.pace = method, base, book, pace
+        self.diverged: str | None = None
+        self.diverged_at = -1
 
 
 class _Batches:
@@ -321,6 +385,17 @@ def batch_seeds(stream: Stream) -> dict[int, int]:
         shift, severity = stream.domains[dom]
         out[batch.number] = stable_seed("batch", stream.seed, shift, severity, position) % 2**63
     return out
+
+
+def _lacks_samples(output: Path, record: dict[str, Any]) -> bool:
+    """Whether a finished cell of ``record`` (resumed from ``output``) has no per-sample
+    file."""
+    folder = samples.samples_dir(output)
+    return any(
+        not c.get("diverged")
+        and not samples.cell_file(folder, c["shift"], c["severity"], c["seed"]).is_file()
+        for c in record["cells"]
+    )
 
 
 def _record_parameters(record: dict[str, Any], method: Method) -> None:

@@ -39,8 +39,9 @@ from tta_bench.paths import atomic_path
 IDENTITY = b"tta_bench.identity"
 #: The version of the identity's layout.
 IDENTITY_FORMAT = 1
-#: ``log_samples`` values: off, top-k classes and probabilities, or those and the logits.
-MODES = (False, True, "logits")
+#: ``log_samples`` values: off, top-k classes and probabilities, or those and the logits;
+#: ``auto`` (the default) is ``True`` for a new output (``tta_bench.run.output``).
+MODES = (False, True, "logits", "auto")
 SUFFIX = ".samples"
 
 
@@ -49,11 +50,11 @@ def mode(value: Any) -> str | None:
     is a ``ValueError`` naming the options."""
     if value in (None, False, "false", "False"):
         return None
-    if value in (True, "true", "True"):
+    if value in (True, "true", "True", "auto"):
         return "topk"
     if value == "logits":
         return "logits"
-    raise ValueError(f"log_samples={value!r}: expected false, true or logits")
+    raise ValueError(f"log_samples={value!r}: expected auto, false, true or logits")
 
 
 def samples_dir(results: str | Path) -> Path:

@@ -33,6 +33,15 @@ CELL: dict[str, Any] = {
         "method_time_per_sample_s": _SECONDS,
         "data_time_per_sample_s": _SECONDS,
         "peak_memory_bytes": {"type": "integer", "minimum": 0},
+        # the realtime track (tta_bench.run.realtime): samples adapted on, of those seen
+        "realtime": {
+            "type": "object",
+            "required": ["adapted_samples", "samples"],
+            "properties": {
+                "adapted_samples": {"type": "integer", "minimum": 0},
+                "samples": {"type": "integer", "minimum": 0},
+            },
+        },
         "diverged": {
             "type": "object",
             "required": ["batch", "reason"],

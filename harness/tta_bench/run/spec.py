@@ -47,8 +47,13 @@ class RunSpec:
     #: Per-sample outputs: None (off), "topk" or "logits" (``tta_bench.run.samples``).
     log_samples: str | None = None
     log_samples_top_k: int = 5
+    #: ``log_samples=auto``: a resumed output whose finished cells have no per-sample files
+    #: stays without them (``tta_bench.run.runner``), instead of being refused.
+    log_samples_auto: bool = False
     #: Decoded-image cache policy (``tta_bench.data.CACHE_POLICIES``).
     cache: str = "auto"
+    #: Image-feature cache policy (``tta_bench.run.features``): auto | never.
+    feature_cache: str = "auto"
     #: The named preset the method config came from (``method=<preset>``), if any.
     method_preset: str | None = None
     #: Experiment trackers that receive the run (``tta_bench.run.trackers``), checked: known
@@ -100,9 +105,15 @@ def spec_from_config(cfg: Any, method: str, model: str, preset: str | None = Non
     official = {} if name else changed  # the method's own per-dataset rule: what ran
     applied.update(changed if name else {})
     log_samples = samples_mode(cfg.get("log_samples", False))
+    auto_samples = str(cfg.get("log_samples")) == "auto"
+    if auto_samples and protocol.orders:  # N orders of one image set: summarised over
+        log_samples = None  # orders, not paired per sample; N x the files would not fit
     if part is not None:
         shard.check_shardable(protocol.reset, protocol.name, part)
         log_samples = "logits"  # the merge recomputes every metric from the parts' logits
+        auto_samples = False
+    if cfg.seeds is None:  # the replicates the protocol implies, recorded as run
+        cfg.seeds = protocol.default_seeds()
     cfg_dict = _record_config(cfg, method, model, applied, official)
     return RunSpec(
         method=method,
@@ -121,9 +132,11 @@ def spec_from_config(cfg: Any, method: str, model: str, preset: str | None = Non
         batch_log=cfg.get("batch_log"),
         per_class_accuracy=bool(cfg.get("per_class_accuracy", False)),
         log_samples=log_samples,
+        log_samples_auto=auto_samples,
         log_samples_top_k=int(cfg.get("log_samples_top_k", 5)),
         flops=bool(cfg.get("flops", False)),
         cache=str(cfg.get("cache", "auto")),
+        feature_cache=str(cfg.get("feature_cache", "auto")),
         method_preset=preset,
         loggers=loggers,
         shard=part,

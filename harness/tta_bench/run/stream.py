@@ -27,6 +27,15 @@ Per policy (``Protocol.reset``):
 ``non_iid``
     one segment per domain, reset at its start; the label order follows a Dirichlet draw
     (``dirichlet_delta``) per class over the segment's time slots (one slot per batch).
+``label_shift``
+    one segment per domain, reset at its start; each batch holds at most
+    ``classes_per_batch`` classes, drawn afresh per batch, and every sample of the domain
+    comes exactly once (``label_shift_batches``), so a batch may be shorter than the
+    protocol's batch size.
+``imbalanced``
+    one segment per domain, reset at its start, holding a long-tailed subset of the
+    domain's samples (``imbalanced_subset``, ``imbalance_ratio``) in a seeded random order;
+    the cell's accuracy is over the kept samples.
 """
 
 from __future__ import annotations
@@ -147,12 +156,128 @@ def dirichlet_order(
     return np.asarray(out, dtype=np.int64)
 
 
+def label_shift_batches(
+    idx: np.ndarray, labels: np.ndarray, classes_per_batch: int, batch_size: int,
+    rng: np.random.Generator,
+) -> list[np.ndarray]:  # fmt: skip
+    """Cut ``idx`` into batches of at most ``classes_per_batch`` classes each, every sample
+    exactly once.
+
+    Each class's samples wait in a random order. For each batch, ``classes_per_batch``
+    classes are drawn uniformly without replacement among the classes that still have
+    samples (all of them when fewer remain); the batch then takes ``batch_size`` samples
+    uniformly without replacement from the remaining samples of those classes pooled (so a
+    class's share follows how many it has left), or all of them when they hold fewer, and
+    is shuffled. The batches continue until every sample is used: a batch is shorter than
+    ``batch_size`` whenever its classes run short, so there are at least
+    ``ceil(len(idx) / batch_size)`` batches. The labels of ``idx`` are the classes (an
+    open-set row's label, -1, is one more).
+
+    StatA's batch sampler (MaxZanella/StatA at eea8637, ``sampler.py``, ``BatchSampler``)
+    draws the classes and the samples of a batch the same way, but from the whole split
+    every time: its batches are independent draws, a sample may come in several batches or
+    in none, and the number of batches is a setting (``n_tasks``). Here the draws are from
+    what is left, so the cell's accuracy is over the whole split, as in every other policy.
+    """
+    y = labels[idx]
+    queues = [idx[y == c] for c in np.unique(y)]
+    queues = [q[rng.permutation(len(q))] for q in queues]
+    left = np.array([len(q) for q in queues], dtype=np.int64)
+    used = np.zeros(len(queues), dtype=np.int64)
+    out = []
+    while left.any():
+        alive = np.flatnonzero(left)
+        chosen = rng.choice(alive, size=min(classes_per_batch, len(alive)), replace=False)
+        take = min(batch_size, int(left[chosen].sum()))
+        counts = rng.multivariate_hypergeometric(left[chosen], take)
+        parts = [queues[c][used[c] : used[c] + n] for c, n in zip(chosen, counts)]
+        used[chosen] += counts
+        left[chosen] -= counts
+        batch = np.concatenate(parts)
+        out.append(batch[rng.permutation(len(batch))])
+    return out
+
+
+def imbalanced_subset(
+    idx: np.ndarray, labels: np.ndarray, ratio: float, rng: np.random.Generator
+) -> np.ndarray:
+    """The sorted long-tailed subset of ``idx`` that an ``imbalanced`` cell keeps.
+
+    The ``C`` classes present in ``idx`` are ranked 0..C-1 by a random permutation; the
+    class of rank ``r`` keeps ``ratio ** (-r / (C - 1))`` of its samples, rounded to the
+    nearest count (halves up) and at least one, chosen at random: rank 0 keeps all of its
+    samples, rank C-1 about ``1 / ratio`` of them. A single class keeps everything. The
+    labels of ``idx`` are the classes (an open-set row's label, -1, is one more).
+    """
+    y = labels[idx]
+    classes = np.unique(y)
+    ranks = rng.permutation(len(classes))
+    kept = []
+    for c, rank in zip(classes.tolist(), ranks.tolist()):
+        members = idx[y == c]
+        share = ratio ** (-rank / (len(classes) - 1)) if len(classes) > 1 else 1.0
+        n = max(1, int(np.floor(len(members) * share + 0.5)))
+        kept.append(members[rng.permutation(len(members))[:n]])
+    return np.sort(np.concatenate(kept)) if kept else idx[:0]
+
+
+def _check_classes_per_batch(
+    protocol: Protocol, labels: Mapping[Domain, np.ndarray], domains: tuple[Domain, ...]
+) -> None:
+    """A ``ValueError`` when ``classes_per_batch`` exceeds the classes of a domain (the
+    distinct labels of its split), naming both numbers."""
+    k = protocol.classes_per_batch
+    if k is None:
+        return
+    for shift, sev in domains:
+        n_classes = len(np.unique(labels[(shift, sev)]))
+        if k > n_classes:
+            raise ValueError(
+                f"classes_per_batch={k} is more than the {n_classes} classes of domain "
+                f"({shift!r}, severity {sev}) of suite {protocol.name!r}; choose "
+                f"protocol.classes_per_batch between 1 and {n_classes}"
+            )
+
+
+def _cell_order(
+    protocol: Protocol, seed: int, domain: Domain, visit: int, labels: np.ndarray
+) -> tuple[np.ndarray, list[int] | None]:
+    """A segment policy's samples of one domain visit, in stream order, and the batch sizes
+    when they are not the protocol's (``label_shift``), else None."""
+    shift, sev = domain
+    idx = subset(protocol, len(labels))
+    if protocol.reset == "non_iid":
+        assert protocol.dirichlet_delta is not None
+        rng = np.random.default_rng(stable_seed("non_iid", seed, shift, sev) % 2**32)
+        n_slots = max(1, -(-len(idx) // protocol.batch_size))
+        return dirichlet_order(idx, labels, n_slots, protocol.dirichlet_delta, rng), None
+    if protocol.reset == "label_shift":
+        assert protocol.classes_per_batch is not None
+        rng = np.random.default_rng(stable_seed("label_shift", seed, shift, sev) % 2**32)
+        parts = label_shift_batches(
+            idx, labels, protocol.classes_per_batch, protocol.batch_size, rng
+        )
+        flat = np.concatenate(parts) if parts else idx[:0]
+        return flat, [len(p) for p in parts]
+    if protocol.reset == "imbalanced":
+        assert protocol.imbalance_ratio is not None
+        # The kept subset is keyed by the seed alone: domains with the same labels (every
+        # synthetic shift of one split) keep the same samples, so cells differ in the shift.
+        rng = np.random.default_rng(stable_seed("imbalanced", seed) % 2**32)
+        kept = imbalanced_subset(idx, labels, protocol.imbalance_ratio, rng)
+        order = np.random.default_rng(stable_seed("imbalanced_order", seed, shift, sev) % 2**32)
+        return kept[order.permutation(len(kept))], None
+    return _shuffled(idx, seed, shift, sev, visit), None
+
+
 def build_stream(protocol: Protocol, seed: int, labels: Mapping[Domain, np.ndarray]) -> Stream:
     """The ordered batches of ``protocol`` for ``seed``.
 
     ``labels[(shift, severity)]`` holds the labels of that domain's split (for synthetic
     shifts every domain is the same clean split); only their length and, for ``non_iid``,
-    their values are used. Raises ``ValueError`` when a domain of the protocol is missing.
+    ``label_shift`` and ``imbalanced``, their values are used. Raises ``ValueError`` when a
+    domain of the protocol is missing, or when ``classes_per_batch`` exceeds a domain's
+    number of classes.
     """
     sevs = sorted(set(protocol.severities)) if protocol.reset == "gradual" else protocol.severities
     domains: tuple[Domain, ...] = tuple((s, int(v)) for s in protocol.shifts for v in sevs)
@@ -161,20 +286,28 @@ def build_stream(protocol: Protocol, seed: int, labels: Mapping[Domain, np.ndarr
     missing = [d for d in domains if d not in labels]
     if missing:
         raise ValueError(f"no labels for domain(s) {missing}; have {sorted(labels)}")
+    _check_classes_per_batch(protocol, labels, domains)
     dom_id = {d: i for i, d in enumerate(domains)}
     bs = protocol.batch_size
     batches: list[Batch] = []
 
-    def emit(idx: np.ndarray, dom: np.ndarray, group: int, reset_first: bool) -> None:
-        for k in range(0, len(idx), bs):
+    def emit(
+        idx: np.ndarray, dom: np.ndarray, group: int, reset_first: bool,
+        sizes: list[int] | None = None,
+    ) -> None:  # fmt: skip
+        """Append the batches of ``idx``: cut every ``bs`` samples, or by ``sizes``."""
+        if sizes is None:
+            sizes = [min(bs, len(idx) - k) for k in range(0, len(idx), bs)]
+        k = 0
+        for j, size in enumerate(sizes):
             reset = protocol.reset in ("episodic_batch", "episodic_sample") or (
-                reset_first and k == 0
+                reset_first and j == 0
             )
+            rows = slice(k, k + size)
             batches.append(
-                Batch(
-                    len(batches), idx[k : k + bs], dom[k : k + bs], reset and bool(batches), group
-                )
+                Batch(len(batches), idx[rows], dom[rows], reset and bool(batches), group)
             )
+            k += size
 
     if protocol.reset == "mixed_domains":
         parts = [(subset(protocol, len(labels[d])), dom_id[d]) for d in domains]
@@ -187,16 +320,9 @@ def build_stream(protocol: Protocol, seed: int, labels: Mapping[Domain, np.ndarr
 
     stateful = protocol.stateful
     groups = (tuple(range(len(domains))),) if stateful else tuple((i,) for i in range(len(domains)))
-    for (shift, sev), visit in _domain_order(protocol):
-        d = dom_id[(shift, sev)]
-        idx = subset(protocol, len(labels[(shift, sev)]))
-        if protocol.reset == "non_iid":
-            assert protocol.dirichlet_delta is not None
-            rng = np.random.default_rng(stable_seed("non_iid", seed, shift, sev) % 2**32)
-            n_slots = max(1, -(-len(idx) // bs))
-            idx = dirichlet_order(idx, labels[(shift, sev)], n_slots, protocol.dirichlet_delta, rng)
-        else:
-            idx = _shuffled(idx, seed, shift, sev, visit)
+    for domain, visit in _domain_order(protocol):
+        d = dom_id[domain]
+        idx, sizes = _cell_order(protocol, seed, domain, visit, labels[domain])
         group = 0 if stateful else d
-        emit(idx, np.full(len(idx), d, dtype=np.int64), group, not stateful)
+        emit(idx, np.full(len(idx), d, dtype=np.int64), group, not stateful, sizes)
     return Stream(seed, domains, groups, tuple(batches))

@@ -31,6 +31,34 @@ class ZeroShot(Method):
         return self.model(images).float()
 
 
+class FeatureMemory(Method):
+    """An online method that reads its images only through their features: each batch's
+    features are shifted away from the mean feature of the batches before it, so its
+    predictions depend on the stream order (``Method.features_only``)."""
+
+    def setup(self) -> None:
+        self.reset()
+
+    def reset(self) -> None:
+        self.seen = 0
+        self.total = torch.zeros(self.model.class_embeddings.shape[1])
+
+    @torch.no_grad()
+    def step(self, images: torch.Tensor) -> torch.Tensor:
+        return self.step_features(self.model.encode_image(images))
+
+    def features_only(self) -> bool:
+        return True
+
+    @torch.no_grad()
+    def step_features(self, features: torch.Tensor) -> torch.Tensor:
+        mean = self.total / max(self.seen, 1)
+        logits = self.model.logits_from_features(features - 0.5 * mean).float()
+        self.total = self.total + features.sum(dim=0)
+        self.seen += len(features)
+        return logits
+
+
 @dataclass
 class NormTentConfig(GradientConfig):
     loss: str = "entropy"
