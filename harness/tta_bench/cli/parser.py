@@ -10,7 +10,13 @@ import argparse
 from typing import Any
 
 from tta_bench.cli.list_commands import LIST_KINDS, cmd_cache, cmd_env, cmd_ls
-from tta_bench.cli.report_commands import cmd_leaderboard, cmd_rescore, cmd_table, cmd_validate
+from tta_bench.cli.report_commands import (
+    cmd_compare,
+    cmd_leaderboard,
+    cmd_rescore,
+    cmd_table,
+    cmd_validate,
+)
 from tta_bench.cli.run_commands import (
     cmd_merge,
     cmd_predict,
@@ -41,6 +47,7 @@ EXAMPLES = {
     "table": ["tta-bench table results/SUITE/*.json --format csv-summary"],
     "leaderboard": ["tta-bench leaderboard results/SUITE --suite SUITE"],
     "rescore": ["tta-bench rescore r.json --write"],
+    "compare": ["tta-bench compare results/METHOD.json", "tta-bench compare a.json b.json --json"],
     "predict": ["tta-bench predict --config job.json"],
     "validate": ["tta-bench validate method METHOD", "tta-bench validate shift SHIFT"],
 }
@@ -270,6 +277,35 @@ def _add_reports(sub: Any) -> None:
     )
     rs.add_argument("results", help="a results JSON file whose run used log_samples=logits")
     rs.add_argument("--write", action="store_true", help="store the values in the results file")
+    _add_compare(sub)
+
+
+def _add_compare(sub: Any) -> None:
+    cp = _command(
+        sub,
+        "compare",
+        cmd_compare,
+        "compare two runs per sample (McNemar, bootstraps, detectable effect)",
+        "Compare run A with run B (default: the frozen model A scored on its own stream) "
+        "on every sample both classified, from their per-sample files (log_samples=true): "
+        "both accuracies, the seed-level paired t, McNemar's exact test, a bootstrap over "
+        "samples and one over whole stream batches, and the smallest difference the "
+        "samples can detect.",
+    )
+    cp.add_argument("a", metavar="A.json", help="results file of run A (with per-sample files)")
+    cp.add_argument(
+        "b",
+        metavar="B.json",
+        nargs="?",
+        help="results file of run B, same protocol and weights; default: A's own reference",
+    )
+    cp.add_argument("--json", action="store_true", help="print the numbers as JSON")
+    cp.add_argument(
+        "--resamples", type=int, default=10_000, metavar="N", help="bootstrap resamples"
+    )
+    cp.add_argument(
+        "--confidence", type=float, default=0.95, metavar="C", help="interval level in (0, 1)"
+    )
 
 
 def _add_deployment(sub: Any) -> None:

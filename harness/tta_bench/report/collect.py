@@ -2,6 +2,10 @@
 keeps one complete run per (method, model, method config) under one protocol and ranks them
 (a ``Leaderboard``, with every file left out and why); ``leaderboard_rows`` is its ranked
 table, ``_notes`` and ``_provenance_rows`` what the markdown and the page say around it.
+
+The realtime twins of the ranked runs (the same runs under the protocol's compute-matched
+track, ``report.tracks``) are read from the same directory: never ranked, each fills its
+run's realtime columns. The per-sample comparisons live in ``report.per_sample``.
 """
 
 from __future__ import annotations
@@ -15,21 +19,33 @@ from pathlib import Path
 from typing import Any
 
 from tta_bench import catalog
-from tta_bench.report import stats, tables
+from tta_bench.report import stats, tables, tracks
 from tta_bench.report.columns import table_columns
+from tta_bench.report.per_sample import (  # ``collect.sample_analysis`` as before
+    SampleAnalysis,
+    _sample_columns,
+    _sample_notes,
+    sample_analysis,
+)
 from tta_bench.run import results
 from tta_bench.run.samples import method_label
 
 #: Leaderboard columns, taken from the summary and cost tables; ``METRICS`` stands for the
-#: summary's column of every metric the runs hold (``tta_bench.report.columns``).
+#: summary's column of every metric the runs hold (``tta_bench.report.columns``). The
+#: columns of the tracks (``report.tracks``) show only on boards that have them.
 METRICS = "<metrics>"
 LEADERBOARD_COLUMNS = (
     "method",
     "model",
     "seeds",
-    "accuracy % (95% CI)",
+    tracks.ACCURACY,
+    tracks.ORDERS_ACCURACY,
+    *tracks.ORDERS_COLUMNS,
     "Δ",
     "p",
+    "q (BH)",
+    "tier",
+    *tracks.REALTIME_COLUMNS,
     METRICS,
     "ms/sample",
     "data ms",
@@ -63,6 +79,14 @@ class Leaderboard:
     protocol_id: str
     entries: list[Entry] = field(default_factory=list)
     left_out: list[tuple[str, str]] = field(default_factory=list)  # (file name, reason)
+    #: ``sample_analysis`` per baseline, computed once per board
+    analyses: dict[Any, Any] = field(default_factory=dict, repr=False, compare=False)
+    #: The realtime twin of a ranked run (``report.tracks``), by the ranked run's file.
+    realtime: dict[Path, Entry] = field(default_factory=dict)
+
+    def twins(self) -> list[Entry | None]:
+        """Each ranked run's realtime twin (None: it has none), in rank order."""
+        return [self.realtime.get(e.path) for e in self.entries]
 
 
 def _config_hash(record: dict[str, Any]) -> str:
@@ -86,12 +110,14 @@ def _labels(records: Sequence[dict[str, Any]]) -> list[str]:
 
 def _expected_protocol(suite: str, candidates: list[tuple[Path, dict[str, Any]]]) -> str:
     """The suite's protocol id from the catalogue; for a suite no installed catalogue
-    defines, the id most files share (ties: the smallest id)."""
+    defines, the id most files share (ties: the smallest id), realtime twins not counted
+    unless every file is of a realtime track."""
     from tta_bench.run.protocol import load_protocol
 
     if suite in catalog.catalog()["suites"]:
         return load_protocol(suite).id
-    counts = Counter(r["protocol"]["id"] for _, r in candidates)
+    main = [r for _, r in candidates if not tracks.is_realtime(r)]
+    counts = Counter(r["protocol"]["id"] for r in main or [r for _, r in candidates])
     if not counts:
         raise ValueError(f"no results of suite {suite!r} to rank")
     return min(counts, key=lambda pid: (-counts[pid], pid))
@@ -101,17 +127,26 @@ def collect(results_dir: str | Path, suite: str, protocol_id: str | None = None)
     """Read every ``*.json`` in ``results_dir`` (not recursive, sorted by name) and keep
     the complete runs of ``suite`` under one protocol (``protocol_id``, default: the
     suite's current one), one per (method, model, method config): the one with most cells,
-    then the last file name. Ranked by mean accuracy, then label."""
+    then the last file name. Ranked by mean accuracy, then label. Files of the realtime
+    track of that protocol are the ranked runs' twins (``_twins``), not ranked."""
     root = Path(results_dir)
     if not root.is_dir():
         raise ValueError(f"results directory {str(root)!r} does not exist")
     left_out: list[tuple[str, str]] = []
     candidates = _candidates(root, suite, left_out)
     expected = protocol_id or _expected_protocol(suite, candidates)
-    complete = _complete(candidates, expected, left_out)
+    realtime = [
+        (path, r)
+        for path, r in candidates
+        if tracks.is_realtime(r) and r["protocol"]["id"] != expected
+    ]
+    twin_files = {path for path, _ in realtime}
+    others = [c for c in candidates if c[0] not in twin_files]
+    complete = _complete(others, expected, left_out)
     complete = _one_model(complete, left_out)
     entries = _ranked(_chosen(complete, left_out))
-    return Leaderboard(suite, expected, entries, sorted(left_out))
+    twins = _twins(entries, realtime, expected, left_out)
+    return Leaderboard(suite, expected, entries, sorted(left_out), realtime=twins)
 
 
 def _candidates(
@@ -209,6 +244,41 @@ def _chosen(complete: list[Entry], left_out: list[tuple[str, str]]) -> list[Entr
     return list(chosen.values())
 
 
+def _twins(
+    entries: list[Entry],
+    realtime: list[tuple[Path, dict[str, Any]]],
+    expected: str,
+    left_out: list[tuple[str, str]],
+) -> dict[Path, Entry]:
+    """The realtime twin of each ranked entry (``tracks.twin_of``), by the entry's file:
+    complete and not diverged; of several, the one with most cells, then the later file
+    name. A twin that is not used is left out, named as the realtime track of its run; a
+    realtime file of no ranked run, with the usual reason."""
+    found: dict[Path, Entry] = {}
+    for path, record in realtime:  # sorted by name: on equal cells the later file wins
+        entry = next((e for e in entries if tracks.twin_of(record, e.record)), None)
+        if entry is None:
+            reason = _not_ranked(record, expected) or ""
+            if entries and tracks.same_protocol_but_realtime(record, entries[0].record):
+                reason += "; realtime track of a run not ranked here"
+            left_out.append((path.name, reason))
+            continue
+        why = _not_ranked(record, record["protocol"]["id"])
+        best = found.get(entry.path)
+        if why is None and best is not None:
+            if len(record["cells"]) >= len(best.record["cells"]):
+                left_out.append(
+                    (best.path.name, f"realtime track of {entry.label}: superseded by {path.name}")
+                )
+            else:
+                why = f"superseded by {best.path.name}"
+        if why is not None:
+            left_out.append((path.name, f"realtime track of {entry.label}: {why}"))
+            continue
+        found[entry.path] = Entry(path, record, f"{entry.label} (realtime)")
+    return found
+
+
 def _ranked(entries: list[Entry]) -> list[Entry]:
     """``entries`` labelled (``_labels``) and sorted by mean accuracy, then label and model."""
     for entry, label in zip(entries, _labels([e.record for e in entries])):
@@ -222,14 +292,37 @@ def _ranked(entries: list[Entry]) -> list[Entry]:
     return entries
 
 
-def leaderboard_rows(
-    board: Leaderboard, baseline: str | None = tables.REFERENCE, test: str = "t"
+def board_summary(
+    board: Leaderboard,
+    baseline: str | None = tables.REFERENCE,
+    test: str = "t",
+    per_sample: bool = True,
 ) -> tuple[list[str], list[list[Any]]]:
-    """The ranked table: ``rank`` and ``LEADERBOARD_COLUMNS`` (Δ named after the
-    baseline)."""
+    """The summary table of the ranked runs (``tables.summary_rows``), with what the board
+    has beyond it: ``per_sample``, the per-sample Δ, p, ``q (BH)`` and ``tier`` where every
+    run wrote per-sample files (``sample_analysis``; else the seed-level Δ and p); the
+    columns of stream orders and of realtime twins (``tracks.with_track_columns``)."""
     records = [e.record for e in board.entries]
     labels = [e.label for e in board.entries]
     s_head, s_rows = tables.summary_rows(records, labels, baseline, test)
+    analysis = sample_analysis(board, baseline) if per_sample else None
+    if isinstance(analysis, SampleAnalysis):
+        s_head, s_rows = _sample_columns(s_head, s_rows, analysis)
+    twins = [t.record if t else None for t in board.twins()]
+    return tracks.with_track_columns(s_head, s_rows, records, twins)
+
+
+def leaderboard_rows(
+    board: Leaderboard,
+    baseline: str | None = tables.REFERENCE,
+    test: str = "t",
+    per_sample: bool = True,
+) -> tuple[list[str], list[list[Any]]]:
+    """The ranked table: ``rank`` and ``LEADERBOARD_COLUMNS`` (Δ named after the
+    baseline) that the board has (``board_summary``)."""
+    records = [e.record for e in board.entries]
+    labels = [e.label for e in board.entries]
+    s_head, s_rows = board_summary(board, baseline, test, per_sample)
     c_head, c_rows = tables.cost_rows(records, labels)
     headers = ["rank"]
     picks: list[tuple[int, int]] = []  # (table, column)
@@ -278,15 +371,17 @@ def _protocol_line(proto: dict[str, Any], text: Callable[[str], str] = _same) ->
 
 
 def _provenance_rows(board: Leaderboard) -> tuple[list[str], list[list[str]]]:
+    """Where each ranked run comes from: its file (and its realtime twin's), the code and
+    the machine."""
     headers = ["file", "method", "git sha", "tta-bench", "torch", "device", "created"]
     rows = []
-    for e in board.entries:
+    for e, twin in zip(board.entries, board.twins()):
         prov = e.record.get("provenance") or {}
         packages = prov.get("packages") or {}
         device = prov.get("device") or {}
         rows.append(
             [
-                e.path.name,
+                e.path.name + (f" (realtime: {twin.path.name})" if twin else ""),
                 e.label,
                 str(prov.get("git_sha") or "unknown"),
                 str(packages.get("tta-bench") or "unknown"),
@@ -304,30 +399,52 @@ def _notes(
     test: str,
     text: Callable[[str], str] = _same,
     code: Callable[[str], str] = _code_span,
+    per_sample: bool = False,
 ) -> list[str]:
     """What the leaderboard says above its table, as markdown-ish text (the page turns its
     code spans into ``<code>``). ``text`` and ``code`` quote the values taken from results
     files as text and as a code span (the markdown leaderboard escapes them; the page's
-    template escapes everything)."""
-    proto = board.entries[0].record["protocol"] if board.entries else {}
+    template escapes everything). ``per_sample``: the table is ``leaderboard_rows``'s with
+    ``per_sample`` (the markdown's): say how it compares, or why not per sample."""
+    records = [e.record for e in board.entries]
+    proto = records[0]["protocol"] if records else {}
     test_name = "paired t" if test == "t" else "paired bootstrap (10,000 resamples)"
     notes = [
         f"Protocol {code(board.protocol_id)}: {_protocol_line(proto, text)}." if proto else "",
-        "Accuracy: per seed the mean over all shift x severity cells, then the mean and the "
-        "95% confidence interval (Student t) over seeds.",
+        tracks.accuracy_note(records),
         "Cost: measured during the runs (ms per sample split into data wait, adaptation = "
         "forward + backward + step, and prediction; peak memory of the heaviest cell; image "
         "encoder passes per sample).",
     ]
-    _, label = tables.resolve_baseline([e.record for e in board.entries], baseline)
+    analysis = sample_analysis(board, baseline) if per_sample else None
+    _, label = tables.resolve_baseline(records, baseline)
     if label is not None:
         note = (
             f"Δ: difference to {text(label)} on the same seeds and cells, {test_name} interval "
             "and two-sided p-value."
         )
+        if isinstance(analysis, SampleAnalysis):
+            note = (
+                f"Δ: difference to {text(label)} in points over the same samples of the same "
+                "streams (the runs' per-sample files); 95% interval: block bootstrap over "
+                "stream batches (10,000 resamples of whole batches, as samples of one batch "
+                "are not independent); p: McNemar's exact test on the samples only one of "
+                "the two classifies correctly."
+            )
         if label != tables.baseline_name(baseline):
             note += (
                 f" {text(label)}: the frozen source model each run scored on its identical stream."
             )
         notes.insert(2, note)
+    if isinstance(analysis, SampleAnalysis):
+        notes[-1:-1] = _sample_notes(analysis, label is not None)
+    elif isinstance(analysis, str):
+        notes.insert(
+            -1,
+            "Per-sample comparisons (block bootstrap, McNemar, tiers) need per-sample files "
+            f"({code('log_samples=true')}) of every ranked run; not used: {text(analysis)}. "
+            "Δ and p compare seed means.",
+        )
+    notes.insert(2, tracks.orders_note(records, code) or "")  # after the accuracy
+    notes.append(tracks.realtime_note([t.record if t else None for t in board.twins()], code) or "")
     return [n for n in notes if n]

@@ -1,6 +1,8 @@
 """The leaderboard's figures: which fit a suite (``leaderboard_figures``), what they are
-drawn from (``_analyse``: each run's paired comparison with the baseline and its per-shift
-differences) and the glue that hands them to ``tta_bench.report.plots`` (``_draw``).
+drawn from (``_analyse``: each run's paired comparison with the baseline, per sample where
+the markdown compares per sample, and its per-shift differences) and the glue that hands
+them to ``tta_bench.report.plots`` (``_draw``), with each run's realtime twin's accuracy
+for the accuracy-vs-cost figure.
 """
 
 from __future__ import annotations
@@ -11,7 +13,7 @@ from pathlib import Path
 from typing import Any
 
 from tta_bench.report import plots, stats, tables
-from tta_bench.report.collect import Leaderboard
+from tta_bench.report.collect import Leaderboard, SampleAnalysis, sample_analysis
 
 PLOT_FOREST = "forest.png"
 PLOT_HEATMAP = "delta_heatmap.png"
@@ -38,13 +40,15 @@ class Figure:
 @dataclass
 class _Analysis:
     """What the page and the figures read besides the tables: the baseline's label, each
-    entry's paired comparison, and the per-shift differences (percentage points; rows
+    entry's paired comparison (``per_sample``: the per-sample one of ``sample_analysis``,
+    as the markdown shows it), and the per-shift differences (percentage points; rows
     aligned with the entries, columns ``shifts`` then the mean)."""
 
     baseline: str | None
     comparisons: list[stats.PairedComparison | None]
     shifts: list[str]
     per_shift: list[list[float | None] | None]
+    per_sample: bool = False
 
 
 def _mean_difference(
@@ -78,6 +82,9 @@ def _analyse(board: Leaderboard, baseline: str | None, test: str) -> _Analysis:
         comparisons.append(stats.paired_comparison(rec, other, test=test))
         row = [_mean_difference(rec, other, s) for s in shifts]
         per_shift.append([*row, _mean_difference(rec, other)])
+    samples = sample_analysis(board, baseline)
+    if isinstance(samples, SampleAnalysis):  # as the markdown: block bootstrap, McNemar
+        return _Analysis(label, list(samples.versus), shifts, per_shift, per_sample=True)
     return _Analysis(label, comparisons, shifts, per_shift)
 
 
@@ -108,12 +115,17 @@ def _figures(board: Leaderboard, analysis: _Analysis) -> list[Figure]:
     out = []
     label = analysis.baseline
     if label is not None and any(c is not None for c in analysis.comparisons):
+        how = (
+            "over the same samples of the same streams, in percentage points, with its 95% "
+            "block bootstrap interval (whole stream batches resampled)"
+            if analysis.per_sample
+            else "on the same seeds and cells, in percentage points, with its 95% interval"
+        )
         out.append(
             Figure(
                 PLOT_FOREST,
                 f"Difference to {label}",
-                f"Each run's accuracy minus {label}'s on the same seeds and cells, in "
-                "percentage points, with its 95% interval: blue where the interval lies "
+                f"Each run's accuracy minus {label}'s {how}: blue where the interval lies "
                 "above zero, red below, grey where it spans zero.",
                 wide=True,
             )
@@ -144,12 +156,18 @@ def _figures(board: Leaderboard, analysis: _Analysis) -> list[Figure]:
                 "never reset), mean over seeds; the frozen reference model dashed.",
             )
         )
+    realtime = (
+        " Hollow triangles: each run's accuracy on the compute-matched realtime track, "
+        "drawn at its run's time per sample and joined to its point by a dotted line."
+        if any(board.twins())
+        else ""
+    )
     out.append(
         Figure(
             PLOT_PARETO,
             "Accuracy vs cost",
             "Accuracy against measured time per sample; the dashed step line is the "
-            "Pareto front (no other run is both faster and more accurate).",
+            "Pareto front (no other run is both faster and more accurate)." + realtime,
         )
     )
     return out
@@ -186,9 +204,16 @@ def _draw(board: Leaderboard, analysis: _Analysis, root: Path, figures: list[Fig
             order = _stream_order(board)
             written.append(plots.accuracy_over_stream(records, labels, order, path, flags))
         elif fig.file == PLOT_PARETO:
-            written.append(plots.accuracy_vs_time(records, labels, path))
+            realtime = [_realtime_accuracy(t.record if t else None) for t in board.twins()]
+            written.append(plots.accuracy_vs_time(records, labels, path, realtime))
     return written
 
 
 def _pct(value: float | None) -> float | None:
     return None if value is None else 100 * value
+
+
+def _realtime_accuracy(twin: dict[str, Any] | None) -> float | None:
+    """A realtime twin's suite accuracy in percent (None: no twin, or no accuracy)."""
+    est = stats.suite_estimate(twin) if twin is not None else None
+    return None if est is None else 100 * est.mean

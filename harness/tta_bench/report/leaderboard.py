@@ -9,7 +9,9 @@ them. The output is a pure function of the results files and the installed catal
 (method families and provenance links): nothing depends on the current time, file order
 or the absolute directory, so regenerating it is byte-identical. Runs of another protocol
 (or incomplete, duplicate or unreadable files) are never ranked; each one is listed with
-the reason.
+the reason. The one exception: a ranked run's realtime twin (the same run on the protocol's
+compute-matched track, in the same directory) fills that run's realtime columns; and runs of
+many stream orders get the columns of their spread (``report.tracks``).
 
 This module renders and writes; the runs a leaderboard ranks come from ``report.collect``,
 its figures from ``report.figures`` and its page's content from ``report.page``.
@@ -250,7 +252,7 @@ def leaderboard_markdown(
     labels = [e.label for e in board.entries]
     figures = _figure_list(board, baseline, test, images)
     parts = [f"# Leaderboard: {md_text(board.suite)}", ""]
-    parts += [f"{n}\n" for n in _notes(board, baseline, test, md_text, md_code)]
+    parts += [f"{n}\n" for n in _notes(board, baseline, test, md_text, md_code, True)]
     parts += [_md_table(rows, headers), ""]
     if records:
         head, rows = tables.method_shift_rows(records, labels)

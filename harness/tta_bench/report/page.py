@@ -1,7 +1,9 @@
 """The leaderboard page's content: what ``templates_html/leaderboard.html.j2`` shows, as
 text (``_page``: tables as header and cell dicts, each method's provenance links and
 preset), the Jinja2 environment that renders it, and the catalogue look-ups behind it
-(``family``, ``method_links``).
+(``family``, ``method_links``). The summary and its notes are the markdown leaderboard's
+(``collect.board_summary``, ``collect._notes``): per-sample comparisons, stream orders and
+realtime twins where the board has them.
 """
 
 from __future__ import annotations
@@ -13,13 +15,14 @@ from collections.abc import Sequence
 from typing import Any
 
 from tta_bench import catalog
-from tta_bench.report import stats, tables
+from tta_bench.report import stats, tables, tracks
 from tta_bench.report.collect import (
     METRICS,
     Leaderboard,
     _config_hash,
     _notes,
     _provenance_rows,
+    board_summary,
 )
 from tta_bench.report.columns import column, table_columns
 from tta_bench.report.figures import Figure, _analyse, _Analysis
@@ -96,10 +99,41 @@ HEADER_HELP = {
     "peak MB": "peak memory of the heaviest cell (MiB)",
     "fwd/sample": "image-encoder forward passes per sample",
     "bwd/sample": "image-encoder backward passes per sample",
+    "q (BH)": "p adjusted by Benjamini-Hochberg over the comparisons with the baseline",
+    "tier": "runs of one tier cannot be told apart from its best (McNemar per sample, "
+    "Benjamini-Hochberg adjusted)",
+    tracks.ORDERS_ACCURACY: "mean over stream orders of the mean over all cells, 95% Student t "
+    "interval",
+    tracks.ORDERS: "stream orders per cell",
+    tracks.ORDER_RANGE: "2.5th to 97.5th percentile of the orders' accuracies",
+    tracks.ETA: "Expected Tail Accuracy: the mean accuracy of the worst 10% of orders",
+    tracks.REALTIME_ACCURACY: "accuracy of the same run on the compute-matched realtime track, "
+    "mean over seeds, 95% Student t interval",
+    tracks.ADAPTED: "share of samples the realtime run adapted on, over all its cells",
+}
+#: What the comparison's headers mean when the board compares per sample.
+SAMPLE_HELP = {
+    "Δ": "difference to the baseline over the same samples, 95% block bootstrap interval "
+    "over stream batches",
+    "p": "McNemar's exact test on the samples only one of the two classifies correctly",
 }
 #: Columns of the page's summary: what a reader decides by; the rest of the cost table is
 #: one click away (``PAGE_COST_LEAD``). ``METRICS``: every metric the runs hold.
-PAGE_SUMMARY = ("accuracy % (95% CI)", "Δ", "p", METRICS, "ms/sample", "peak MB")
+#: The columns of the tracks (``report.tracks``) and of the per-sample comparisons show only
+#: on boards that have them.
+PAGE_SUMMARY = (
+    tracks.ACCURACY,
+    tracks.ORDERS_ACCURACY,
+    *tracks.ORDERS_COLUMNS,
+    "Δ",
+    "p",
+    "q (BH)",
+    "tier",
+    *tracks.REALTIME_COLUMNS,
+    METRICS,
+    "ms/sample",
+    "peak MB",
+)
 #: The page's cost details: these, then every column of the cost table but its first (the
 #: run's name, ``tables.cost_rows``).
 PAGE_COST_LEAD = ("model", "seeds")
@@ -161,7 +195,7 @@ def _page(
     anchors = _anchors(labels)
     families = [family(r["method"]) for r in records]
     links = [method_links(r["method"]) for r in records]
-    summary, cost = _summary_and_cost(records, labels, links, analysis, baseline, test)
+    summary, cost = _summary_and_cost(board, links, analysis, baseline, test)
     p_head, p_rows = _provenance_rows(board)
     entries = [
         {"rank": i + 1, "label": labels[i], "anchor": anchors[i], "family": families[i]}
@@ -171,7 +205,7 @@ def _page(
         "title": f"Leaderboard: {board.suite}",
         "suite": board.suite,
         "protocol_id": board.protocol_id,
-        "notes": _notes(board, baseline, test),
+        "notes": _notes(board, baseline, test, per_sample=True),  # the markdown's
         "families": sorted(
             Counter(families).items(), key=lambda kv: (kv[0] == OTHER_FAMILY, kv[0].lower())
         ),
@@ -188,25 +222,31 @@ def _page(
     }
 
 
-def _header(name: str, numeric: bool = True) -> dict[str, Any]:
-    """A column header of the page: its label, how it sorts and what it means."""
+def _header(name: str, numeric: bool = True, per_sample: bool = False) -> dict[str, Any]:
+    """A column header of the page: its label, how it sorts and what it means
+    (``per_sample``: the comparison is per sample, ``SAMPLE_HELP``)."""
     help_text = HEADER_HELP.get(name, "")
     if name.startswith("Δ"):
         help_text = "paired difference to the baseline, 95% interval"
+    key = "Δ" if name.startswith("Δ") else name
+    if per_sample and key in SAMPLE_HELP:
+        help_text = SAMPLE_HELP[key]
     return {"label": name, "numeric": numeric, "help": help_text}
 
 
 def _summary_and_cost(
-    records: list[dict[str, Any]],
-    labels: list[str],
+    board: Leaderboard,
     links: list[dict[str, str | None]],
     analysis: _Analysis,
     baseline: str | None,
     test: str,
 ) -> tuple[dict[str, Any], dict[str, Any]]:
     """The page's summary (``PAGE_SUMMARY``, the model too where the runs have several) and
-    its cost details, both picked from the summary and cost tables."""
-    s_head, s_rows = tables.summary_rows(records, labels, baseline, test)
+    its cost details, both picked from the board's summary (``collect.board_summary``, as
+    the markdown's) and cost tables."""
+    records = [e.record for e in board.entries]
+    labels = [e.label for e in board.entries]
+    s_head, s_rows = board_summary(board, baseline, test)
     c_head, c_rows = tables.cost_rows(records, labels)
     metric_labels = [c.label for c in table_columns(c for r in records for c in r["cells"])]
     several_models = len({r["model"]["name"] for r in records}) > 1
@@ -225,7 +265,8 @@ def _summary_and_cost(
         cost_rows.append(
             {"cells": [_cell(both[t][col], name != "model") for name, t, col in cost_cols]}
         )
-    summary = {"head": [_header(n, n != "model") for n, _, _ in summary_cols], "rows": summary_rows}
+    head = [_header(n, n != "model", analysis.per_sample) for n, _, _ in summary_cols]
+    summary = {"head": head, "rows": summary_rows}
     cost = {"head": [_header(n, n != "model") for n, _, _ in cost_cols], "rows": cost_rows}
     return summary, cost
 

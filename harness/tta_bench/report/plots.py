@@ -240,21 +240,17 @@ def pareto_front(points: Sequence[tuple[float, float]]) -> list[int]:
     return front
 
 
-def accuracy_vs_time(
-    records: Sequence[dict[str, Any]], labels: Sequence[str], path: str | Path
-) -> Path:
-    """Accuracy (percent, mean over seeds, 95% CI bars) against total time per sample (ms;
-    log scale when the times span more than a decade); the Pareto front is a step line and
-    its runs are labelled in bold. Labels are placed where they overlap no other, and
-    drawn literally."""
-    from matplotlib import colormaps
+#: The legend entry of the realtime markers (``accuracy_vs_time``).
+REALTIME_LEGEND = "realtime track (compute-matched)"
 
-    fig = _figure((7.2, 4.5))
-    ax = fig.add_subplot(1, 1, 1)
-    colours = colormaps["tab20"].colors
-    points: list[tuple[float, float]] = []
-    names: list[str] = []
-    for label, rec in zip(labels, records):
+
+def time_accuracy_points(
+    records: Sequence[dict[str, Any]],
+) -> list[tuple[int, float, float, float]]:
+    """``(index, ms per sample, accuracy %, 95% CI half-width %)`` of each record with an
+    accuracy and timed cells, in order: the points of ``accuracy_vs_time``."""
+    out = []
+    for i, rec in enumerate(records):
         est = stats.suite_estimate(rec, "accuracy")
         times = [
             float(c["time_per_sample_s"])
@@ -263,13 +259,42 @@ def accuracy_vs_time(
         ]
         if est is None or not times:
             continue
-        x, y = 1e3 * sum(times) / len(times), 100 * est.mean
-        colour = colours[len(points) % len(colours)]
-        ax.errorbar(
-            [x], [y], yerr=[100 * (est.half_width or 0.0)], marker="o", capsize=3, color=colour
+        out.append(
+            (i, 1e3 * sum(times) / len(times), 100 * est.mean, 100 * (est.half_width or 0.0))
         )
+    return out
+
+
+def accuracy_vs_time(
+    records: Sequence[dict[str, Any]],
+    labels: Sequence[str],
+    path: str | Path,
+    realtime: Sequence[float | None] = (),
+) -> Path:
+    """Accuracy (percent, mean over seeds, 95% CI bars) against total time per sample (ms;
+    log scale when the times span more than a decade); the Pareto front is a step line
+    through its runs (``pareto_front``), which are labelled in bold. ``realtime``: each
+    run's accuracy on the compute-matched track (percent; None: none), a hollow triangle
+    at the run's time joined to its point by a dotted line, named in the legend. Labels
+    are placed where they overlap no other, and drawn literally."""
+    from matplotlib import colormaps
+
+    fig = _figure((7.2, 4.5))
+    ax = fig.add_subplot(1, 1, 1)
+    colours = colormaps["tab20"].colors
+    points: list[tuple[float, float]] = []
+    names: list[str] = []
+    extra: list[tuple[float, float]] = []  # the realtime markers
+    for i, x, y, half in time_accuracy_points(records):
+        colour = colours[len(points) % len(colours)]
+        ax.errorbar([x], [y], yerr=[half], marker="o", capsize=3, color=colour)
+        r = realtime[i] if i < len(realtime) else None
+        if r is not None:
+            ax.plot([x, x], [y, r], linestyle=":", linewidth=1, color=colour)
+            ax.plot([x], [r], marker="v", markerfacecolor="none", color=colour, linestyle="none")
+            extra.append((x, r))
         points.append((x, y))
-        names.append(literal(label))
+        names.append(literal(labels[i]))
     front = pareto_front(points)
     if len(front) > 1:
         ax.step(
@@ -280,6 +305,9 @@ def accuracy_vs_time(
             color="grey",
             label="Pareto front",
         )
+    if extra:  # a legend entry for the markers, of no colour of its own
+        ax.plot([], [], "v", markerfacecolor="none", color="grey", label=REALTIME_LEGEND)
+    if len(front) > 1 or extra:
         ax.legend(fontsize="small", loc="upper left")
     xs = [x for x, _ in points]
     log = bool(xs) and max(xs) > 10 * min(xs)  # a log axis only where times span a decade
@@ -290,7 +318,7 @@ def accuracy_vs_time(
     ax.set_title("Accuracy vs cost", loc="left")
     ax.grid(alpha=0.3, which="both")
     ax.margins(x=0.1, y=0.08)  # room for the labels of the outermost points
-    _place_labels(fig, ax, points, names, set(front))
+    _place_labels(fig, ax, points, names, set(front), extra)
     return _save(fig, path)
 
 
@@ -299,17 +327,23 @@ _LABEL_OFFSETS = [(5, 4), (5, -11), (5, 13), (5, -20), (-5, 4), (-5, -11), (-5, 
 
 
 def _place_labels(
-    fig: Any, ax: Any, points: list[tuple[float, float]], names: list[str], bold: set[int]
+    fig: Any,
+    ax: Any,
+    points: list[tuple[float, float]],
+    names: list[str],
+    bold: set[int],
+    others: Sequence[tuple[float, float]] = (),
 ) -> None:
     """Annotate each point with its name at the first offset of ``_LABEL_OFFSETS`` whose
-    box lies inside the axes and overlaps no marker and no label placed before (the Pareto
-    front's first, then by accuracy); where none is free, the first offset."""
+    box lies inside the axes and overlaps no marker (of ``points`` or the unnamed
+    ``others``) and no label placed before (the Pareto front's first, then by accuracy);
+    where none is free, the first offset."""
     fig.tight_layout()
     renderer = fig.canvas.get_renderer()
     frame = ax.get_window_extent(renderer)
     from matplotlib.transforms import Bbox
 
-    marks = [ax.transData.transform(pt) for pt in points]
+    marks = [ax.transData.transform(pt) for pt in [*points, *others]]
     placed: list[Any] = [Bbox.from_extents(x - 4, y - 4, x + 4, y + 4) for x, y in marks]
     order = sorted(range(len(points)), key=lambda i: (i not in bold, -points[i][1], names[i]))
     for i in order:
