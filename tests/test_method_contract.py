@@ -122,6 +122,43 @@ def test_same_seed_same_logits(name, classifier, batches):
     torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
 
 
+@pytest.mark.parametrize("name", METHODS)
+def test_predict_reads_the_state_and_changes_nothing(name, classifier, batches):
+    """``predict`` (the realtime track's batches while a method is busy) gives finite logits
+    of every class, the same twice under one seed, and leaves the state as it was: the next
+    step equals the step of a twin that never predicted."""
+    x, other = batches
+    twin, method = _fresh(name, classifier), _fresh(name, classifier)
+    for m in (twin, method):
+        m.reseed(1)
+        m.step(other)
+    method.reseed(5)  # the runner seeds every batch, predicted or adapted on
+    first = method.predict(x)
+    method.reseed(5)
+    again = method.predict(x)
+    assert first.shape == (x.shape[0], classifier.num_classes)
+    assert torch.isfinite(first).all()
+    torch.testing.assert_close(first, again, rtol=0, atol=0)
+    for m in (twin, method):
+        m.reseed(2)
+    torch.testing.assert_close(method.step(x), twin.step(x), rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("name", METHODS)
+def test_a_feature_path_equals_the_image_path(name, classifier, batches):
+    """A method that says it reads its images only through their features
+    (``features_only``) gives the same logits from the features as from the images."""
+    x, other = batches
+    method = _fresh(name, classifier)
+    if not method.features_only():
+        pytest.skip(f"{name} reads its images itself")
+    twin = _fresh(name, classifier)
+    for batch in (other, x):
+        with torch.no_grad():
+            feats = twin.model.encode_image(batch).float()
+        torch.testing.assert_close(twin.step_features(feats), method.step(batch), rtol=0, atol=0)
+
+
 def test_parameter_free_method_declares_nothing(classifier):
     method = _fresh("zeroshot", classifier)
     assert method.trainable_parameters() == []

@@ -49,3 +49,11 @@ class OwnHead:
     def class_embeddings(self) -> torch.Tensor:
         """The text head this method classifies with ``[C, D]`` (``text_head``)."""
         return self.head
+
+    @torch.no_grad()
+    def predict(self, images: torch.Tensor) -> torch.Tensor:
+        """A batch the realtime track reveals while the method is busy: the (maybe
+        adapted) model's features on this method's own head, no views, no update; a
+        method with a cache or a memory adds it (its own ``predict``)."""
+        feats = self.model.encode_image(images).float()
+        return self.model.logits_from_features(feats, self.head.float()).float()

@@ -301,6 +301,14 @@ class BoostAdapter(OwnHead, Method):
         return out
 
     @torch.no_grad()
+    def predict(self, images: torch.Tensor) -> torch.Tensor:
+        """The realtime track's prediction while busy: the image alone (no views, no
+        boosting) corrected by the historical caches as they stand, offering nothing."""
+        feats = self._encode(images)
+        logits = (self.model.logit_scale * feats @ self.head.float().t()).float()
+        return torch.stack([self.final_logits(f, logits[i], self.pos) for i, f in enumerate(feats)])
+
+    @torch.no_grad()
     def step(self, images: torch.Tensor) -> torch.Tensor:
         cfg = self.config
         feats, logits, ent, probs, boost = self._inputs(images)

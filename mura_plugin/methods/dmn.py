@@ -310,6 +310,24 @@ class DMN(OwnHead, Method):
         )
 
     @torch.no_grad()
+    def predict(self, images: torch.Tensor) -> torch.Tensor:
+        """The realtime track's prediction while busy: the image alone (no views) fused
+        with the memory's readout as it stands, writing nothing."""
+        cfg = self.config
+        scale = float(self.model.logit_scale)
+        with autocast_context(cfg.precision, self.device):
+            feats = self.model.encode_image(images).float()
+        feats = feats / feats.norm(dim=-1, keepdim=True)
+        logits = scale * feats @ self.head.t()
+        filled = self.memory.filled()
+        return torch.stack([
+            fuse(logits[i].softmax(dim=-1),
+                 memory_readout(self.memory.features, filled, self.head, f, cfg.beta, scale),
+                 self.fusion_weight)
+            for i, f in enumerate(feats)
+        ])  # fmt: skip
+
+    @torch.no_grad()
     def step(self, images: torch.Tensor) -> torch.Tensor:
         """Each chunk of images (the view budget's) is read into the memory and predicted
         in sample order as soon as its views are encoded."""

@@ -229,6 +229,21 @@ class TDA(OwnHead, Method):
     def step(self, images: torch.Tensor) -> torch.Tensor:
         return self._update(*self._inputs(images))
 
+    @torch.no_grad()
+    def predict(self, images: torch.Tensor) -> torch.Tensor:
+        """The realtime track's prediction while busy: the single-view logits corrected by
+        both caches as they stand, offering nothing to them."""
+        with autocast_context(self.config.precision, self.device):
+            feats, logits, _, _ = self._single_view(self.model.encode_image(images))
+        cfg = self.config
+        ratio = float(self.model.logit_scale) / 100.0 if cfg.scale_alpha else 1.0
+        pos_alpha, neg_alpha = self.pos_alpha * ratio, cfg.neg_alpha * ratio
+        return torch.stack([
+            logits[i] + self.pos.logits(f, pos_alpha, self.pos_beta)
+            - self.neg.logits(f, neg_alpha, cfg.neg_beta)
+            for i, f in enumerate(feats)
+        ])  # fmt: skip
+
     def _update(
         self, feats: torch.Tensor, logits: torch.Tensor, ent: torch.Tensor, probs: torch.Tensor
     ) -> torch.Tensor:

@@ -218,7 +218,7 @@ class Protocol:
     @property
     def id(self) -> str:
         """``<suite>@v<version>-<policy>[-d<delta>|-k<classes>|-r<ratio>]-bs<batch>
-        [-ood<ratio>]-<digest of identity()>``."""
+        [-ood<ratio>][-o<orders>][-rt]-<digest of identity()>``."""
         blob = json.dumps(self.identity(), sort_keys=True, default=list)
         digest = hashlib.sha256(blob.encode()).hexdigest()[:10]
         policy = self.reset
