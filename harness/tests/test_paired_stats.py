@@ -366,21 +366,24 @@ def test_the_leaderboard_compares_per_sample_when_every_run_has_files(runs, tmp_
     text = report.leaderboard_markdown(board, images=False)
     assert "block bootstrap over stream batches" in text and "Benjamini-Hochberg" in text
     assert "with 128 samples per seed x 2 seeds" in text
-    # the page keeps the seed-level comparison and says nothing of it
+    # the notes the seed-level path writes are the same as a board of seed-level runs'
     assert collect._notes(board, report.tables.REFERENCE, "t") == collect._notes(
         report.collect(tmp_path, "tiny-shifts"), report.tables.REFERENCE, "t"
     )
 
 
-def test_the_leaderboard_falls_back_to_seeds_and_says_why(runs, tmp_path):
+def test_a_run_without_per_sample_files_is_compared_by_seeds_and_marked(runs, tmp_path):
     _copy(runs, tmp_path, "tent.json")
     _copy(runs, tmp_path, "zs.json", with_samples=False)
     board = report.collect(tmp_path, "tiny-shifts")
-    headers, _ = report.leaderboard_rows(board)
-    assert "q (BH)" not in headers and "tier" not in headers
-    assert headers == report.leaderboard_rows(board, per_sample=False)[0]
+    headers, rows = report.leaderboard_rows(board)
+    assert "q (BH)" in headers and "tier" in headers
+    analysis = collect.sample_analysis(board, None)
+    assert analysis.seed_level == ("zeroshot",) and analysis.seed_rows == (1,)
     text = report.leaderboard_markdown(board, images=False)
-    assert "not used: no per-sample files of zeroshot" in text
+    assert "Runs without per-sample files (zeroshot) are compared at the seed level" in text
+    # against the leader, the run without files is tested by seeds in the tiers
+    assert analysis.tier[0] == 1
     # without any per-sample file the notes are today's, word for word
     shutil.rmtree(samples.samples_dir(tmp_path / "tent.json"))
     bare = report.collect(tmp_path, "tiny-shifts")

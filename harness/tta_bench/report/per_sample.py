@@ -1,13 +1,16 @@
-"""The leaderboard's per-sample comparisons: when every ranked run wrote per-sample files
+"""The leaderboard's per-sample comparisons: when ranked runs wrote per-sample files
 (``log_samples=true``), each run's difference to the baseline over the very samples both
 scored (block bootstrap interval over stream batches, McNemar's p), those p-values adjusted
-(Benjamini-Hochberg), the tiers and the minimum detectable effect (``report.paired``).
+(Benjamini-Hochberg), the tiers and the minimum detectable effect (``report.paired``). A
+comparison with a run that wrote none falls back to the seed-level paired t test
+(``stats.paired_comparison``), and the table marks it.
 ``sample_analysis`` computes them once per board; the markdown leaderboard, the page and
 the forest plot show the same numbers (``report.collect`` re-exports what it had).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import statistics
 from dataclasses import dataclass
@@ -38,6 +41,10 @@ class SampleAnalysis:
     discordance: float
     mde: float
     block_mde: float | None
+    #: The runs without per-sample files (their comparisons are seed-level), by label, and
+    #: their rows.
+    seed_level: tuple[str, ...] = ()
+    seed_rows: tuple[int, ...] = ()
 
 
 def sample_analysis(board: Leaderboard, baseline: str | None) -> SampleAnalysis | str | None:
@@ -55,24 +62,25 @@ def _sample_analysis(board: Leaderboard, baseline: str | None) -> SampleAnalysis
     have = [samples_dir(e.path).is_dir() for e in board.entries]
     if not any(have):
         return None
-    if not all(have):
-        lacking = ", ".join(e.label for e, h in zip(board.entries, have) if not h)
-        return f"no per-sample files of {lacking}"
     try:
-        return _analyse_samples(board, baseline)
+        return _analyse_samples(board, baseline, have)
     except ValueError as exc:  # a file that is not its run's own, streams that differ
         root = str(board.entries[0].path.parent)
         return str(exc).replace(root + os.sep, "").replace(root, ".")
 
 
-def _analyse_samples(board: Leaderboard, baseline: str | None) -> SampleAnalysis:
+def _analyse_samples(board: Leaderboard, baseline: str | None, have: list[bool]) -> SampleAnalysis:
     from tta_bench.report import paired
 
     records = [e.record for e in board.entries]
     base_rec, label = tables.resolve_baseline(records, baseline)
-    rows = [paired.read_run(e.record, e.path) for e in board.entries]
+    rows = [paired.read_run(e.record, e.path) if h else None for e, h in zip(board.entries, have)]
     base = next((i for i, r in enumerate(records) if r is base_rec), None)
     found: dict[tuple[int, int | None], tuple[Any, Any]] = {}
+
+    def per_sample(i: int, j: int | None) -> bool:
+        """Whether run ``i`` and run ``j`` (None: ``i``'s own reference) pair per sample."""
+        return rows[i] is not None and (j is None or rows[j] is not None)
 
     def pair(i: int, j: int | None) -> tuple[Any, Any]:
         """Run ``i`` against run ``j`` (None: its own reference) and McNemar's test."""
@@ -86,6 +94,10 @@ def _analyse_samples(board: Leaderboard, baseline: str | None) -> SampleAnalysis
     for i, entry in enumerate(board.entries):
         if tables.pairing_record(entry.record, base_rec, baseline) is None:
             versus.append(None)
+            continue
+        if not per_sample(i, base):  # no per-sample files on one side: the seed-level test
+            pairing = tables.pairing_record(entry.record, base_rec, baseline)
+            versus.append(stats.paired_comparison(entry.record, pairing, test="t"))
             continue
         pairs, test = pair(i, base)
         boot = paired.bootstrap(pairs, "batch")
@@ -106,16 +118,22 @@ def _analyse_samples(board: Leaderboard, baseline: str | None) -> SampleAnalysis
     compared = list(found.values())
 
     def vs(leader: int, other: int) -> tuple[float, float | None]:
+        if not per_sample(other, leader):
+            seed = stats.paired_comparison(records[other], records[leader], test="t")
+            return seed.mean_difference, seed.p_value
         test = pair(other, leader)[1]
         return test.difference, test.p_value
 
     tier = paired.tiers(list(range(len(records))), vs)
-    return _with_mde(
+    analysis = _with_mde(
         versus,
         paired.benjamini_hochberg([c.p_value if c else None for c in versus]),
         [tier[i] for i in range(len(records))],
         compared or list(found.values()),
     )
+    lacking = tuple(i for i, h in enumerate(have) if not h)
+    labels = tuple(board.entries[i].label for i in lacking)
+    return dataclasses.replace(analysis, seed_level=labels, seed_rows=lacking)
 
 
 def _with_mde(
@@ -154,19 +172,33 @@ def _sample_columns(
     after = delta + 2 if delta is not None else head.index("accuracy % (95% CI)") + 1
     extra = (["q (BH)"] if delta is not None else []) + ["tier"]
     out = []
-    for row, cmp, q, tier in zip(rows, analysis.versus, analysis.q, analysis.tier):
+    for i, (row, cmp, q, tier) in enumerate(zip(rows, analysis.versus, analysis.q, analysis.tier)):
         row = list(row)
         added = [str(tier)]
         if delta is not None:
-            row[delta : delta + 2] = [tables._delta(cmp), tables._p(cmp.p_value if cmp else None)]
+            mark = SEED_MARK if i in analysis.seed_rows and cmp is not None else ""
+            row[delta : delta + 2] = [
+                tables._delta(cmp) + mark,
+                tables._p(cmp.p_value if cmp else None),
+            ]
             added.insert(0, tables._p(q))
         out.append(row[:after] + added + row[after:])
     return head[:after] + extra + head[after:], out
 
 
+#: The mark of a Δ compared at the seed level on a per-sample board.
+SEED_MARK = " (seeds)"
+
+
 def _sample_notes(analysis: SampleAnalysis, with_baseline: bool) -> list[str]:
     """The per-sample lines: the FDR control, the tiers and the minimum detectable effect."""
     notes = []
+    if analysis.seed_level:
+        notes.append(
+            f"Runs without per-sample files ({', '.join(analysis.seed_level)}) are compared "
+            f"at the seed level (paired t over seeds, marked{SEED_MARK}), in the "
+            "Benjamini-Hochberg adjustment and the tiers too; their intervals are wider."
+        )
     if with_baseline:
         notes.append(
             "q (BH): the p-values of all comparisons with the baseline adjusted by "
