@@ -102,9 +102,10 @@ class EntropyCache:
             self._filled = filled
         _, keys, values = filled
         if keys is None or values is None:
-            return torch.zeros(self.values.shape[-1], device=feature.device)
+            return self.values.new_zeros(self.values.shape[-1])
         affinity = keys @ feature
-        return alpha * (torch.exp(-beta * (1 - affinity)) @ values)
+        # torch.rsub(a, 1) is 1 - a, without the Python operator's wrapper
+        return alpha * (torch.exp(-beta * torch.rsub(affinity, 1)) @ values)
 
 
 def two_caches(

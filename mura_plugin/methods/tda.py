@@ -256,14 +256,15 @@ class TDA(OwnHead, Method):
         # per-sample scalars read once for the batch (the same values as element by element)
         preds, ents, props = logits.argmax(dim=1).tolist(), ent.tolist(), prop.tolist()
         pos_alpha, neg_alpha = self.pos_alpha * ratio, cfg.neg_alpha * ratio
+        rows, one_hot = feats.unbind(0), eye.unbind(0)  # views, taken once per batch
         out = []
         for i, (pred, entropy) in enumerate(zip(preds, ents)):
-            self.pos.offer(pred, feats[i], entropy, eye[pred])
+            self.pos.offer(pred, rows[i], entropy, one_hot[pred])
             if cfg.neg_entropy_lower < props[i] < cfg.neg_entropy_upper:
                 mask = (probs[i] > cfg.neg_mask_lower) & (probs[i] < cfg.neg_mask_upper)
-                self.neg.offer(pred, feats[i], entropy, mask.float())
-            final = logits[i] + self.pos.logits(feats[i], pos_alpha, self.pos_beta)
-            out.append(final - self.neg.logits(feats[i], neg_alpha, cfg.neg_beta))
+                self.neg.offer(pred, rows[i], entropy, mask.float())
+            final = logits[i] + self.pos.logits(rows[i], pos_alpha, self.pos_beta)
+            out.append(final - self.neg.logits(rows[i], neg_alpha, cfg.neg_beta))
         return torch.stack(out)
 
 
