@@ -134,6 +134,16 @@ def test_realtime_adapts_on_one_batch_in_k_and_predicts_the_rest(tmp_path):
     assert scores(offline) == scores(reference)  # the reference costs one unit: unchanged
 
 
+def test_a_realtime_cell_cannot_be_sharded():
+    with pytest.raises(ValueError, match="protocol.shard=0/2 with protocol.realtime=true"):
+        resolve_run(
+            "zeroshot",
+            "tiny-shifts",
+            overrides=["protocol.realtime=true", "protocol.reset=episodic_batch",
+                       "protocol.shard=0/2"],
+        )  # fmt: skip
+
+
 def test_log_samples_auto_writes_new_outputs_and_spares_old_ones(tmp_path):
     out = tmp_path / "r.json"
     run(out, "zeroshot", "tiny-shifts", seeds=[0], log_samples="topk", log_samples_auto=True)

@@ -110,6 +110,12 @@ def spec_from_config(cfg: Any, method: str, model: str, preset: str | None = Non
         log_samples = None  # orders, not paired per sample; N x the files would not fit
     if part is not None:
         shard.check_shardable(protocol.reset, protocol.name, part)
+        if protocol.realtime:
+            raise ValueError(
+                f"protocol.shard={part} with protocol.realtime=true: on the realtime track "
+                "whether a batch is adapted on depends on every batch before it in the "
+                "cell, so a cell cannot be split; run it whole, or split by seed (sweep)"
+            )
         log_samples = "logits"  # the merge recomputes every metric from the parts' logits
         auto_samples = False
     if cfg.seeds is None:  # the replicates the protocol implies, recorded as run
