@@ -126,7 +126,7 @@ def test_twins_that_are_not_used_are_left_out_as_the_realtime_track_of_their_run
     partial = _realtime(tent)
     partial["cells"] = partial["cells"][:5]
     _write(results_dir, "a_partial_rt.json", partial)
-    other = _realtime({**tent, "method_config": {"lr": 0.5}})
+    other = _realtime({**tent, "method_config": {"lr": 0.5}, "method_config_hash": "other"})
     _write(results_dir, "other_config_rt.json", other)
     _write(results_dir, "z_again_rt.json", _realtime(tent, drop=0.06))
     board = report.collect(results_dir, "golden")
@@ -148,11 +148,24 @@ def test_other_weights_are_no_twin_and_realtime_files_never_choose_the_protocol(
     _write(results_dir, "golden_tent_rt.json", moved)
     zeroshot = _realtime(_golden("golden_zeroshot.json"))
     _write(results_dir, "zs_rt.json", zeroshot)
-    _write(results_dir, "tent_lr_rt.json", _realtime({**tent, "method_config": {"lr": 1}}))
+    lr = {**tent, "method_config": {"lr": 1}, "method_config_hash": "lr1"}
+    _write(results_dir, "tent_lr_rt.json", _realtime(lr))
     board = report.collect(results_dir, "golden")  # 3 realtime files, 2 of the protocol
     assert board.protocol_id == MAIN_ID
     assert [t.path.name if t else None for t in board.twins()] == [None, "zs_rt.json"]
     assert "golden_tent_rt.json" in dict(board.left_out)
+
+
+def test_a_twin_with_a_field_added_since_matches_by_the_config_hash(results_dir):
+    """A method field added after the ranked run is out of the config hash at its default:
+    a later realtime run of the same config is its twin although its config lists more."""
+    tent = _golden("golden_tent.json")
+    later = _realtime(tent)
+    later["method_config"] = {**tent["method_config"], "added_later": 256.0}
+    _write(results_dir, "golden_tent_rt.json", later)
+    assert [t.path.name if t else None for t in report.collect(results_dir, "golden").twins()][
+        0
+    ] == "golden_tent_rt.json"
 
 
 def test_a_board_of_the_realtime_track_alone_is_an_ordinary_board(results_dir):

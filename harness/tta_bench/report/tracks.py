@@ -69,16 +69,22 @@ def same_protocol_but_realtime(record: dict[str, Any], ranked: dict[str, Any]) -
 
 def twin_of(record: dict[str, Any], ranked: dict[str, Any]) -> bool:
     """``record`` is ``ranked``'s realtime twin: the same suite, method, method config
-    (and its hash, where both record one), model and weights, under ``ranked``'s protocol
-    but for ``realtime: true``."""
+    (its hash, the run key's, where both record one: fields added to a method after a run
+    are out of the hash at their defaults, so a later run of the same config matches;
+    else the config itself), model and weights, under ``ranked``'s protocol but for
+    ``realtime: true``."""
     config = [r.get("method_config") or {} for r in (record, ranked)]
     hashes = [r.get("method_config_hash") for r in (record, ranked)]
+    same_config = (
+        hashes[0] == hashes[1]
+        if None not in hashes
+        else json.dumps(config[0], sort_keys=True, default=str)
+        == json.dumps(config[1], sort_keys=True, default=str)
+    )
     return (
         same_protocol_but_realtime(record, ranked)
         and record.get("method") == ranked.get("method")
-        and json.dumps(config[0], sort_keys=True, default=str)
-        == json.dumps(config[1], sort_keys=True, default=str)
-        and (None in hashes or hashes[0] == hashes[1])
+        and same_config
         and _model(record) == _model(ranked)
         and stats.model_hash(record) == stats.model_hash(ranked)
     )
