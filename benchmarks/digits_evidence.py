@@ -1,8 +1,10 @@
 """Regenerate the evidence on the default suite: every registered method and every named
-preset on ``digits-c`` (3 seeds), the stateful methods on ``digits-c-continual`` (3 seeds),
-``digits-c-full`` (seed 0), the MuRA ablation (seed 0), the open-set suite ``digits-open``
-(zeroshot, tent, tda, mura; 3 seeds), the leaderboards and the report
-``results/digits-c/REPORT.md``.
+preset on ``digits-c`` (3 seeds, with per-sample files) and on its realtime track
+(``protocol.realtime=true``: ``<name>.realtime.json`` beside them, the leaderboard's
+realtime column), zero-shot and TDA over 100 stream orders (``results/digits-c-orders``),
+the stateful methods on ``digits-c-continual`` (3 seeds), ``digits-c-full`` (seed 0), the
+MuRA ablation (seed 0), the open-set suite ``digits-open`` (zeroshot, tent, tda, mura; 3
+seeds), the leaderboards and the report ``results/digits-c/REPORT.md``.
 
     python benchmarks/digits_evidence.py              # run what is missing, then report
     python benchmarks/digits_evidence.py --report-only
@@ -28,6 +30,11 @@ ABLATION = ROOT / "results" / "digits-c-ablation"
 FULL = ROOT / "results" / "digits-c-full"
 CONTINUAL = ROOT / "results" / "digits-c-continual"
 OPEN = ROOT / "results" / "digits-open"
+ORDERS = ROOT / "results" / "digits-c-orders"
+#: The realtime twins' file suffix (in ``MAIN``, where the leaderboard finds them).
+REALTIME = ".realtime.json"
+#: The methods run over many stream orders, and how many.
+ORDER_METHODS, N_ORDERS = ("zeroshot", "tda"), 100
 SEEDS = "seeds=[0,1,2]"
 #: The MuRA ablation and digits-c-full are reported for seed 0 (the run default is 0, 1, 2).
 SEED0 = "seeds=[0]"
@@ -85,8 +92,9 @@ def tables(paths: list[Path], baseline: str, by_file: bool = False) -> str:
 
 
 def mura_vs_lora(mura: Path, lora: Path) -> str:
-    from tta_bench.report import stats
+    from tta_bench.report import paired, stats
     from tta_bench.run.results import load_results
+    from tta_bench.run.samples import samples_dir
 
     a, b = load_results(mura), load_results(lora)
     cmp = stats.paired_comparison(a, b)
@@ -98,10 +106,22 @@ def mura_vs_lora(mura: Path, lora: Path) -> str:
             f"{100 * c.ci_high:+.2f}], p = {c.p_value:.3g}"
         )
 
-    return (
+    text = (
         f"MuRA minus single-rank LoRA (TTL setting), paired over {cmp.n_pairs} seeds: "
         f"{fmt(cmp)}; paired over the {by_cell.n_pairs} (corruption, seed) cells: "
         f"{fmt(by_cell)}."
+    )
+    if not (samples_dir(mura).is_dir() and samples_dir(lora).is_dir()):
+        return text
+    got = paired.compare(a, mura, b, lora)
+    block, test = got["bootstrap_batch"], got["mcnemar"]
+    return (
+        f"{text} Per sample (`tta-bench compare results/digits-c/mura.json "
+        f"results/digits-c/lora.json`), over {got['n']:,} samples: block bootstrap over "
+        f"stream batches {100 * block['difference']:+.2f} points, 95% CI "
+        f"[{100 * block['ci_low']:+.2f}, {100 * block['ci_high']:+.2f}]; McNemar "
+        f"{test['a_only']} vs {test['b_only']} discordant samples, p = {test['p_value']:.3g}; "
+        f"minimum detectable effect {100 * got['mde']['sample']:.2f} points."
     )
 
 
@@ -155,7 +175,7 @@ def clean_accuracy() -> float:
 def report(wall: dict[str, float]) -> str:
     from tta_bench import catalog
 
-    main_files = sorted(MAIN.glob("*.json"))
+    main_files = [p for p in sorted(MAIN.glob("*.json")) if not p.name.endswith(REALTIME)]
     lines = [
         "# Evidence on the default suite `digits-c`",
         "",
@@ -184,6 +204,7 @@ def report(wall: dict[str, float]) -> str:
     mura, lora = MAIN / "mura.json", MAIN / "lora.json"
     if mura.exists() and lora.exists():
         lines += ["## MuRA vs single-rank LoRA", "", mura_vs_lora(mura, lora), ""]
+    lines += realtime_and_orders()
     ablation = sorted(ABLATION.glob("*.json"))
     if ablation:
         lines += [
@@ -227,10 +248,52 @@ def report(wall: dict[str, float]) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
+def realtime_and_orders() -> list[str]:
+    """The report's sections on the realtime track and on many stream orders."""
+    lines = []
+    twins = sorted(MAIN.glob("*" + REALTIME))
+    if twins:
+        lines += [
+            "## When the stream does not wait (`protocol.realtime=true`)",
+            "",
+            "The compute-matched track: one batch per unit of the reference's cost (an "
+            "image-tower forward per image; a backward counts two); a method whose step costs "
+            "k units adapts on one batch in k and predicts the others with its current state "
+            "(Alfarra et al., ICML 2024). Files `<name>.realtime.json`; the leaderboard's "
+            "`realtime acc %` and `adapted %` columns.",
+            "",
+            tables(twins, "zeroshot", by_file=True),
+        ]
+    orders = sorted(ORDERS.glob("*.json"))
+    if orders:
+        from tta_bench.report.stats import order_spread
+        from tta_bench.run.results import load_results
+
+        lines += [f"## {N_ORDERS} stream orders (`protocol.orders={N_ORDERS}`)", ""]
+        for path in orders:
+            spread = order_spread(load_results(path))
+            if spread is not None:
+                est = spread.estimate
+                lines.append(
+                    f"- `{path.stem}`: {100 * est.mean:.2f}% over {est.n} orders (95% CI "
+                    f"[{100 * est.ci_low:.2f}, {100 * est.ci_high:.2f}]), central 95% of "
+                    f"orders {100 * spread.low:.2f} to {100 * spread.high:.2f}%, Expected "
+                    f"Tail Accuracy (worst {spread.tail_n}) {100 * spread.tail:.2f}%"
+                )
+        lines += ["", "Leaderboard: `results/digits-c-orders/leaderboard.md`.", ""]
+    return lines
+
+
 def plan(full: list[str]) -> list[tuple[str, str, Path, list[str], str]]:
     """Every run of the evidence, in report order: ``(key, method, output, overrides,
     suite)``."""
     out = [(f"digits-c/{m}", m, MAIN / f"{m}.json", [SEEDS], "digits-c") for m in methods()]
+    rt = [SEEDS, "protocol.realtime=true", "log_samples=false"]
+    out += [(f"realtime/{m}", m, MAIN / f"{m}{REALTIME}", rt, "digits-c") for m in methods()]
+    out += [
+        (f"orders/{m}", m, ORDERS / f"{m}.json", [f"protocol.orders={N_ORDERS}"], "digits-c")
+        for m in ORDER_METHODS
+    ]
     out += [
         (f"digits-c-continual/{m}", m, CONTINUAL / f"{m}.json", [SEEDS], "digits-c-continual")
         for m in CONTINUAL_METHODS
@@ -257,6 +320,8 @@ def main() -> int:
         help="methods also run on digits-c-full",
     )
     p.add_argument("--skip-continual", action="store_true")
+    p.add_argument("--skip-realtime", action="store_true")
+    p.add_argument("--skip-orders", action="store_true")
     p.add_argument("--skip-open", action="store_true")
     p.add_argument("--open-only", action="store_true", help="only the open-set runs")
     args = p.parse_args()
@@ -269,6 +334,8 @@ def main() -> int:
             or (args.skip_open and group == "digits-open")
             or (args.skip_continual and group == "digits-c-continual")
             or (args.skip_ablation and group == "ablation")
+            or (args.skip_realtime and group == "realtime")
+            or (args.skip_orders and group == "orders")
         )
         if not skip:
             wall[key] = run(method, output, *overrides, suite=suite)
@@ -289,6 +356,14 @@ def main() -> int:
                 cwd=ROOT,
                 check=True,
             )
+    if any(ORDERS.glob("*.json")):  # a board of its own protocol (the orders are in its id)
+        first = json.loads(next(iter(sorted(ORDERS.glob("*.json")))).read_text(encoding="utf-8"))
+        subprocess.run(
+            ["tta-bench", "leaderboard", str(ORDERS.relative_to(ROOT)), "--suite", "digits-c",
+             "--protocol", first["protocol"]["id"]],
+            cwd=ROOT,
+            check=True,
+        )  # fmt: skip
     print(text)
     return 0
 
