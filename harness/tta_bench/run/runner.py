@@ -40,6 +40,10 @@ from tta_bench.run.trackers import Trackers
 
 __all__ = ["Evaluation", "run"]
 
+#: Seconds between two snapshots of the results file during a run (the first finished
+#: group is written at once; the last with the run, or when it stops on an error).
+SNAPSHOT_INTERVAL_S = 2.0
+
 
 def seed_torch(seed: int, device: torch.device) -> None:
     """Seed the generators a run on ``device`` uses (the CPU one; CUDA's too on CUDA)."""
@@ -201,6 +205,7 @@ class Evaluation:
         if self.spec.batch_log:  # one log per run: start it empty; whole after each group
             self._log = AtomicLog(self.spec.batch_log)
         loop_start, k = time.perf_counter(), 0
+        saved, last_snapshot = len(record["cells"]), -float("inf")  # what the writer holds
         try:
             while k < len(plan):  # one group: consecutive batches of one seed and group
                 stream, first = plan[k]
@@ -214,19 +219,28 @@ class Evaluation:
                 group, k = [b for _, b in plan[k:end]], end
                 cells = self.run_group(stream, group, it, bar, record)
                 record["cells"].extend(cells)
-                record["summary"] = results.summarize(record["cells"])
-                writer.submit(record)
+                # a snapshot per group, at most one per SNAPSHOT_INTERVAL_S: thousands of
+                # short groups (protocol.orders) would spend the run serialising the file
+                if time.perf_counter() - last_snapshot >= SNAPSHOT_INTERVAL_S:
+                    record["summary"] = results.summarize(record["cells"])
+                    writer.submit(record)
+                    saved, last_snapshot = len(record["cells"]), time.perf_counter()
                 if self._log is not None:
                     self._log.flush()
                 if self.on_cells is not None:  # trackers: the new cells only
                     self.on_cells(cells, record)
         finally:
-            it.close()  # loader workers end now, not when a traceback's frames are collected
-            writer.close()  # also on an error or Ctrl-C: every finished group is saved
-            self.meter.close()
-            bar.close()
-            if self._log is not None:
-                self._log.close()
+            try:
+                if len(record["cells"]) != saved:  # the groups since the last snapshot
+                    record["summary"] = results.summarize(record["cells"])
+                    writer.submit(record)
+            finally:
+                it.close()  # loader workers end now, not when a traceback's frames go
+                writer.close()  # also on an error or Ctrl-C: every finished group is saved
+                self.meter.close()
+                bar.close()
+                if self._log is not None:
+                    self._log.close()
         loop_s = time.perf_counter() - loop_start
         self.phase_seconds = dict(self.meter.timer.seconds)
         n_images = sum(len(b) for _, b in plan)
