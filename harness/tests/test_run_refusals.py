@@ -52,7 +52,7 @@ def test_log_samples_top_k_below_one_is_refused_before_the_run(tmp_path, capsys)
 def test_logging_samples_into_a_finished_output_without_them_is_refused(tmp_path, capsys):
     # before: exit 0, nothing run (the cells were finished) and no per-sample file written
     out = tmp_path / "r.json"
-    assert cli(capsys, "run", "--output", str(out), *QUICK)[0] == 0
+    assert cli(capsys, "run", "--output", str(out), *QUICK, "log_samples=false")[0] == 0
     before = out.read_bytes()
     rc, _, err = cli(capsys, "run", "--output", str(out), *QUICK, "log_samples=logits")
     assert rc == 2 and "without per-sample files" in err and "new --output" in err

@@ -14,13 +14,13 @@ import dataclasses
 import os
 import statistics
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from tta_bench.report import stats, tables
 from tta_bench.run.samples import samples_dir
 
-if TYPE_CHECKING:
-    from tta_bench.report.collect import Leaderboard
+#: ``report.collect.Leaderboard`` (not imported: collect imports this module).
+Leaderboard = Any
 
 
 @dataclass(frozen=True)
