@@ -339,7 +339,7 @@ def main() -> int:
         )
         if not skip:
             wall[key] = run(method, output, *overrides, suite=suite)
-        elif output.exists() and not args.report_only:  # reported as its file records it
+        elif output.exists():  # reported as its file records it
             wall[key] = float(
                 json.loads(output.read_text(encoding="utf-8")).get("wall_time_s") or 0
             )
