@@ -40,9 +40,12 @@ from tta_bench.run.trackers import Trackers
 
 __all__ = ["Evaluation", "run"]
 
-#: Seconds between two snapshots of the results file during a run (the first finished
-#: group is written at once; the last with the run, or when it stops on an error).
-SNAPSHOT_INTERVAL_S = 2.0
+#: The share of the loop's time that snapshots of the results file may take: after a
+#: snapshot that cost c seconds (summary and serialisation), the next waits until
+#: ``c * (1 / SNAPSHOT_SHARE - 1)`` seconds have passed. A small file is written after every
+#: group; thousands of short groups over a large file (``protocol.orders``) are spaced. The
+#: last groups are written with the run, or when it stops on an error.
+SNAPSHOT_SHARE = 0.05
 
 
 def seed_torch(seed: int, device: torch.device) -> None:
@@ -205,7 +208,7 @@ class Evaluation:
         if self.spec.batch_log:  # one log per run: start it empty; whole after each group
             self._log = AtomicLog(self.spec.batch_log)
         loop_start, k = time.perf_counter(), 0
-        saved, last_snapshot = len(record["cells"]), -float("inf")  # what the writer holds
+        saved, next_snapshot = len(record["cells"]), 0.0  # what the writer holds, and when
         try:
             while k < len(plan):  # one group: consecutive batches of one seed and group
                 stream, first = plan[k]
@@ -219,12 +222,8 @@ class Evaluation:
                 group, k = [b for _, b in plan[k:end]], end
                 cells = self.run_group(stream, group, it, bar, record)
                 record["cells"].extend(cells)
-                # a snapshot per group, at most one per SNAPSHOT_INTERVAL_S: thousands of
-                # short groups (protocol.orders) would spend the run serialising the file
-                if time.perf_counter() - last_snapshot >= SNAPSHOT_INTERVAL_S:
-                    record["summary"] = results.summarize(record["cells"])
-                    writer.submit(record)
-                    saved, last_snapshot = len(record["cells"]), time.perf_counter()
+                if time.perf_counter() >= next_snapshot:  # unless over their share
+                    saved, next_snapshot = len(record["cells"]), _snapshot(writer, record)
                 if self._log is not None:
                     self._log.flush()
                 if self.on_cells is not None:  # trackers: the new cells only
@@ -232,8 +231,7 @@ class Evaluation:
         finally:
             try:
                 if len(record["cells"]) != saved:  # the groups since the last snapshot
-                    record["summary"] = results.summarize(record["cells"])
-                    writer.submit(record)
+                    _snapshot(writer, record)
             finally:
                 it.close()  # loader workers end now, not when a traceback's frames go
                 writer.close()  # also on an error or Ctrl-C: every finished group is saved
@@ -399,6 +397,16 @@ def batch_seeds(stream: Stream) -> dict[int, int]:
         shift, severity = stream.domains[dom]
         out[batch.number] = stable_seed("batch", stream.seed, shift, severity, position) % 2**63
     return out
+
+
+def _snapshot(writer: results.SnapshotWriter, record: dict[str, Any]) -> float:
+    """Hand ``record`` (its summary brought up to date) to the writer; returns when the next
+    snapshot is due (``SNAPSHOT_SHARE``)."""
+    began = time.perf_counter()
+    record["summary"] = results.summarize(record["cells"])
+    writer.submit(record)
+    now = time.perf_counter()
+    return now + (now - began) * (1 / SNAPSHOT_SHARE - 1)
 
 
 def _lacks_samples(output: Path, record: dict[str, Any]) -> bool:
