@@ -34,10 +34,9 @@ from tta_bench.run.samples import method_label
 #: summary's column of every metric the runs hold (``tta_bench.report.columns``). The
 #: columns of the tracks (``report.tracks``) show only on boards that have them.
 METRICS = "<metrics>"
-LEADERBOARD_COLUMNS = (
-    "method",
-    "model",
-    "seeds",
+#: The columns a reader ranks by, from the accuracy to the time per sample: the
+#: leaderboard's and the page's summary's (``report.page.PAGE_SUMMARY``) shared run.
+RANKING_COLUMNS = (
     tracks.ACCURACY,
     tracks.ORDERS_ACCURACY,
     *tracks.ORDERS_COLUMNS,
@@ -48,6 +47,12 @@ LEADERBOARD_COLUMNS = (
     *tracks.REALTIME_COLUMNS,
     METRICS,
     "ms/sample",
+)
+LEADERBOARD_COLUMNS = (
+    "method",
+    "model",
+    "seeds",
+    *RANKING_COLUMNS,
     "data ms",
     "adapt ms",
     "predict ms",

@@ -18,6 +18,7 @@ from tta_bench import catalog
 from tta_bench.report import stats, tables, tracks
 from tta_bench.report.collect import (
     METRICS,
+    RANKING_COLUMNS,
     Leaderboard,
     _config_hash,
     _notes,
@@ -121,19 +122,7 @@ SAMPLE_HELP = {
 #: one click away (``PAGE_COST_LEAD``). ``METRICS``: every metric the runs hold.
 #: The columns of the tracks (``report.tracks``) and of the per-sample comparisons show only
 #: on boards that have them.
-PAGE_SUMMARY = (
-    tracks.ACCURACY,
-    tracks.ORDERS_ACCURACY,
-    *tracks.ORDERS_COLUMNS,
-    "Δ",
-    "p",
-    "q (BH)",
-    "tier",
-    *tracks.REALTIME_COLUMNS,
-    METRICS,
-    "ms/sample",
-    "peak MB",
-)
+PAGE_SUMMARY = (*RANKING_COLUMNS, "peak MB")
 #: The page's cost details: these, then every column of the cost table but its first (the
 #: run's name, ``tables.cost_rows``).
 PAGE_COST_LEAD = ("model", "seeds")
