@@ -24,7 +24,10 @@ ARGS = ("--headless=new", "--no-sandbox", "--disable-gpu", "--disable-dev-shm-us
 
 
 #: The runs the committed page ranks: every results file of results/digits-c.
-RANKED = len(list((Path(__file__).resolve().parents[1] / "results" / "digits-c").glob("*.json")))
+RANKED = sum(
+    not p.name.endswith(".realtime.json")
+    for p in (Path(__file__).resolve().parents[1] / "results" / "digits-c").glob("*.json")
+)
 
 
 def _which(*names: str) -> str | None:
