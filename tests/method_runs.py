@@ -41,7 +41,9 @@ def build_with_source(cls: Any, classifier: Any, config: Any, source: Callable[[
 
     method = cls(copy.deepcopy(classifier), config)
     n = method.source_images_needed()
-    if n:
+    if n and method.needs_source_labels:  # source(n, labels=True) -> (images, labels)
+        method.set_source(*source(n, labels=True))
+    elif n:
         method.set_source(source(n))
     torch.manual_seed(0)
     method.setup()

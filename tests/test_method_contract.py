@@ -43,13 +43,15 @@ def _cheap_config(method_cls):
     return dataclasses.replace(cfg, **change)
 
 
-def _digits_source(n: int) -> torch.Tensor:
-    """The first ``n`` digits training images: clean, unlabeled source images [n, 3, 32, 32]
-    in [0, 1], as the runner hands them over (EATA's Fisher)."""
+def _digits_source(n: int, labels: bool = False):
+    """The first ``n`` digits training images: clean source images [n, 3, 32, 32] in [0, 1],
+    as the runner hands them over (EATA's Fisher); with ``labels``, ``(images, labels)``
+    (RMT's source replay)."""
     from mura_plugin.datasets.digits import digits_arrays
 
-    x, _ = digits_arrays("train")
-    return torch.from_numpy(x[:n]).permute(0, 3, 1, 2).float() / 255.0
+    x, y = digits_arrays("train")
+    images = torch.from_numpy(x[:n]).permute(0, 3, 1, 2).float() / 255.0
+    return (images, torch.from_numpy(y[:n]).long()) if labels else images
 
 
 def _fresh(name: str, classifier) -> Method:

@@ -70,7 +70,7 @@ def test_stream_is_a_pure_function_of_protocol_and_seed(reset):
         if reset == "imbalanced":  # a long-tailed subset of the 100, each kept sample once
             assert len(got) == len(set(got)) < 100
             continue
-        visits = 2 if reset == "gradual" and sev != max(p.severities) else 1
+        visits = 2 if p.order_policy == "gradual" and sev != max(p.severities) else 1
         assert len(got) == visits * 100 and len(set(got)) == 100
     assert all(len(batch) <= p.batch_size for batch in a.batches)
 

@@ -142,6 +142,44 @@ def test_a_method_needing_source_images_gets_unlabeled_source_split_images(tmp_p
     NeedsSource.received.clear()
 
 
+def test_a_method_needing_source_labels_gets_the_source_splits_own_labels(tmp_path):
+    import numpy as np
+    from tta_bench_testplugin.data import synthetic
+    from tta_bench_testplugin.methods import NeedsSource
+
+    NeedsSource.received.clear()
+    run(tmp_path / "r.json", "needs_source", method_args={"n": 6, "labels": True})
+    assert len(NeedsSource.received) == 4
+    train = synthetic(split="train")
+    rows = [np.asarray(train.dataset[i]["image"].convert("RGB")) for i in range(len(train))]
+    train_px = torch.from_numpy(np.stack(rows)).permute(0, 3, 1, 2).float() / 255.0
+    train_y = torch.as_tensor(np.asarray(train.labels), dtype=torch.int64)
+    for args, kwargs in NeedsSource.received:
+        assert kwargs == {} and len(args) == 2
+        images, labels = args
+        assert labels.shape == (6,) and labels.dtype == torch.int64
+        for img, y in zip(images, labels):  # each label the one of its own train image
+            match = [j for j, t in enumerate(train_px) if torch.equal(img, t)]
+            assert match and all(int(train_y[j]) == int(y) for j in match)
+    NeedsSource.received.clear()
+
+
+def test_labelled_source_from_a_split_that_is_not_for_training_is_refused(tmp_path):
+    import dataclasses
+
+    from tta_bench.run.inputs import check_labelled_source
+    from tta_bench.run.protocol import load_protocol
+
+    base = load_protocol("tiny-shifts")
+    check_labelled_source(base)  # split train: fine
+    leaky = dataclasses.replace(base, source={"dataset": "synthetic", "dataset_args": {}})
+    with pytest.raises(ValueError, match=r"split .the dataset's default split., not a training"):
+        check_labelled_source(leaky, "rmt")
+    test_split = {"dataset": "synthetic", "dataset_args": {"split": "test"}}
+    with pytest.raises(ValueError, match=r"rmt trains on the labels .* split 'test'"):
+        check_labelled_source(dataclasses.replace(base, source=test_split), "rmt")
+
+
 def test_a_finished_run_returns_without_building_anything(tmp_path):
     from tta_bench_testplugin import model
 

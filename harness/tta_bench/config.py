@@ -32,7 +32,8 @@ class ProtocolOverrides:
     reset: Optional[str] = None
     max_images: Optional[int] = bounded(None, ge=1)
     severity_table: Optional[str] = None
-    #: ``non_iid`` only: Dirichlet concentration of the label order (part of the id).
+    #: ``non_iid`` (needed) and the class-sorted policies (optional): Dirichlet concentration
+    #: of the label order (part of the id).
     dirichlet_delta: Optional[float] = bounded(None, gt=0)
     #: ``label_shift`` only: the most classes a batch holds, drawn per batch (part of the id).
     classes_per_batch: Optional[int] = bounded(None, ge=1)

@@ -150,13 +150,23 @@ class Method(abc.ABC):
         with a clear error when the protocol declares none."""
         return 0
 
-    def set_source(self, images: torch.Tensor) -> None:
-        """Clean source images ``[N, C, H, W]`` in [0, 1] at the model's input size (no
-        labels), called once before ``setup()`` when ``source_images_needed() > 0``."""
+    #: True for a method whose source-domain objective is supervised (RMT's source replay
+    #: and class prototypes, GTTA's source mixup): the runner then hands the labels of the
+    #: source images too (``set_source(images, labels)``). They are the source split's
+    #: labels, never the test stream's.
+    needs_source_labels: ClassVar[bool] = False
+
+    def set_source(self, images: torch.Tensor, labels: torch.Tensor | None = None) -> None:
+        """Clean source images ``[N, C, H, W]`` in [0, 1] at the model's input size, called
+        once before ``setup()`` when ``source_images_needed() > 0``; ``labels`` (int64
+        ``[N]``) only for a method that ``needs_source_labels``."""
         self.source = images
+        self.source_labels = labels
 
     #: Set by ``set_source``; None when the method asked for no source images.
     source: torch.Tensor | None = None
+    #: The labels of ``source`` (``needs_source_labels``); None otherwise.
+    source_labels: torch.Tensor | None = None
 
     #: The attributes ``resolved_settings`` records by default, in order.
     resolved: ClassVar[tuple[str, ...]] = ()

@@ -35,7 +35,7 @@ def _fresh(
     method_cls: type,
     classifier: Any,
     config: Any,
-    source: Callable[[int], torch.Tensor] | None,
+    source: Callable[..., Any] | None,
 ) -> Any:
     """A set-up instance as the runner makes one: on a copy of ``classifier`` when the class
     adapts (else on ``classifier`` itself), given source images when it asks for them."""
@@ -48,7 +48,10 @@ def _fresh(
     method = method_cls(model, copy.deepcopy(config))
     n = method.source_images_needed()
     if n and source is not None:
-        method.set_source(source(int(n)))
+        if method.needs_source_labels:  # source(n, labels=True) -> (images, labels)
+            method.set_source(*source(int(n), labels=True))
+        else:
+            method.set_source(source(int(n)))
     torch.manual_seed(0)
     method.setup()
     return method
@@ -86,11 +89,12 @@ def method_checks(
     images: torch.Tensor,
     *,
     config: Any = None,
-    source: Callable[[int], torch.Tensor] | None = None,
+    source: Callable[..., Any] | None = None,
 ) -> list[Check]:
     """The method contract on ``method_cls`` with ``classifier`` (a ``ZeroShotClassifier``)
     and ``images`` (``[2B, C, H, W]`` in [0, 1]: a batch and another one). ``source(n)``
-    gives the clean source images a method asks for. Each check builds its own instances."""
+    gives the clean source images a method asks for (``source(n, labels=True)``: with their
+    labels, for a method that ``needs_source_labels``). Each check builds its own instances."""
     config = config if config is not None else method_cls.Config()
     probe = _MethodProbe(method_cls, classifier, config, source, images)
     checks = [run_check("builds with its default config and sets up", lambda: _setup(probe.fresh))]
@@ -117,7 +121,7 @@ class _MethodProbe:
     method_cls: type
     classifier: Any
     config: Any
-    source: Callable[[int], torch.Tensor] | None
+    source: Callable[..., Any] | None
     images: torch.Tensor
     x: torch.Tensor = field(init=False)
     other: torch.Tensor = field(init=False)

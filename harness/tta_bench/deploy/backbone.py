@@ -166,19 +166,44 @@ class SharedBackbone:
         method = self.method_cls(model, copy.deepcopy(self.config))
         needed = method.source_images_needed()
         if needed:  # e.g. EATA's Fisher information; fewer images than asked: all of them
-            src = self.source_images
-            if src is None or not len(src):
-                raise ValueError(
-                    f"method {self.method_name!r} needs clean, unlabeled source images before "
-                    f"setup (up to {needed}); pass source_images=[N, 3, H, W] in [0, 1]"
-                )
-            method.set_source(src[:needed].to(self.device))
+            method.set_source(*self._source(needed, method.needs_source_labels))
         cuda = [self.device] if self.device.type == "cuda" else []
         seed = stable_seed(self.method_name, "setup", self.seed) % 2**63
         with _SETUP_LOCK, torch.random.fork_rng(devices=cuda):
             torch.manual_seed(seed)
             method.setup()
         return method
+
+    def _source(self, needed: int, with_labels: bool) -> tuple[torch.Tensor, ...]:
+        """``(images,)`` or, for a method that ``needs_source_labels``, ``(images, labels)``
+        from ``source_images`` (a tensor, or an ``(images, labels)`` pair), the first
+        ``needed`` of them; ValueError naming what is missing."""
+        src = self.source_images
+        labels = None
+        if isinstance(src, (tuple, list)):
+            if len(src) != 2:
+                raise ValueError(
+                    "source_images is a tensor [N, 3, H, W] or a pair (images, labels [N]); "
+                    f"got a sequence of {len(src)}"
+                )
+            src, labels = src
+        if src is None or not len(src):
+            kind = "labelled" if with_labels else "unlabeled"
+            raise ValueError(
+                f"method {self.method_name!r} needs clean, {kind} source images before "
+                f"setup (up to {needed}); pass source_images=[N, 3, H, W] in [0, 1]"
+                + (" with their labels: source_images=(images, labels [N])" if with_labels else "")
+            )
+        if not with_labels:
+            return (src[:needed].to(self.device),)
+        if labels is None or len(labels) != len(src):
+            raise ValueError(
+                f"method {self.method_name!r} needs the labels of its source images: pass "
+                f"source_images=(images [N, 3, H, W], labels [N]); got "
+                + ("no labels" if labels is None else f"{len(labels)} labels for {len(src)} images")
+            )
+        labels = torch.as_tensor(labels, dtype=torch.int64)
+        return src[:needed].to(self.device), labels[:needed].to(self.device)
 
     def _probe(self) -> list[str]:
         """Names of the classifier's tensors the method changes (see the module docstring)."""

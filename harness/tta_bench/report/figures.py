@@ -23,7 +23,7 @@ PLOT_PARETO = "accuracy_vs_time.png"
 #: Every figure a leaderboard may draw (``leaderboard_figures`` says which fit a suite).
 PLOT_FILES = (PLOT_FOREST, PLOT_HEATMAP, PLOT_SEVERITY, PLOT_STREAM, PLOT_PARETO)
 #: Reset policies whose cells form one stream in a fixed order: accuracy over the stream.
-STREAM_RESETS = ("continual", "gradual")
+STREAM_RESETS = ("continual", "gradual", "correlated", "gradual_correlated")
 
 
 @dataclass(frozen=True)

@@ -24,6 +24,7 @@ from tta_bench.model import ZeroShotClassifier
 from tta_bench.registry import registry
 from tta_bench.rng import GeneratorPool, SampleGenerator, stable_seed
 from tta_bench.run.cache import decoded_bytes
+from tta_bench.run.composite import shift_kernel
 from tta_bench.run.loader import StreamBatches, make_loader, resolve_settings
 from tta_bench.run.protocol import Protocol
 from tta_bench.run.sources import open_source
@@ -157,7 +158,7 @@ class RunInputs:
         decoding = any(s.kind == "streamed" or getattr(s, "pending", False) for s in sources)
         bundle.clip.to(device)  # text heads are encoded (and cached) on the run's device
         kernels = (
-            {s: registry("shifts").get(s) for s in protocol.shifts}
+            {s: shift_kernel(s) for s in protocol.shifts}
             if protocol.shift_source == "synthetic"
             else {}
         )
@@ -313,20 +314,46 @@ def open_set_streams(
     return out
 
 
+def check_labelled_source(protocol: Protocol, method: str = "this method") -> None:
+    """A ``ValueError`` unless the protocol's source split is a training split (its
+    ``dataset_args.split`` starts with ``train``): a method that trains on the labels of its
+    source images (``Method.needs_source_labels``) must not read the labels of the clean
+    originals of the test images (e.g. ImageNet validation, the source of ImageNet-C)."""
+    spec = dict(protocol.source or {})
+    split = str((spec.get("dataset_args") or {}).get("split", "the dataset's default split"))
+    if not split.startswith("train"):
+        raise ValueError(
+            f"{method} trains on the labels of its source images, but suite "
+            f"{protocol.name!r} declares source {spec.get('dataset')!r} split {split!r}, not a "
+            "training split: its labels may be those of the clean originals of the test "
+            "images. Declare a training split as the suite's source (`source: {dataset: "
+            "<name>, dataset_args: {split: train}}`), or choose a suite that has one"
+        )
+
+
 def source_images(
-    protocol: Protocol, bundle: Any, n: int, data_dir: str | None, device: torch.device
-) -> torch.Tensor:
+    protocol: Protocol,
+    bundle: Any,
+    n: int,
+    data_dir: str | None,
+    device: torch.device,
+    labels: bool = False,
+) -> Any:
     """Up to ``n`` clean, unlabeled images ``[n, C, H, W]`` in [0, 1] (the whole split when
     it is smaller) of the protocol's declared source split (``Protocol.source``: e.g. the
     training split of the test set's dataset), a fixed random subset keyed by the protocol;
     for methods that estimate statistics of the source domain (EATA's Fisher information).
-    No labels leave this function."""
+    With ``labels``: ``(images, labels [n] int64)``, the source split's own labels, for a
+    method whose source objective is supervised (``Method.needs_source_labels``); without,
+    no labels leave this function."""
     if protocol.source is None:
         raise ValueError(
             f"this method needs {n} clean source-domain images, but suite {protocol.name!r} "
             "declares no source split; add `source: {dataset: <name>, dataset_args: {split: "
             "train}}` to the suite in its registry.yaml, or choose a suite that has one"
         )
+    if labels:
+        check_labelled_source(protocol)
     spec = dict(protocol.source)
     stream = dataset_stream(
         protocol,
@@ -338,8 +365,12 @@ def source_images(
     src = open_source(stream, bundle.preprocess.image_size, on_bad_image="skip")
     rng = np.random.default_rng(stable_seed("source", protocol.name) % 2**32)
     rows = np.sort(rng.permutation(len(stream))[:n])
-    images = torch.from_numpy(src.fetch(rows).images)
-    return to_float_images(images).to(device)
+    fetched = src.fetch(rows)
+    images = to_float_images(torch.from_numpy(fetched.images)).to(device)
+    if not labels:
+        return images
+    kept = torch.from_numpy(np.asarray(stream.labels)[rows][fetched.kept].astype(np.int64))
+    return images, kept.to(device)
 
 
 def _subbatch(batch: Batch, kept: np.ndarray) -> Batch:

@@ -38,9 +38,22 @@ RESET_POLICIES = {
     "classes_per_batch classes, drawn per batch; every sample of the cell once",
     "imbalanced": "reset at the start of every cell; the cell keeps a long-tailed subset of "
     "its samples (largest/smallest class imbalance_ratio), shuffled",
+    "correlated": "continual, each cell's samples sorted by class label (with dirichlet_delta: "
+    "a Dirichlet(dirichlet_delta) label order instead)",
+    "gradual_correlated": "gradual, each visit's samples sorted by class label (or a "
+    "Dirichlet(dirichlet_delta) label order)",
+    "mixed_domains_correlated": "mixed_domains, the whole stream sorted by class label (or a "
+    "Dirichlet(dirichlet_delta) label order), domains mixed within each class",
+}
+#: The class-sorted policies (the reference harness's ``*_correlated`` settings) and the
+#: policy whose order of domains and resets each one keeps.
+CORRELATED = {
+    "correlated": "continual",
+    "gradual_correlated": "gradual",
+    "mixed_domains_correlated": "mixed_domains",
 }
 #: Policies whose cells within a seed depend on each other: run and resumed per seed.
-STATEFUL = frozenset({"continual", "gradual", "mixed_domains"})
+STATEFUL = frozenset({"continual", "gradual", "mixed_domains", *CORRELATED})
 SHIFT_SOURCES = ("synthetic", "dataset")
 #: Fields left out of the id while None (``Protocol.identity``).
 OPTIONAL_IN_ID = (
@@ -151,10 +164,17 @@ class Protocol:
                     "reset policy 'non_iid' needs dirichlet_delta > 0 "
                     f"(e.g. protocol.dirichlet_delta=0.1), got {self.dirichlet_delta!r}"
                 )
+        elif self.reset in CORRELATED:
+            delta = self.dirichlet_delta
+            if delta is not None and not (isinstance(delta, (int, float)) and 0 < delta < math.inf):
+                raise ValueError(
+                    f"reset policy {self.reset!r} takes dirichlet_delta > 0 (a Dirichlet label "
+                    f"order, e.g. 0.01) or null (sorted by class label), got {delta!r}"
+                )
         elif self.dirichlet_delta is not None:
             raise ValueError(
-                f"dirichlet_delta={self.dirichlet_delta} only applies to reset policy "
-                f"'non_iid', not {self.reset!r}"
+                f"dirichlet_delta={self.dirichlet_delta} only applies to reset policies "
+                f"'non_iid', {', '.join(repr(c) for c in CORRELATED)}, not {self.reset!r}"
             )
         self._check_label_shift_fields()
 
@@ -201,6 +221,12 @@ class Protocol:
         """True when a seed's cells depend on each other (no reset between them)."""
         return self.reset in STATEFUL
 
+    @property
+    def order_policy(self) -> str:
+        """The policy whose order of domains and resets the stream follows: the policy
+        itself, or for a class-sorted one (``CORRELATED``) the policy it sorts."""
+        return CORRELATED.get(self.reset, self.reset)
+
     def identity(self) -> dict[str, Any]:
         """Every field a number depends on (what the id hashes)."""
         data = asdict(self)
@@ -222,7 +248,7 @@ class Protocol:
         blob = json.dumps(self.identity(), sort_keys=True, default=list)
         digest = hashlib.sha256(blob.encode()).hexdigest()[:10]
         policy = self.reset
-        if self.reset == "non_iid":
+        if self.dirichlet_delta is not None:  # non_iid, or a Dirichlet-ordered correlated
             policy += f"-d{self.dirichlet_delta:g}"
         elif self.reset == "label_shift":
             policy += f"-k{self.classes_per_batch}"

@@ -56,7 +56,10 @@ def new_record(spec: Any, bundle: Any, device: torch.device, *, from_registry: b
     if from_registry:
         plugins.insert(1, provenance("models", spec.model))
     if protocol.shift_source == "synthetic":
-        plugins += [provenance("shifts", s) for s in protocol.shifts]
+        from tta_bench.run.composite import parts
+
+        names = [p for s in protocol.shifts for p in parts(s) or (s,)]  # a composite's two
+        plugins += [provenance("shifts", s) for s in dict.fromkeys(names)]
     loss = getattr(spec.method_config, "loss", None)
     if isinstance(loss, str) and loss in registry("losses"):
         plugins.append(provenance("losses", loss))

@@ -477,6 +477,13 @@ def _check_spec(spec: Any) -> None:
             f"method {spec.method!r} needs {needed} clean source-domain images, but suite "
             f"{spec.protocol.name!r} declares no source split (`source:` in its registry.yaml)"
         )
+    if needed and method.needs_source_labels:
+        from tta_bench.run.inputs import check_labelled_source
+
+        try:
+            check_labelled_source(spec.protocol, spec.method)
+        except ValueError as exc:
+            raise UsageError(str(exc)) from exc
 
 
 def _check_cache_writable() -> None:
@@ -565,8 +572,10 @@ def check_components(protocol: Any, mcfg: Any) -> None:
     """Fail before any work if the suite names unknown components."""
     registry("datasets").origin(protocol.dataset)
     if protocol.shift_source == "synthetic":
+        from tta_bench.run.composite import check_shift
+
         for s in protocol.shifts:
-            registry("shifts").origin(s)
+            check_shift(s)
     loss = getattr(mcfg, "loss", None)
     if isinstance(loss, str):
         registry("losses").origin(loss)

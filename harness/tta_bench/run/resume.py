@@ -72,7 +72,7 @@ def spec_key(spec: Any, state_sha256: str | None = None) -> dict[str, Any]:
 
 def wanted_cells(spec: Any) -> set[CellKey]:
     p = spec.protocol
-    sevs = sorted(set(p.severities)) if p.reset == "gradual" else p.severities
+    sevs = sorted(set(p.severities)) if p.order_policy == "gradual" else p.severities
     return {(s, int(v), int(seed)) for seed in spec.seeds for s in p.shifts for v in sevs}
 
 

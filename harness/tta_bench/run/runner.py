@@ -170,15 +170,21 @@ class Evaluation:
         method.stream_length = stream_length
         needed = method.source_images_needed()
         if needed:
-            method.set_source(self.source_images(needed))
+            if method.needs_source_labels:
+                method.set_source(*self.source_images(needed, labels=True))
+            else:
+                method.set_source(self.source_images(needed))
         method.setup()
         return method
 
-    def source_images(self, n: int) -> torch.Tensor:
-        """``n`` clean, unlabeled images of the protocol's declared source split."""
+    def source_images(self, n: int, labels: bool = False) -> Any:
+        """``n`` clean images of the protocol's declared source split (with their labels:
+        ``(images, labels)``)."""
         from tta_bench.run.inputs import source_images
 
-        return source_images(self.protocol, self.bundle, n, self.spec.data_dir, self.device)
+        return source_images(
+            self.protocol, self.bundle, n, self.spec.data_dir, self.device, labels=labels
+        )
 
     # -- the loop ------------------------------------------------------------------------
     def run(self) -> dict[str, Any]:

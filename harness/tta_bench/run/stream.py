@@ -36,6 +36,13 @@ Per policy (``Protocol.reset``):
     one segment per domain, reset at its start, holding a long-tailed subset of the
     domain's samples (``imbalanced_subset``, ``imbalance_ratio``) in a seeded random order;
     the cell's accuracy is over the kept samples.
+``correlated`` / ``gradual_correlated`` / ``mixed_domains_correlated``
+    the reference harness's class-sorted settings: the stream of ``continual``,
+    ``gradual`` or ``mixed_domains`` (same domains, visits and resets), each segment's
+    samples (the whole mixed stream for ``mixed_domains_correlated``) sorted by class label
+    in a seeded random order within a class (``class_sorted``), or, with
+    ``dirichlet_delta``, in the Dirichlet label order of ``non_iid`` (one time slot per
+    batch).
 """
 
 from __future__ import annotations
@@ -46,7 +53,7 @@ from dataclasses import dataclass
 import numpy as np
 
 from tta_bench.rng import stable_seed
-from tta_bench.run.protocol import Protocol
+from tta_bench.run.protocol import CORRELATED, Protocol
 
 Domain = tuple[str, int]
 
@@ -110,7 +117,7 @@ def subset(protocol: Protocol, n: int) -> np.ndarray:
 
 def _domain_order(protocol: Protocol) -> list[tuple[Domain, int]]:
     """``((shift, severity), visit)`` segments in stream order for the segment policies."""
-    if protocol.reset == "gradual":
+    if protocol.order_policy == "gradual":
         ramp = sorted(set(protocol.severities))
         ramp = ramp + ramp[-2::-1]
         out = []
@@ -154,6 +161,24 @@ def dirichlet_order(
     for s in slots:
         out.extend(rng.permutation(np.asarray(s, dtype=np.int64)).tolist())
     return np.asarray(out, dtype=np.int64)
+
+
+def class_sorted(idx: np.ndarray, labels: np.ndarray, rng: np.random.Generator) -> np.ndarray:
+    """``idx`` sorted by class label (ascending), samples of a class in a random order
+    drawn from ``rng`` (the reference harness sorts its file list by label)."""
+    shuffled = idx[rng.permutation(len(idx))]
+    return shuffled[np.argsort(labels[shuffled], kind="stable")]
+
+
+def correlated_order(
+    protocol: Protocol, idx: np.ndarray, labels: np.ndarray, rng: np.random.Generator
+) -> np.ndarray:
+    """A class-sorted policy's order of ``idx`` (``labels`` indexed by ``idx``): sorted by
+    class, or the Dirichlet order when the protocol sets ``dirichlet_delta``."""
+    if protocol.dirichlet_delta is None:
+        return class_sorted(idx, labels, rng)
+    n_slots = max(1, -(-len(idx) // protocol.batch_size))
+    return dirichlet_order(idx, labels, n_slots, protocol.dirichlet_delta, rng)
 
 
 def label_shift_batches(
@@ -267,6 +292,9 @@ def _cell_order(
         kept = imbalanced_subset(idx, labels, protocol.imbalance_ratio, rng)
         order = np.random.default_rng(stable_seed("imbalanced_order", seed, shift, sev) % 2**32)
         return kept[order.permutation(len(kept))], None
+    if protocol.reset in CORRELATED:
+        rng = np.random.default_rng(stable_seed("correlated", seed, shift, sev, visit) % 2**32)
+        return correlated_order(protocol, idx, labels, rng), None
     return _shuffled(idx, seed, shift, sev, visit), None
 
 
@@ -279,7 +307,8 @@ def build_stream(protocol: Protocol, seed: int, labels: Mapping[Domain, np.ndarr
     domain of the protocol is missing, or when ``classes_per_batch`` exceeds a domain's
     number of classes.
     """
-    sevs = sorted(set(protocol.severities)) if protocol.reset == "gradual" else protocol.severities
+    gradual = protocol.order_policy == "gradual"
+    sevs = sorted(set(protocol.severities)) if gradual else protocol.severities
     domains: tuple[Domain, ...] = tuple((s, int(v)) for s in protocol.shifts for v in sevs)
     if len(set(domains)) != len(domains):
         raise ValueError(f"protocol {protocol.name!r} repeats a (shift, severity): {domains}")
@@ -309,11 +338,15 @@ def build_stream(protocol: Protocol, seed: int, labels: Mapping[Domain, np.ndarr
             )
             k += size
 
-    if protocol.reset == "mixed_domains":
+    if protocol.order_policy == "mixed_domains":
         parts = [(subset(protocol, len(labels[d])), dom_id[d]) for d in domains]
         idx = np.concatenate([p for p, _ in parts])
         dom = np.concatenate([np.full(len(p), i, dtype=np.int64) for p, i in parts])
         perm = np.random.default_rng(stable_seed("mixed", seed) % 2**32).permutation(len(idx))
+        if protocol.reset in CORRELATED:  # positions of the mixed stream, ordered by class
+            y = np.concatenate([labels[d][p] for d, (p, _) in zip(domains, parts)])
+            rng = np.random.default_rng(stable_seed("mixed_correlated", seed) % 2**32)
+            perm = correlated_order(protocol, np.arange(len(idx)), y, rng)
         emit(idx[perm], dom[perm], 0, False)
         groups: tuple[tuple[int, ...], ...] = (tuple(range(len(domains))),)
         return Stream(seed, domains, groups, tuple(batches))

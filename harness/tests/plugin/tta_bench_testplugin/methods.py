@@ -157,14 +157,20 @@ class Diverge(Method):
 @dataclass
 class SourceConfig:
     n: int = 6
+    #: Ask for the source images' labels too (``needs_source_labels``).
+    labels: bool = False
 
 
 class NeedsSource(Method):
-    """Zero-shot that asks for ``n`` clean source images; ``NeedsSource.received`` holds
-    what ``set_source`` was given, per instance."""
+    """Zero-shot that asks for ``n`` clean source images (with their labels when
+    ``labels``); ``NeedsSource.received`` holds what ``set_source`` was given, per instance."""
 
     Config = SourceConfig
     received: ClassVar[list[tuple[Any, ...]]] = []
+
+    @property
+    def needs_source_labels(self) -> bool:  # type: ignore[override]
+        return bool(self.config.labels)
 
     def source_images_needed(self) -> int:
         return self.config.n
