@@ -2,13 +2,16 @@
 preset on ``digits-c`` (3 seeds, with per-sample files) and on its realtime track
 (``protocol.realtime=true``: ``<name>.realtime.json`` beside them, the leaderboard's
 realtime column), zero-shot and TDA over 100 stream orders (``results/digits-c-orders``),
-the stateful methods on ``digits-c-continual`` (3 seeds), ``digits-c-full`` (seed 0), the
+the stateful methods on ``digits-c-continual`` (3 seeds), the reference harness's online
+family with zero-shot, TENT and CoTTA on the class-sorted ``digits-c-correlated`` (3 seeds,
+``results/digits-c-correlated``), ``digits-c-full`` (seed 0), the
 MuRA ablation (seed 0), the open-set suite ``digits-open`` (zeroshot, tent, tda, mura; 3
 seeds), the leaderboards and the report ``results/digits-c/REPORT.md``.
 
     python benchmarks/digits_evidence.py              # run what is missing, then report
     python benchmarks/digits_evidence.py --report-only
     python benchmarks/digits_evidence.py --open-only  # the open-set runs, then report
+    python benchmarks/digits_evidence.py --groups digits-c-correlated --methods roid lame
 
 Every run goes through the harness (``tta-bench run``) with a fixed ``--output``, so a rerun
 resumes: finished cells are skipped and a finished run does no work. Hyperparameters were
@@ -38,8 +41,16 @@ ORDER_METHODS, N_ORDERS = ("zeroshot", "tda"), 100
 SEEDS = "seeds=[0,1,2]"
 #: The MuRA ablation and digits-c-full are reported for seed 0 (the run default is 0, 1, 2).
 SEED0 = "seeds=[0]"
+#: The online TTA family of the reference harness (mariodoebler/test-time-adaptation).
+ONLINE_FAMILY = (
+    "roid", "rmt", "cmf", "rotta", "lame", "memo", "rpl", "rdumb", "adacontrast", "santa",
+    "gtta", "vte",
+)  # fmt: skip
 #: The methods the continual protocol (never reset) is reported for.
-CONTINUAL_METHODS = ("zeroshot", "tent", "eta", "sar", "cotta", "mura")
+CONTINUAL_METHODS = ("zeroshot", "tent", "eta", "sar", "cotta", "mura", *ONLINE_FAMILY)
+#: The class-sorted stream (the reference harness's ``correlated``) and its methods.
+CORRELATED = ROOT / "results" / "digits-c-correlated"
+CORRELATED_METHODS = ("zeroshot", "tent", "cotta", *ONLINE_FAMILY)
 #: The methods the open-set suite ``digits-open`` is reported for.
 OPEN_METHODS = ("zeroshot", "tent", "tda", "mura")
 
@@ -299,6 +310,10 @@ def plan(full: list[str]) -> list[tuple[str, str, Path, list[str], str]]:
         for m in CONTINUAL_METHODS
     ]
     out += [
+        (f"digits-c-correlated/{m}", m, CORRELATED / f"{m}.json", [SEEDS], "digits-c-correlated")
+        for m in CORRELATED_METHODS
+    ]
+    out += [
         (f"ablation/{stem}", m, ABLATION / f"{stem}.json", [*o, SEED0], "digits-c")
         for stem, m, o in ABLATION_RUNS
     ]
@@ -324,12 +339,16 @@ def main() -> int:
     p.add_argument("--skip-orders", action="store_true")
     p.add_argument("--skip-open", action="store_true")
     p.add_argument("--open-only", action="store_true", help="only the open-set runs")
+    p.add_argument("--groups", nargs="*", help="run only these groups (e.g. digits-c realtime)")
+    p.add_argument("--methods", nargs="*", help="run only these methods")
     args = p.parse_args()
     wall: dict[str, float] = {}
     for key, method, output, overrides, suite in plan(args.full):
         group = key.split("/")[0]
         skip = (
             args.report_only
+            or (args.groups is not None and group not in args.groups)
+            or (args.methods is not None and method not in args.methods)
             or (args.open_only and group != "digits-open")
             or (args.skip_open and group == "digits-open")
             or (args.skip_continual and group == "digits-c-continual")
@@ -348,6 +367,7 @@ def main() -> int:
     for folder, suite in (
         (MAIN, "digits-c"),
         (CONTINUAL, "digits-c-continual"),
+        (CORRELATED, "digits-c-correlated"),
         (OPEN, "digits-open"),
     ):
         if any(folder.glob("*.json")):
