@@ -169,3 +169,15 @@ def test_same_seed_same_logits_and_another_seed_another_source_batch(classifier,
     c.reseed(9)
     c.step(batch)
     assert not torch.equal(c.source_order, a.source_order)
+
+
+def test_validate_hands_a_labelled_source_method_its_labels(capsys):
+    """``tta-bench validate method gtta``: the contract checks build a method that
+    ``needs_source_labels`` with labelled source images, and every check passes (the
+    validator's source once failed for want of ``torch`` in its scope)."""
+    from tta_bench.cli import main
+
+    rc = main(["validate", "method", "gtta"])
+    out = capsys.readouterr().out
+    assert rc == 0, out
+    assert "FAIL" not in out and "ok: 9 passed" in out

@@ -238,7 +238,7 @@ class SourcePrototypeMethod(GradientMethod):
     needs_source_labels: ClassVar[bool] = True
     predict_from_last_forward: ClassVar[bool] = True
     #: The method's name in error messages.
-    label: ClassVar[str] = "rmt"
+    method_name: ClassVar[str] = "rmt"
 
     def source_images_needed(self) -> int:
         return int(self.config.source_size)
@@ -249,7 +249,7 @@ class SourcePrototypeMethod(GradientMethod):
     def _source(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.source is None or self.source.shape[0] == 0 or self.source_labels is None:
             raise ValueError(
-                f"{self.label} needs labelled clean source images for its class prototypes: "
+                f"{self.method_name} needs labelled clean source images for its class prototypes: "
                 "run it on a protocol that declares a source split (the runner then calls "
                 "set_source(images, labels)), or call method.set_source(images, labels) "
                 "before setup() in Python"
@@ -311,7 +311,7 @@ class RMT(SourcePrototypeMethod):
     """Mean teacher with symmetric cross-entropy, source prototypes and source replay."""
 
     Config = RMTConfig
-    label = "rmt"
+    method_name = "rmt"
     resolved = ("warmup_steps",)
 
     def model_parameters(self, model: ZeroShotClassifier) -> list[nn.Parameter]:

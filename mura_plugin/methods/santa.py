@@ -107,7 +107,7 @@ class SANTA(SourcePrototypeMethod):
     """Norm-layer adaptation anchored to the source model, aligned to source prototypes."""
 
     Config = SANTAConfig
-    label: ClassVar[str] = "santa"
+    method_name: ClassVar[str] = "santa"
 
     def model_parameters(self, model: ZeroShotClassifier) -> list[nn.Parameter]:
         params = norm_parameters(model.visual)

@@ -301,6 +301,8 @@ def validate(
             pool = s.images
 
             def source(k: int, labels: bool = False) -> Any:
+                import torch
+
                 reps = -(-k // pool.shape[0])
                 images = pool.repeat(reps, 1, 1, 1)[:k].clone()
                 if not labels:
