@@ -50,7 +50,7 @@ ONLINE_FAMILY = (
 CONTINUAL_METHODS = ("zeroshot", "tent", "eta", "sar", "cotta", "mura", *ONLINE_FAMILY)
 #: The class-sorted stream (the reference harness's ``correlated``) and its methods.
 CORRELATED = ROOT / "results" / "digits-c-correlated"
-CORRELATED_METHODS = ("zeroshot", "tent", "cotta", *ONLINE_FAMILY)
+CORRELATED_METHODS = ("zeroshot", "tent", "cotta", "mura", *ONLINE_FAMILY)
 #: The methods the open-set suite ``digits-open`` is reported for.
 OPEN_METHODS = ("zeroshot", "tent", "tda", "mura")
 
@@ -216,6 +216,7 @@ def report(wall: dict[str, float]) -> str:
     if mura.exists() and lora.exists():
         lines += ["## MuRA vs single-rank LoRA", "", mura_vs_lora(mura, lora), ""]
     lines += realtime_and_orders()
+    lines += online_family()
     ablation = sorted(ABLATION.glob("*.json"))
     if ablation:
         lines += [
@@ -257,6 +258,56 @@ def report(wall: dict[str, float]) -> str:
         lines += ["## Wall time of each run (as its results file records it)", ""]
         lines += [f"- `{k}`: {v:.0f} s" for k, v in wall.items()]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def _paired(a: Path, b: Path) -> str:
+    """``A - B`` in points with its 95% interval: the batch block bootstrap over the paired
+    samples when both runs have per-sample files, else the paired t over the seeds."""
+    from tta_bench.report import paired, stats
+
+    ra, rb = (json.loads(p.read_text(encoding="utf-8")) for p in (a, b))
+    try:
+        boot = paired.compare(ra, a, rb, b)["bootstrap_batch"]
+        d, lo, hi, unit = boot["difference"], boot["ci_low"], boot["ci_high"], "batches"
+    except (ValueError, FileNotFoundError):
+        seed = stats.paired_comparison(ra, rb, "accuracy", "seed", "t")
+        d, lo, hi, unit = seed.mean_difference, seed.ci_low, seed.ci_high, "seeds"
+    return f"{100 * d:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}] ({unit})"
+
+
+def online_family() -> list[str]:
+    """Where each method of the reference harness's online family lands against TENT and
+    MuRA on each suite it ran on, with paired intervals."""
+    lines: list[str] = []
+    for folder, suite in ((MAIN, "digits-c"), (CONTINUAL, "digits-c-continual"),
+                          (CORRELATED, "digits-c-correlated")):  # fmt: skip
+        runs = [m for m in ONLINE_FAMILY if (folder / f"{m}.json").exists()]
+        if not runs:
+            continue
+        anchors = [m for m in ("zeroshot", "tent", "mura") if (folder / f"{m}.json").exists()]
+        head = ["method", "accuracy %"] + [f"Δ vs {m} [95% CI]" for m in anchors]
+        rows = []
+        for m in runs:
+            rec = json.loads((folder / f"{m}.json").read_text(encoding="utf-8"))
+            row = [f"`{m}`", f"{100 * rec['summary']['mean_accuracy']:.1f}"]
+            row += [_paired(folder / f"{m}.json", folder / f"{a}.json") for a in anchors]
+            rows.append(row)
+        lines += [f"### `{suite}`", "", "| " + " | ".join(head) + " |"]
+        lines += ["|" + "---|" * len(head)]
+        lines += ["| " + " | ".join(r) + " |" for r in rows] + [""]
+    if lines:
+        lines = [
+            "## The reference harness's online family",
+            "",
+            "Each method against zero-shot, TENT and MuRA on the same streams (3 seeds): the "
+            "difference in points with its 95% interval, from the batch block bootstrap over "
+            "the paired samples (stream batches resampled whole, as online samples are not "
+            "independent) where both runs have per-sample files, else the paired t over the "
+            "3 seeds. No multiplicity correction here: the leaderboards give the q-values.",
+            "",
+            *lines,
+        ]
+    return lines
 
 
 def realtime_and_orders() -> list[str]:
