@@ -12,7 +12,6 @@ the device, converts it to float in [0, 1] and corrupts it there, seeded per sam
 from __future__ import annotations
 
 import inspect
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -24,58 +23,11 @@ from tta_bench.model import ZeroShotClassifier
 from tta_bench.registry import registry
 from tta_bench.rng import GeneratorPool, SampleGenerator, stable_seed
 from tta_bench.run.cache import decoded_bytes
-from tta_bench.run.composite import shift_kernel
+from tta_bench.run.composite import Kernel, apply_shift, shift_kernel, uint8_entry
 from tta_bench.run.loader import StreamBatches, make_loader, resolve_settings
 from tta_bench.run.protocol import Protocol
 from tta_bench.run.sources import open_source
 from tta_bench.run.stream import Batch, Domain, Stream
-
-Kernel = Callable[..., torch.Tensor]
-
-
-def uint8_entry(kernel: Kernel) -> Kernel | None:
-    """The kernel's optional ``from_uint8`` entry: the same corruption of an 8-bit
-    ``[B, H, W, C]`` batch, the decoded images' own format, returning what the kernel
-    returns for ``images.permute(0, 3, 1, 2).float() / 255``. Kernels whose work is 8-bit
-    anyway (a JPEG codec) offer it to skip a float -> 8-bit pass; None when absent."""
-    entry = getattr(kernel, "from_uint8", None)
-    return entry if callable(entry) else None
-
-
-_TAKES_TABLE: dict[Kernel, bool] = {}
-
-
-def apply_shift(
-    kernel: Kernel,
-    images: torch.Tensor,
-    severity: int,
-    generator: SampleGenerator,
-    table: str | None,
-) -> torch.Tensor:
-    """``kernel(images, severity, generator=..., table=...)``, checked and clamped to [0, 1];
-    ``table=None`` passes no table (the kernel's own default).
-
-    uint8 ``[B, H, W, C]`` images go to the kernel's ``from_uint8`` entry (``uint8_entry``)
-    when it has one, else they are converted (``to_float_images``) first."""
-    expected = images.shape
-    if images.dtype == torch.uint8:
-        b, h, w, c = images.shape
-        expected = torch.Size((b, c, h, w))
-        entry = uint8_entry(kernel)
-        if entry is None:
-            images = to_float_images(images)
-        else:
-            kernel = entry
-    takes_table = _TAKES_TABLE.get(kernel)
-    if takes_table is None:  # inspect once per kernel, not per batch
-        takes_table = _TAKES_TABLE[kernel] = "table" in inspect.signature(kernel).parameters
-    kwargs: dict[str, Any] = {"generator": generator}
-    if takes_table and table is not None:
-        kwargs["table"] = table
-    out = kernel(images, severity, **kwargs)
-    if out.shape != expected:
-        raise ValueError(f"shift kernel changed the batch shape {expected} -> {out.shape}")
-    return out.clamp_(0.0, 1.0)
 
 
 def dataset_stream(
