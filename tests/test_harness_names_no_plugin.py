@@ -22,7 +22,7 @@ HARNESS = Path(tta_bench.__file__).resolve().parent
 #: (a zero mean), "simple" (tabulate's table format), "parquet" (a file format that HF
 #: datasets store), "grayscale" (an image mode the decoder handles). Each is still a
 #: plugin name, so it is listed here with its reason.
-PLAIN_WORDS = {"zero", "simple", "parquet", "grayscale"}
+PLAIN_WORDS = {"zero", "simple", "parquet", "grayscale", "memo"}  # memo: copy.deepcopy's
 
 
 def _plugin_names() -> set[str]:

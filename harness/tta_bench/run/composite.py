@@ -4,7 +4,7 @@ walking from the first to the second, the building block of a CCC-style stream
 (Continually Changing Corruptions, Press et al., NeurIPS 2023: a long stream whose
 corruption moves from one pair to the next at a fixed speed).
 
-A protocol names a composite shift ``"<A>><B>"`` (e.g. ``gaussian_noise>fog``). At severity
+A protocol names a composite shift ``"A>B"`` (A and B registered shifts). At severity
 ``k`` (1..5) it applies ``A`` at severity ``6 - k`` and then ``B`` at severity ``k``, each
 through ``apply_shift`` (checked and clamped to [0, 1]), with the per-sample generator of
 the domain ``(A>B, k)``. Severities 1..5 in order therefore walk from ``A`` strong and ``B``
@@ -86,7 +86,7 @@ def parts(name: str) -> tuple[str, str] | None:
     if len(pieces) != 2 or not all(pieces) or pieces[0] == pieces[1]:
         raise ValueError(
             f"composite shift {name!r}: expected two different registered shifts joined by "
-            f"{SEPARATOR!r}, e.g. 'gaussian_noise{SEPARATOR}fog'"
+            f"{SEPARATOR!r}: 'A{SEPARATOR}B' (see tta-bench ls shifts)"
         )
     return pieces[0], pieces[1]
 
