@@ -99,7 +99,7 @@ def check_protocol(settings: Settings, data: Path, source: Path | None) -> Any:
     if source is not None and "source" in {f.name for f in fields(Protocol)}:
         extra["source"] = {
             "dataset": "parquet",
-            "dataset_args": {"data_dir": str(source), "classnames": classnames},
+            "dataset_args": {"data_dir": str(source), "classnames": classnames, "split": "train"},
         }
     return Protocol(
         name="gpu-check",
@@ -205,7 +205,7 @@ def check_methods(
     data = write_dataset(workdir / "data" / "stream.parquet", settings, settings.max_images, 1)
     n_source = source_images_needed(names)
     source = (
-        write_dataset(workdir / "source" / "clean.parquet", settings, n_source, 2)
+        write_dataset(workdir / "source" / "train.parquet", settings, n_source, 2)
         if n_source
         else None
     )

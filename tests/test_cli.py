@@ -98,7 +98,7 @@ def test_overrides_reach_the_method_and_the_protocol(tmp_path):
     ("args", "message"),
     [
         (["--method", "mrua"], "Did you mean 'mura'"),
-        (["--suite", "digits-cc"], "Did you mean 'digits-c'"),
+        (["--suite", "digits-cx"], "Did you mean 'digits-c'"),
         (["--model", "tiny-clip"], "unknown model 'tiny-clip'"),
         (["--method", "tent", "method.nonexistent=1"], "nonexistent"),
         (["--method", "tent", "bogus_key=1"], "bogus_key"),
