@@ -20,10 +20,10 @@ from method_runs import (
 from torch import nn
 
 from mura_plugin.augment import apply_augmix, augmix_draws
+from mura_plugin.methods._online import nesterov_groups
 from mura_plugin.methods.memo import (
     MEMO,
     _image_parameters,
-    _nesterov_groups,
     _use_batch_norm_prior,
     alpha_batch_norm,
     memo_loss,
@@ -226,8 +226,8 @@ def test_parameter_sets_and_crop_rule(classifier):
     assert method.crop_kind(torch.zeros(1, 3, 32, 32)) == "pad"
     assert method.crop_kind(torch.zeros(1, 3, 64, 64)) == "resized"
     with pytest.raises(ValueError, match="momentum > 0"):
-        _nesterov_groups([], MEMO.Config(momentum=0.0))
-    assert _nesterov_groups([], MEMO.Config(optimizer="adam")) == []
+        nesterov_groups([], MEMO.Config(momentum=0.0))
+    assert nesterov_groups([], MEMO.Config(optimizer="adam")) == []
 
 
 def test_defaults_are_the_reference_cifar10_c_setting():

@@ -106,6 +106,7 @@ from torch import nn
 from torch.func import functional_call
 
 from mura_plugin.methods._norm import use_batch_statistics
+from mura_plugin.methods.cotta import ema_update_
 from tta_bench.bounds import bounded, one_of
 from tta_bench.method import (
     OPTIMIZERS,
@@ -530,7 +531,7 @@ class AdaContrast(GradientMethod):
         pseudo = self.pseudo_labels(feats_w.detach(), logits_w.detach())
         feats_q, logits_q = self._encode(view_q)
         q = F.normalize(feats_q, dim=1)
-        _ema_update_(self.key_params, self.params, cfg.key_momentum)
+        ema_update_(self.key_params, self.params, cfg.key_momentum)
         k = F.normalize(self._encode_keys(view_k)[0], dim=1)
         logits_ins = instance_logits(q, k, self.queue, cfg.temperature)
         self.queue, self.queue_labels, self.queue_ptr = enqueue(
@@ -568,12 +569,3 @@ class AdaContrast(GradientMethod):
             self.last_loss = loss.detach()
             self._update_bank(views[0])
         return logits
-
-
-@torch.no_grad()
-def _ema_update_(
-    targets: Sequence[torch.Tensor], sources: Sequence[torch.Tensor], momentum: float
-) -> None:
-    """``t <- momentum t + (1 - momentum) s`` in place (the key encoder's update)."""
-    for t, s in zip(targets, sources, strict=True):
-        t.mul_(momentum).add_(s.detach(), alpha=1.0 - momentum)

@@ -119,12 +119,17 @@ def cotta_augment(
     generator: torch.Generator,
     noise_generator: torch.Generator | None = None,
     *,
-    noise_std: float = 0.005,
+    noise_std: float | None = 0.005,
+    padding_mode: str = "edge",
+    blur: bool = True,
 ) -> torch.Tensor:
     """One augmented copy of the batch ``images [B, 3, S, S]`` in [0, 1] (the official
     non-soft ``get_tta_transforms``): every random parameter is drawn once from
     ``generator`` and shared by the batch; the per-element noise is drawn from
-    ``noise_generator`` (default ``generator``; it must live on the images' device)."""
+    ``noise_generator`` (default ``generator``; it must live on the images' device).
+    ``padding_mode``, ``blur`` and ``noise_std=None`` (no noise drawn) give the reference
+    harness's ``cotta_augs=False`` variant that ROID uses (reflect padding, no blur, no
+    noise); the draws left are in the same order."""
     size = images.shape[-1]
     x = images.clamp(0.0, 1.0)
     for op in torch.randperm(5, generator=generator).tolist():
@@ -139,7 +144,7 @@ def cotta_augment(
         else:
             x = TF.adjust_gamma(x.clamp(1e-8, 1.0), _uniform(generator, 0.7, 1.3))
     pad = size // 2
-    x = TF.pad(x, [pad, pad, pad, pad], padding_mode="edge")
+    x = TF.pad(x, [pad, pad, pad, pad], padding_mode=padding_mode)
     angle = _uniform(generator, -15.0, 15.0)
     max_shift = x.shape[-1] / 16
     shift = [round(_uniform(generator, -max_shift, max_shift)) for _ in range(2)]
@@ -153,11 +158,14 @@ def cotta_augment(
         interpolation=TF.InterpolationMode.BILINEAR,
         fill=0.0,
     )
-    sigma = _uniform(generator, 0.001, 0.5)
-    x = TF.gaussian_blur(x, kernel_size=[5, 5], sigma=[sigma, sigma])
+    if blur:
+        sigma = _uniform(generator, 0.001, 0.5)
+        x = TF.gaussian_blur(x, kernel_size=[5, 5], sigma=[sigma, sigma])
     x = TF.center_crop(x, [size, size])
     if float(torch.rand(1, generator=generator)) < 0.5:
         x = TF.horizontal_flip(x)
+    if noise_std is None:
+        return x.clamp(0.0, 1.0)
     noise = torch.randn(
         x.shape, generator=noise_generator or generator, device=x.device, dtype=x.dtype
     )

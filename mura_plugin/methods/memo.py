@@ -90,6 +90,7 @@ from mura_plugin.augment import apply_augmix, augmix_draws
 from mura_plugin.losses import marginal_entropy
 from mura_plugin.methods._episodes import MultiViewConfig, MultiViewMethod
 from mura_plugin.methods._norm import norm_parameters
+from mura_plugin.methods._online import nesterov_groups
 from mura_plugin.methods._text_heads import SINGLE_PROMPT, class_head
 from mura_plugin.methods._view_budget import BatchViews
 from tta_bench.bounds import bounded, one_of
@@ -230,17 +231,6 @@ def _image_parameters(visual: nn.Module, which: str) -> list[nn.Parameter]:
     raise ValueError(f"unknown params {which!r}; available: {', '.join(PARAMETER_SETS)}")
 
 
-def _nesterov_groups(params: list[nn.Parameter], config: Any) -> list[Any]:
-    """The optimiser's parameter groups: one group asking torch's SGD for Nesterov momentum
-    when ``config`` says SGD with ``nesterov`` (conf.py's default; ``build_optimizer`` has
-    no such option), else the parameters themselves."""
-    if config.optimizer == "sgd" and config.nesterov:
-        if config.momentum <= 0:
-            raise ValueError("nesterov=true needs momentum > 0 (or set nesterov=false)")
-        return [{"params": list(params), "nesterov": True}]
-    return list(params)
-
-
 class MEMO(MultiViewMethod):
     """Episodic marginal entropy minimisation over AugMix copies; see the module docstring."""
 
@@ -259,7 +249,7 @@ class MEMO(MultiViewMethod):
         return params
 
     def param_groups(self) -> list[Any]:
-        return _nesterov_groups(self.params, self.config)
+        return nesterov_groups(self.params, self.config)
 
     def class_embeddings(self) -> torch.Tensor:
         """The text head this method classifies with ``[C, D]`` (``text_head``)."""

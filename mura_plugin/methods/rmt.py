@@ -111,6 +111,7 @@ from torch import nn
 from torch.func import functional_call
 
 from mura_plugin.methods._norm import use_batch_statistics
+from mura_plugin.methods._online import symmetric_cross_entropy as sce
 from mura_plugin.methods.cotta import cotta_augment, ema_update_
 from tta_bench.bounds import bounded
 from tta_bench.method import GradientConfig, GradientMethod
@@ -170,10 +171,7 @@ def symmetric_cross_entropy(
     """Per-sample ``-(1 - alpha) sum softmax(teacher) log softmax(logits)
     - alpha sum softmax(logits) log softmax(teacher)`` ``[B]`` (float32; the teacher is not
     differentiated)."""
-    logits, teacher = logits.float(), teacher.detach().float()
-    forward = (teacher.softmax(dim=1) * logits.log_softmax(dim=1)).sum(dim=1)
-    backward = (logits.softmax(dim=1) * teacher.log_softmax(dim=1)).sum(dim=1)
-    return -(1 - alpha) * forward - alpha * backward
+    return sce(logits.float(), teacher.detach().float(), alpha)
 
 
 def class_prototypes(

@@ -86,10 +86,11 @@ from typing import Any, ClassVar, Optional
 
 import torch
 import torch.nn.functional as F
-import torchvision.transforms.v2.functional as TF
 from torch import nn
 
 from mura_plugin.methods._norm import norm_parameters, use_batch_statistics
+from mura_plugin.methods._online import symmetric_cross_entropy
+from mura_plugin.methods.cotta import cotta_augment
 from tta_bench.bounds import bounded, one_of
 from tta_bench.method import PRECISIONS, GradientConfig, GradientMethod
 from tta_bench.model import ZeroShotClassifier
@@ -124,16 +125,6 @@ def soft_likelihood_ratio(
     ``-sum_c q_c log(q_c / (1 - q_c) + eps)``, ``q = clamp(softmax(z), 0, clip)``."""
     q = logits.softmax(dim=1).clamp(0.0, clip)
     return -(q * torch.log(q / (1.0 - q) + eps)).sum(dim=1)
-
-
-def symmetric_cross_entropy(
-    x: torch.Tensor, reference: torch.Tensor, alpha: float = 0.5
-) -> torch.Tensor:
-    """``-(1 - alpha) sum softmax(reference) log_softmax(x) - alpha sum softmax(x)
-    log_softmax(reference)`` per sample ``[B]`` (gradient through both)."""
-    forward = (reference.softmax(dim=1) * x.log_softmax(dim=1)).sum(dim=1)
-    backward = (x.softmax(dim=1) * reference.log_softmax(dim=1)).sum(dim=1)
-    return -(1.0 - alpha) * forward - alpha * backward
 
 
 def minmax(values: torch.Tensor) -> torch.Tensor:
@@ -194,52 +185,12 @@ def ensemble_with_source_(
 
 
 # -- the augmentation ----------------------------------------------------------------------
-def _uniform(generator: torch.Generator, low: float, high: float) -> float:
-    return float(torch.empty(1).uniform_(low, high, generator=generator))
-
-
-def _colour_jitter(x: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
-    for op in torch.randperm(5, generator=generator).tolist():
-        if op == 0:
-            x = TF.adjust_brightness(x, _uniform(generator, 0.6, 1.4))
-        elif op == 1:
-            x = TF.adjust_contrast(x, _uniform(generator, 0.7, 1.3))
-        elif op == 2:
-            x = TF.adjust_saturation(x, _uniform(generator, 0.5, 1.5))
-        elif op == 3:
-            x = TF.adjust_hue(x, _uniform(generator, -0.06, 0.06))
-        else:
-            x = TF.adjust_gamma(x.clamp(1e-8, 1.0), _uniform(generator, 0.7, 1.3))
-    return x
-
-
 def roid_augment(images: torch.Tensor, generator: torch.Generator) -> torch.Tensor:
     """One augmented copy of ``images [B, 3, S, S]`` in [0, 1] (the official
     ``get_tta_transforms(..., padding_mode="reflect", cotta_augs=False)``): every random
-    parameter is drawn once from ``generator`` (CPU) and shared by the batch."""
-    size = images.shape[-1]
-    x = _colour_jitter(images.clamp(0.0, 1.0), generator)
-    pad = size // 2
-    x = TF.pad(x, [pad, pad, pad, pad], padding_mode="reflect")
-    angle = _uniform(generator, -15.0, 15.0)
-    shift = [
-        round(_uniform(generator, -x.shape[-1] / 16, x.shape[-1] / 16)),
-        round(_uniform(generator, -x.shape[-2] / 16, x.shape[-2] / 16)),
-    ]
-    scale = _uniform(generator, 0.9, 1.1)
-    x = TF.affine(
-        x,
-        angle=angle,
-        translate=shift,
-        scale=scale,
-        shear=[0.0, 0.0],
-        interpolation=TF.InterpolationMode.BILINEAR,
-        fill=0.0,
-    )
-    x = TF.center_crop(x, [size, size])
-    if float(torch.rand(1, generator=generator)) < 0.5:
-        x = TF.horizontal_flip(x)
-    return x.clamp(0.0, 1.0)
+    parameter is drawn once from ``generator`` (CPU) and shared by the batch; CoTTA's
+    augmentation with reflect padding and without its blur and noise."""
+    return cotta_augment(images, generator, noise_std=None, padding_mode="reflect", blur=False)
 
 
 # -- the method ----------------------------------------------------------------------------

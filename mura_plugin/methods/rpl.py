@@ -67,6 +67,7 @@ import torch
 from torch import nn
 
 from mura_plugin.methods._norm import norm_parameters, use_batch_statistics
+from mura_plugin.methods._online import nesterov_groups
 from tta_bench.bounds import bounded
 from tta_bench.method import GradientConfig, GradientMethod
 from tta_bench.model import ZeroShotClassifier
@@ -100,16 +101,6 @@ def generalized_cross_entropy(
     return (1.0 - p_y.pow(q)) / q
 
 
-def _nesterov_groups(params: list[nn.Parameter], config: Any) -> list[Any]:
-    """One parameter group asking torch's SGD for Nesterov momentum when ``config`` says
-    SGD with ``nesterov`` (conf.py's default), else the parameters themselves."""
-    if config.optimizer == "sgd" and config.nesterov:
-        if config.momentum <= 0:
-            raise ValueError("nesterov=true needs momentum > 0 (or set nesterov=false)")
-        return [{"params": list(params), "nesterov": True}]
-    return list(params)
-
-
 class RPL(GradientMethod):
     """GCE on hard pseudo-labels over the image tower's norm-layer affine parameters."""
 
@@ -126,7 +117,7 @@ class RPL(GradientMethod):
         return params
 
     def param_groups(self) -> list[Any]:
-        return _nesterov_groups(self.params, self.config)
+        return nesterov_groups(self.params, self.config)
 
     def compute_loss(self, images: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         logits = self.model(images)

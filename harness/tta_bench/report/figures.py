@@ -14,6 +14,7 @@ from typing import Any
 
 from tta_bench.report import plots, stats, tables
 from tta_bench.report.collect import Leaderboard, SampleAnalysis, sample_analysis
+from tta_bench.run.protocol import CORRELATED
 
 PLOT_FOREST = "forest.png"
 PLOT_HEATMAP = "delta_heatmap.png"
@@ -22,8 +23,9 @@ PLOT_STREAM = "accuracy_over_stream.png"
 PLOT_PARETO = "accuracy_vs_time.png"
 #: Every figure a leaderboard may draw (``leaderboard_figures`` says which fit a suite).
 PLOT_FILES = (PLOT_FOREST, PLOT_HEATMAP, PLOT_SEVERITY, PLOT_STREAM, PLOT_PARETO)
-#: Reset policies whose cells form one stream in a fixed order: accuracy over the stream.
-STREAM_RESETS = ("continual", "gradual", "correlated", "gradual_correlated")
+#: Reset policies whose cells form one stream in a fixed order: accuracy over the stream
+#: (with the class-sorted policies that keep their order, ``run.protocol.CORRELATED``).
+STREAM_RESETS = ("continual", "gradual")
 
 
 @dataclass(frozen=True)
@@ -147,7 +149,8 @@ def _figures(board: Leaderboard, analysis: _Analysis) -> list[Figure]:
                 "Mean accuracy over shifts at each severity, 95% interval over seeds.",
             )
         )
-    if board.entries[0].record["protocol"].get("reset") in STREAM_RESETS:
+    reset = board.entries[0].record["protocol"].get("reset")
+    if CORRELATED.get(reset, reset) in STREAM_RESETS:
         out.append(
             Figure(
                 PLOT_STREAM,
