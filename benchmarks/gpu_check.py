@@ -62,7 +62,9 @@ from gpu_check_methods import (  # noqa: E402, F401 - the names the command and 
     check_golden,
     check_methods,
     golden_set,
+    head_overrides,
     imagenet_classnames,
+    published_head,
     run_method,
     synthetic_images,
 )

@@ -267,8 +267,27 @@ GOLDEN_ORDER = ("dtd", "oxford_flowers", "caltech101", "fgvc_aircraft", "oxford_
                 "ucf101", "stanford_cars", "eurosat", "sun397", "food101")  # fmt: skip
 
 
-#: Per method, the settings of the row it is compared with: TDA with its loaders' templates.
-GOLDEN_OVERRIDES = {"tda": ["method.text_head=official"], "tpt": ["method.augmix=true"]}
+#: Per method, the settings of the row it is compared with beside its text head (TPT's
+#: AugMix views on the fine-grained sets).
+GOLDEN_OVERRIDES = {"tpt": ["method.augmix=true"]}
+
+
+def published_head(entry: dict[str, Any], row: str, dataset: str) -> str | None:
+    """The text head the published ``row`` used on ``dataset`` (its ``prompts:``): a
+    catalogue template set, ``official`` (the method's own head), or None (not published)."""
+    head = (entry.get("prompts") or {}).get(row)
+    return head.get(dataset) if isinstance(head, dict) else head
+
+
+def head_overrides(head: str | None) -> list[str]:
+    """The run settings that give a method the published text head ``head``: the method's
+    own (``method.text_head=official``) or a template set as the protocol's head; none for
+    an unpublished head (the suite's own head runs, and the row is not like for like)."""
+    if head is None:
+        return []
+    if head == "official":
+        return ["method.text_head=official"]
+    return [f"protocol.templates={head}"]
 
 
 def golden_set(data_dir: str | None, wanted: str | None) -> tuple[str | None, str]:
@@ -297,7 +316,9 @@ def check_golden(
 ) -> dict[str, Any]:
     """One cross-domain set through ``tta-bench run`` (suite ``cross-domain-10`` restricted to
     it, seed 0) with CLIP RN50 and its OpenAI weights, each method beside the figure the
-    official TDA README publishes. Skipped (not failed) without the data or the weights."""
+    official TDA README publishes, run with the text head that row used (``published_head``;
+    a row whose head is not published is run with the suite's head and marked not like for
+    like). Skipped (not failed) without the data or the weights."""
     from tta_bench import api, catalog
 
     published = catalog.catalog()["published"][GOLDEN_SOURCE]
@@ -310,12 +331,13 @@ def check_golden(
     rows = {}
     for method in methods:
         start = time.perf_counter()
+        head = published_head(published, method, name)
         try:
             record = api.evaluate(
                 method,
                 "cross-domain-10",
                 model["name"],
-                [*overrides, *GOLDEN_OVERRIDES.get(method, [])],
+                [*overrides, *head_overrides(head), *GOLDEN_OVERRIDES.get(method, [])],
                 seeds=[0],
                 output=workdir / f"golden-{method}.json",
                 device=str(device),
@@ -334,6 +356,9 @@ def check_golden(
             "accuracy": ours,
             "published": target,
             "difference": None if target is None else ours - target,
+            # the published row's head, and whether ours ran with it
+            "text_head": head or "not published",
+            "like_for_like": head is not None,
             "wall_s": time.perf_counter() - start,
         }
     return {"status": "pass", "source": published["source"], "model": model, "rows": rows}

@@ -91,11 +91,23 @@ def _print_golden(golden: dict[str, Any]) -> None:
                 f"{r['accuracy']:.2f}",
                 _fmt(r["published"], ".2f"),
                 _fmt(r["difference"], "+.2f"),
+                r.get("text_head", "-"),
+                "yes" if r.get("like_for_like") else "no (published head unknown)",
             ]  # fmt: skip
             for m, r in golden["rows"].items()
         ]
         print(f"\ngolden: ours beside {golden['source']}")
-        print(tabulate(rows, headers=["method", "set", "images", "ours %", "published %", "diff"]))
+        headers = [
+            "method",
+            "set",
+            "images",
+            "ours %",
+            "published %",
+            "diff",
+            "head",
+            "like for like",
+        ]
+        print(tabulate(rows, headers=headers))
     elif golden:
         print(f"\ngolden: {golden['status']} ({golden.get('reason') or golden.get('error')})")
 

@@ -62,6 +62,35 @@ def test_cifar_c_errors_say_what_to_download(tmp_path, tmp_cache):
     assert not (tmp_cache / "decoded").exists()
 
 
+def test_the_cifar_train_split_is_the_c_suites_source(tmp_path):
+    """The CIFAR-C suites name ``cifar10``/``cifar100`` ``split=train`` as their source
+    (EATA's Fisher, RMT's and SANTA's labelled source): it reads the five training batches
+    in order (CIFAR-100: its one ``train`` file); a split that is neither is refused."""
+    import pickle
+
+    from tta_bench.run.protocol import load_protocol
+
+    d = tmp_path / "cifar-10-batches-py"
+    d.mkdir()
+    for i in range(1, 6):
+        data = np.full((2, 3072), i, dtype=np.uint8)
+        with open(d / f"data_batch_{i}", "wb") as fh:
+            pickle.dump({b"data": data, b"labels": [i, i - 1]}, fh)
+    assert load_protocol("cifar10-c").source == {
+        "dataset": "cifar10",
+        "dataset_args": {"split": "train"},
+    }
+    with pytest.warns(UserWarning, match="10 image"):  # not the 50,000 published
+        s = factory("cifar10")(split="train", data_dir=str(tmp_path))
+    assert s.name == "cifar10-train"
+    assert s.labels.tolist() == [1, 0, 2, 1, 3, 2, 4, 3, 5, 4]
+    (d / "data_batch_4").unlink()
+    with pytest.raises(DataUnavailableError, match="data_batch_4"):
+        factory("cifar10")(split="train", data_dir=str(tmp_path))
+    with pytest.raises(ValueError, match="unknown split 'val'; available: test"):
+        factory("cifar10")(split="val", data_dir=str(tmp_path))
+
+
 def test_cifar10_clean_from_pickle_and_missing_hub(tmp_path):
     import pickle
 
@@ -295,8 +324,9 @@ def test_empty_class_folders_warn_once_naming_them_as_partial_data(tmp_path):
     a_root = tmp_path / "imagenet-a"
     wnids = ["n01498041", "n01531178", "n01534433"]
     fx.tree(a_root, wnids, per_folder=1, ext=".jpg")
-    full, said = _build(factory("imagenet_a"), data_dir=str(tmp_path))
-    assert said == [] and len(full) == 3
+    full, [said] = _build(factory("imagenet_a"), data_dir=str(tmp_path))
+    assert len(full) == 3 and "hold no image file" not in said, said  # no class folder empty
+    assert "197 of the 200 class folders are missing" in said, said  # but 197 are absent
     (a_root / wnids[1] / "img0.jpg").unlink()  # emptied
     (a_root / wnids[2] / "img0.jpg").rename(a_root / wnids[2] / "img0.txt")  # no image file
     a, said = _build(factory("imagenet_a"), data_dir=str(tmp_path))

@@ -208,3 +208,47 @@ def test_published_targets_match_the_readme_averages():
         assert round(statistics.fmean(row[k] for k in family), 2) == want["imagenet_family"]
         assert round(statistics.fmean(row[k] for k in family[1:]), 2) == want["natural_shifts"]
         assert round(statistics.fmean(cross), 2) == want["cross_domain"]
+
+
+def test_each_published_row_says_which_text_head_it_used(gpu_check):
+    """Every published row names its head per row or per set: a catalogue template set,
+    ``official``, or null; the TDA README's "CLIP-ResNet-50" row is the prompt ensemble of
+    TPT's README on the ImageNet family, not its single-prompt row (kdiAAA/TDA#9)."""
+    from tta_bench import catalog
+
+    found = catalog.catalog()
+    published, sets = found["published"], found["templates"]
+    for name, entry in published.items():
+        assert set(entry["prompts"]) == set(entry["accuracy"]) == set(entry["method"]), name
+        for row, figures in entry["accuracy"].items():
+            for dataset in figures:
+                head = gpu_check.published_head(entry, row, dataset)
+                assert head is None or head == "official" or head in sets, (name, row, head)
+    tda, tpt = published["tda-readme-rn50"], published["tpt-readme-rn50"]
+    family = ["imagenet", "imagenet_a", "imagenet_v2", "imagenet_r", "imagenet_sketch"]
+    ensemble = {k: tda["accuracy"]["zeroshot"][k] for k in family}
+    assert ensemble == tpt["accuracy"]["zeroshot_ensemble"] != tpt["accuracy"]["zeroshot"]
+    for d in family:
+        assert gpu_check.published_head(tda, "zeroshot", d) == "clip-imagenet-80"
+        assert gpu_check.published_head(tpt, "zeroshot_ensemble", d) == "clip-imagenet-80"
+        assert gpu_check.published_head(tpt, "zeroshot", d) == "simple"
+    assert gpu_check.published_head(tda, "zeroshot", "dtd") is None
+    assert gpu_check.published_head(tda, "tda", "dtd") == "official"
+
+
+def test_the_golden_run_takes_the_published_head(gpu_check):
+    assert gpu_check.head_overrides(None) == []
+    assert gpu_check.head_overrides("official") == ["method.text_head=official"]
+    assert gpu_check.head_overrides("simple") == ["protocol.templates=simple"]
+
+
+def test_tpt_readme_rows_match_its_averages():
+    import statistics
+
+    from tta_bench import catalog
+
+    pub = catalog.catalog()["published"]["tpt-readme-rn50"]
+    for row, figures in pub["accuracy"].items():
+        values = list(figures.values())
+        assert round(statistics.fmean(values), 2) == pub["averages"][row]["imagenet_family"]
+        assert round(statistics.fmean(values[1:]), 2) == pub["averages"][row]["natural_shifts"]

@@ -55,6 +55,7 @@ PLUGIN_API = {
     "tta_bench.metrics",
     "tta_bench.model",
     "tta_bench.paths",
+    "tta_bench.prompts",
     "tta_bench.registry",
     "tta_bench.rng",
     "tta_bench.text_head",

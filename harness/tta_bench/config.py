@@ -26,6 +26,10 @@ class ProtocolOverrides:
 
     #: The text head: a catalogue template set (``tta-bench ls templates``) or a list.
     templates: Optional[Any] = None
+    #: The prompt mode (``tta_bench.prompts``): templates (default) | cupl | all; the last two
+    #: read ``prompts``, a JSON file of class name -> sentences (CuPL's format). Part of the id.
+    text_head: Optional[str] = None
+    prompts: Optional[str] = None
     shifts: Optional[list[str]] = None
     severities: Optional[list[int]] = bounded(None, ge=1)
     batch_size: Optional[int] = bounded(None, ge=1)

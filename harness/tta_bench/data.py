@@ -9,7 +9,7 @@ the sources the loader reads) is the running room's: ``tta_bench.run.cache`` and
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import asdict, dataclass, field
 from typing import TYPE_CHECKING, Any
 
 import numpy as np
@@ -17,7 +17,14 @@ import numpy as np
 if TYPE_CHECKING:
     import torch
 
-__all__ = ["BadImageError", "DataUnavailableError", "DomainStream", "to_float_images"]
+__all__ = [
+    "INVENTORY_STATUSES",
+    "BadImageError",
+    "DataInventory",
+    "DataUnavailableError",
+    "DomainStream",
+    "to_float_images",
+]
 
 
 class DataUnavailableError(FileNotFoundError, ValueError):
@@ -71,6 +78,72 @@ class DomainStream:
     @property
     def labels(self) -> np.ndarray:
         return np.asarray(self.dataset["label"], dtype=np.int64)
+
+
+#: What ``DataInventory.status`` can say of a domain's data: ``found`` (all there, as
+#: published), ``partial`` (a subset: class folders empty or absent, listed files absent,
+#: fewer images than published), ``mismatch`` (not the published data: folders of no class,
+#: more images than published, a split file a run refuses), ``missing`` (nothing found),
+#: ``bundled`` (shipped with a package: nothing to download).
+INVENTORY_STATUSES = ("found", "partial", "mismatch", "missing", "bundled")
+
+
+@dataclass
+class DataInventory:
+    """What a dataset factory's ``inventory`` (same keyword arguments as the factory) says of
+    one domain's data, from folder listings, split files and array headers only (no image
+    decoded): what ``tta-bench data check`` prints. ``status`` follows from the facts."""
+
+    domain: str
+    #: The folder or file the data was found at; None: not found.
+    where: str | None = None
+    #: Images found (None: not counted, e.g. a copy in the HF datasets cache).
+    images: int | None = None
+    #: Images of the domain as published (the catalogue's figure); None: not known.
+    published: int | None = None
+    #: Class folders holding no image (or links that lead to no folder).
+    empty: list[str] = field(default_factory=list)
+    #: Class folders the dataset has that are not there.
+    absent: list[str] = field(default_factory=list)
+    #: Folders that are no class of the dataset (a run refuses them).
+    unknown: list[str] = field(default_factory=list)
+    #: Files a split file lists that are not there.
+    missing_files: int = 0
+    #: Why a run refuses this data, or why it is not the published data.
+    problems: list[str] = field(default_factory=list)
+    #: The split file's identity (``name sha256:<12 hex>, N test``), where the layout has one.
+    split_file: str | None = None
+    #: What to download and where to put it (shown where the data is not complete).
+    download: str | None = None
+    bundled: bool = False
+    notes: list[str] = field(default_factory=list)
+
+    @property
+    def status(self) -> str:
+        """One of ``INVENTORY_STATUSES``."""
+        if self.bundled:
+            return "bundled"
+        if self.where is None:
+            return "missing"
+        counted = self.images is not None and bool(self.published)
+        if self.problems or self.unknown or (counted and self.images > self.published):
+            return "mismatch"
+        if (
+            self.empty
+            or self.absent
+            or self.missing_files
+            or (counted and self.images < self.published)
+        ):
+            return "partial"
+        return "found"
+
+    @property
+    def complete(self) -> bool:
+        """All the domain's data is there as published (or bundled)."""
+        return self.status in ("found", "bundled")
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"status": self.status, **asdict(self)}
 
 
 def to_float_images(images: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:

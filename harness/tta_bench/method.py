@@ -93,6 +93,11 @@ class Method(abc.ABC):
     #: per dataset family or per profile are catalogue data (its entry's ``dataset_flags``
     #: and ``profiles``), not attributes.
     stream_kind: ClassVar[str | None] = None
+    #: The protocol's prompt modes (``tta_bench.prompts``) the method can run under: every
+    #: one for a method that reads the head (``model.class_embeddings``); a method that
+    #: encodes prompts from ``model.templates`` itself declares ``("templates",)``, and a run
+    #: of another mode is refused before anything is built.
+    text_heads: ClassVar[tuple[str, ...]] = ("templates", "cupl", "all")
     #: Set by the runner before ``setup()``: how many samples the method sees until its
     #: next reset by the protocol (a schedule over the stream needs it, e.g. OnZeta's).
     stream_length: int | None = None

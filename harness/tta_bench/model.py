@@ -9,7 +9,7 @@ ensemble), and the logit scale. It takes images as float tensors in [0, 1] at
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -45,7 +45,8 @@ def format_prompts(classnames: Sequence[str], templates: Sequence[str]) -> list[
 
 
 class ZeroShotClassifier(nn.Module):
-    """Images in [0, 1] -> class logits ``[B, C]`` = scale * <image feature, class embedding>."""
+    """Images in [0, 1] -> class logits ``[B, C]`` = scale * <image feature, class embedding>
+    (+ the model's ``logit_bias`` where it has one: sigmoid-loss models such as SigLIP)."""
 
     def __init__(
         self,
@@ -56,11 +57,12 @@ class ZeroShotClassifier(nn.Module):
         *,
         text_chunk_size: int = text_head.DEFAULT_CHUNK_PROMPTS,
         text_cache: bool = True,
+        class_prompts: Mapping[str, Sequence[str]] | None = None,
     ):
         super().__init__()
         if not classnames:
             raise ValueError("a zero-shot classifier needs at least one class name")
-        if not templates:
+        if not templates and class_prompts is None:
             raise ValueError("a zero-shot classifier needs at least one prompt template")
         self.clip = bundle.clip
         self.tokenizer = bundle.tokenizer
@@ -68,8 +70,14 @@ class ZeroShotClassifier(nn.Module):
         self.model_name = bundle.name
         self.weights = bundle.weights
         self.classnames = list(classnames)
-        #: The protocol's text head: every method starts from these templates.
+        #: The protocol's text head: every method starts from these templates ...
         self.templates = list(templates)
+        #: ... and, under the prompt modes ``cupl``/``all`` (``tta_bench.prompts``), each
+        #: class's own sentences (None: templates only). Methods that encode prompts from
+        #: ``templates`` themselves declare the modes they support (``Method.text_heads``).
+        self.class_prompts = (
+            None if class_prompts is None else {c: list(class_prompts[c]) for c in classnames}
+        )
         #: The registered dataset the classes come from (methods whose official code picks
         #: settings per dataset read it); None outside a benchmark run.
         self.dataset = dataset
@@ -94,12 +102,31 @@ class ZeroShotClassifier(nn.Module):
         return self.clip.logit_scale.exp()
 
     @property
+    def logit_bias(self) -> torch.Tensor | None:
+        """The model's learned logit bias (sigmoid-loss models such as SigLIP), or None. It
+        is the same for every class, so it moves no softmax probability and no prediction;
+        it is what makes ``sigmoid(logits)`` the model's own match probabilities."""
+        return getattr(self.clip, "logit_bias", None)
+
+    @property
     def num_classes(self) -> int:
         return len(self.classnames)
 
     def build_class_embeddings(self) -> torch.Tensor:
-        """The protocol head: ``encode_templates(self.templates)``."""
-        return self.encode_templates(self.templates)
+        """The protocol head: ``encode_templates(self.templates)``, or with per-class
+        sentences the mean over each class's formatted templates and sentences."""
+        if self.class_prompts is None:
+            return self.encode_templates(self.templates)
+        return text_head.class_embeddings(
+            self.clip,
+            self.tokenizer,
+            self.classnames,
+            self.templates,
+            chunk_size=self.text_chunk_size,
+            cache=self.text_cache,
+            about={"model": self.model_name, "weights": self.weights},
+            class_prompts=self.class_prompts,
+        )
 
     def encode_templates(self, templates: Sequence[str]) -> torch.Tensor:
         """Class embeddings ``[C, D]`` of another template set (a method's official head),
@@ -135,7 +162,9 @@ class ZeroShotClassifier(nn.Module):
         self, features: torch.Tensor, class_embeddings: torch.Tensor | None = None
     ) -> torch.Tensor:
         emb = self.class_embeddings if class_embeddings is None else class_embeddings
-        return self.logit_scale * features @ emb.t()
+        logits = self.logit_scale * features @ emb.t()
+        bias = self.logit_bias
+        return logits if bias is None else logits + bias
 
     def forward(self, images: torch.Tensor) -> torch.Tensor:
         return self.logits_from_features(self.encode_image(images))

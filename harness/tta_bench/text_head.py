@@ -31,11 +31,8 @@ warned about and recomputed, never trusted. ``TTA_BENCH_TEXT_CACHE=0`` turns the
 ``text_head_entries`` and ``clear_text_heads`` list and clear the cache without importing
 torch (``tta-bench env`` / ``tta-bench cache``).
 
-Prompt templates, the text head's other half: ``resolve_templates`` is the one resolver,
-with one rule for every place that takes them (suites, dataset factories, ``Adapter``,
-``predict``, ``serve``). A template set is either the name of a catalogue set (``templates:``
-in a ``registry.yaml``) or a list of format strings, each with exactly one ``{}`` where the
-class name goes; resolving reads YAML only, no torch.
+Prompt templates and the prompt modes (per-class sentences, ``encode_prompt_lists``) are
+resolved in ``tta_bench.prompts``; ``resolve_templates`` is still importable from here.
 """
 
 from __future__ import annotations
@@ -53,6 +50,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from tta_bench.paths import atomic_path, cache_dir
+from tta_bench.prompts import class_prompt_lists, resolve_templates
 
 if TYPE_CHECKING:
     import torch
@@ -63,6 +61,7 @@ __all__ = [
     "RECIPE_VERSION",
     "CACHE_ENV",
     "encode_class_embeddings",
+    "encode_prompt_lists",
     "class_embeddings",
     "head_key",
     "key_digest",
@@ -72,6 +71,7 @@ __all__ = [
     "text_head_dir",
     "text_head_entries",
     "clear_text_heads",
+    "resolve_templates",  # from tta_bench.prompts, its home since the prompt modes
 ]
 
 #: Prompts per ``encode_text`` call. At CLIP's width 512 and 77 tokens one chunk's largest
@@ -141,6 +141,53 @@ def encode_class_embeddings(
                 sums[c0 : c0 + len(names)] += part
         assert sums is not None
         mean = sums / n_templates
+        return (mean / mean.norm(dim=-1, keepdim=True)).to(out_dtype)
+
+
+def encode_prompt_lists(
+    clip: nn.Module,
+    tokenizer: Callable[[Sequence[str]], torch.Tensor],
+    prompt_lists: Sequence[Sequence[str]],
+    *,
+    chunk_size: int = DEFAULT_CHUNK_PROMPTS,
+) -> torch.Tensor:
+    """Class embeddings ``[C, D]`` from each class's own prompts (lists of any length, e.g.
+    templates and CuPL sentences; ``tta_bench.prompts``): per class, the L2-normalised mean
+    of the L2-normalised ``encode_text`` features of its prompts. The prompts, class after
+    class, are encoded ``chunk_size`` at a time; each class's float32 sum adds its prompts
+    in order (no atomics), so the result is deterministic for a device."""
+    import torch
+
+    lists = [list(p) for p in prompt_lists]
+    if not lists or not all(lists):
+        raise ValueError("a text head needs at least one prompt for every class")
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(
+            f"chunk_size must be a positive int (prompts per call), got {chunk_size!r}"
+        )
+    flat = [(c, text) for c, texts in enumerate(lists) for text in texts]
+    device = next(clip.parameters()).device
+    sums: torch.Tensor | None = None
+    out_dtype = torch.float32
+    with torch.no_grad():
+        for i0 in range(0, len(flat), chunk_size):
+            part = flat[i0 : i0 + chunk_size]
+            feats = encode_text_cut(clip, tokenizer([t for _, t in part]).to(device))
+            feats = feats / feats.norm(dim=-1, keepdim=True)
+            if sums is None:
+                sums = torch.zeros(len(lists), feats.shape[1], device=device)
+                out_dtype = feats.dtype
+            start = 0
+            while start < len(part):  # each class's run of prompts in this chunk
+                c = part[start][0]
+                end = start
+                while end < len(part) and part[end][0] == c:
+                    end += 1
+                sums[c] += feats[start:end].float().sum(dim=0)
+                start = end
+        assert sums is not None
+        counts = torch.tensor([len(p) for p in lists], device=device, dtype=torch.float32)
+        mean = sums / counts[:, None]
         return (mean / mean.norm(dim=-1, keepdim=True)).to(out_dtype)
 
 
@@ -313,9 +360,12 @@ def head_key(
     templates: Sequence[str],
     *,
     chunk_size: int = DEFAULT_CHUNK_PROMPTS,
+    class_prompts: dict[str, Sequence[str]] | None = None,
 ) -> dict[str, Any]:
-    """Everything a head's values depend on (see the module docstring); JSON-serialisable."""
-    return {
+    """Everything a head's values depend on (see the module docstring); JSON-serialisable.
+    ``class_prompts`` (per-class sentences) are part of it only when given, so the keys of
+    template heads are those from before sentences existed."""
+    key = {
         "recipe": RECIPE_VERSION,
         "text_state_sha256": text_state_sha256(clip),
         "text_tower": {
@@ -325,9 +375,12 @@ def head_key(
         },
         "classnames": [str(c) for c in classnames],
         "templates": [str(t) for t in templates],
-        "tokenizer": tokenizer_identity(tokenizer, classnames, templates),
+        "tokenizer": tokenizer_identity(tokenizer, classnames, list(templates) or ["{}"]),
         "compute": _compute_identity(clip, chunk_size),
     }
+    if class_prompts is not None:
+        key["class_prompts"] = {str(c): [str(t) for t in class_prompts[c]] for c in classnames}
+    return key
 
 
 def _plain(value: Any) -> Any:
@@ -363,13 +416,19 @@ def class_embeddings(
     chunk_size: int = DEFAULT_CHUNK_PROMPTS,
     cache: bool = True,
     about: dict[str, Any] | None = None,
+    class_prompts: dict[str, Sequence[str]] | None = None,
 ) -> torch.Tensor:
     """``encode_class_embeddings(...)`` through the on-disk cache (when ``cache`` and
-    ``cache_enabled()``), on ``clip``'s device. ``about`` (e.g. model name and weights) is
-    stored beside the key for ``text_head_entries``; it is not part of the key."""
+    ``cache_enabled()``), on ``clip``'s device; with ``class_prompts`` (per-class sentences,
+    ``tta_bench.prompts``), ``encode_prompt_lists`` of each class's formatted templates (none
+    or more) and sentences. ``about`` (e.g. model name and weights) is stored beside the key
+    for ``text_head_entries``; it is not part of the key."""
     classnames, templates = list(classnames), list(templates)
 
     def compute() -> torch.Tensor:
+        if class_prompts is not None:
+            lists = class_prompt_lists(classnames, templates, class_prompts)
+            return encode_prompt_lists(clip, tokenizer, lists, chunk_size=chunk_size)
         return encode_class_embeddings(
             clip, tokenizer, classnames, templates, chunk_size=chunk_size
         )
@@ -379,7 +438,9 @@ def class_embeddings(
     from filelock import FileLock
 
     device = next(clip.parameters()).device
-    key = head_key(clip, tokenizer, classnames, templates, chunk_size=chunk_size)
+    key = head_key(
+        clip, tokenizer, classnames, templates, chunk_size=chunk_size, class_prompts=class_prompts
+    )
     try:
         path = entry_path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -533,35 +594,3 @@ def clear_text_heads() -> list[dict[str, Any]]:
     for lock in folder.glob(f"*{_SUFFIX}.lock") if folder.exists() else []:
         lock.unlink(missing_ok=True)
     return removed
-
-
-def resolve_templates(value: str | Sequence[str], *, owner: str = "") -> list[str]:
-    """The templates of ``value`` (a catalogue set's name, or a list of format strings).
-
-    An unknown set's name, an empty list, a non-string entry, or a template without exactly
-    one ``{}`` is a ``ValueError`` naming ``owner`` (e.g. ``"suite 'my-suite'"``), the bad
-    templates and the catalogue's sets."""
-    from tta_bench import catalog
-
-    where = f" of {owner}" if owner else ""
-    sets = catalog.catalog()["templates"]
-    if isinstance(value, str):
-        if value not in sets:
-            raise ValueError(
-                f"unknown template set {value!r}{where}; available: "
-                f"{', '.join(sorted(sets)) or 'none'} (or a list of format strings with one '{{}}')"
-            )
-        value = sets[value]["templates"]
-    if not isinstance(value, Sequence) or not all(isinstance(t, str) for t in value):
-        raise ValueError(
-            f"prompt templates{where} must be a template set's name or a list of strings, "
-            f"got {value!r}"
-        )
-    out = list(value)
-    bad = [t for t in out if t.count("{}") != 1]
-    if not out or bad:
-        raise ValueError(
-            f"prompt templates{where} need exactly one '{{}}' each (where the class name "
-            f"goes); got {bad or out}"
-        )
-    return out

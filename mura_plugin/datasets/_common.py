@@ -20,6 +20,7 @@ import os
 import re
 import warnings
 from collections.abc import Callable, Iterator, Sequence
+from dataclasses import dataclass
 from functools import lru_cache
 from pathlib import Path
 from types import SimpleNamespace
@@ -28,7 +29,7 @@ from typing import Any
 import numpy as np
 
 from tta_bench.catalog import entry
-from tta_bench.data import DataUnavailableError
+from tta_bench.data import DataInventory, DataUnavailableError
 
 IMAGE_EXTENSIONS = (".jpg", ".jpeg", ".png", ".bmp", ".webp", ".tif", ".tiff", ".gif")
 LABEL_KINDS = ("index", "imagenet_index", "wnid")
@@ -293,23 +294,107 @@ def broken_links(root: Path) -> list[str]:
         )
 
 
-def warn_empty_classes(root: Path, empty: Sequence[str], what: str) -> None:
-    """One ``UserWarning`` naming every class folder of the tree ``root`` that holds no image
-    file (``empty``: folder names, in the order given) and then every link in ``root`` that
-    leads nowhere (``broken_links``): the run's data is partial. Nothing when there are
-    neither."""
-    broken = broken_links(root)
-    named = [*empty, *(f"{b} (a symbolic link that leads to no folder)" for b in broken)]
-    if not named:
-        return
-    shown = ", ".join(named[:10])
-    more = f" and {len(named) - 10} more" if len(named) > 10 else ""
-    warnings.warn(
-        f"{what}: {len(named)} class folder(s) under {root} hold no image file: {shown}{more}; "
-        "the run's data is partial (those classes are never tested, so its scores are not "
-        "those of the full set)",
-        stacklevel=2,  # the factory's line: a split built twice (an ad-hoc suite) warns once
+@dataclass
+class ClassTree:
+    """The class folders of a tree ``root/<class>/<image>``: each folder's image files
+    (``list_images``), the links in ``root`` that lead nowhere, and the class folders the
+    dataset has (``expected``; None: any folder is a class)."""
+
+    root: Path
+    images: dict[str, list[Path]]
+    broken: list[str]
+    expected: tuple[str, ...] | None = None
+
+    @property
+    def count(self) -> int:
+        return sum(len(files) for files in self.images.values())
+
+    @property
+    def empty(self) -> list[str]:
+        """Class folders with no image file, then the links that lead to no folder."""
+        named = [f for f, files in self.images.items() if not files and f not in self.unknown]
+        return [*named, *(f"{b} (a symbolic link that leads to no folder)" for b in self.broken)]
+
+    @property
+    def absent(self) -> list[str]:
+        """Classes of the dataset with no folder (a link that leads nowhere is empty)."""
+        if self.expected is None:
+            return []
+        there = {*self.images, *self.broken}
+        return [e for e in self.expected if e not in there]
+
+    @property
+    def unknown(self) -> list[str]:
+        """Folders that are no class of the dataset."""
+        if self.expected is None:
+            return []
+        known = set(self.expected)
+        return [f for f in self.images if f not in known]
+
+
+def scan_tree(root: Path, expected: Sequence[str] | None = None) -> ClassTree:
+    """``root``'s class folders (``class_folders``, sorted by name) with their images."""
+    images = {folder: list_images(root / folder) for folder in class_folders(root)}
+    return ClassTree(root, images, broken_links(root), tuple(expected) if expected else None)
+
+
+def _named(names: Sequence[str]) -> str:
+    more = f" and {len(names) - 10} more" if len(names) > 10 else ""
+    return ", ".join(names[:10]) + more
+
+
+def partial_message(tree: ClassTree, what: str, published: int | None = None) -> str | None:
+    """Why the images of ``tree`` are not the whole published set (class folders empty or
+    absent, fewer or more images than ``published``), naming the folders; None: they are."""
+    parts = []
+    if tree.empty:
+        parts.append(
+            f"{len(tree.empty)} class folder(s) under {tree.root} hold no image file: "
+            f"{_named(tree.empty)}"
+        )
+    if tree.absent:
+        under = "" if tree.empty else f" under {tree.root}"
+        parts.append(
+            f"{len(tree.absent)} of the {len(tree.expected or ())} class folders are "
+            f"missing{under}: {_named(tree.absent)}"
+        )
+    if published and tree.count != published:
+        under = "" if parts else f" under {tree.root}"
+        parts.append(f"{tree.count:,} image(s){under} where the published set has {published:,}")
+    if not parts:
+        return None
+    return f"{what}: {'; '.join(parts)}; " + _why(
+        bool(tree.empty or tree.absent) or tree.count < (published or 0)
     )
+
+
+def _why(partial: bool) -> str:
+    if partial:
+        return (
+            "the run's data is partial (those classes or images are never tested, so its "
+            "scores are not those of the full set)"
+        )
+    return "the run's data is not the published set (another release, or files added)"
+
+
+def warn_partial(tree: ClassTree, what: str, published: int | None = None) -> None:
+    """One ``UserWarning`` with ``partial_message`` (``what`` names the set); nothing when
+    the tree holds the whole published set. ``tta-bench data check`` lists the same."""
+    message = partial_message(tree, what, published)
+    if message is not None:
+        # the factory's line: a split built twice (an ad-hoc suite) warns once
+        warnings.warn(message, stacklevel=2)
+
+
+def warn_count(what: str, where: Any, count: int, published: int | None) -> None:
+    """A ``UserWarning`` when a set read whole (an HF copy, a split file's list) holds
+    another number of images than the ``published`` one; nothing when it does not."""
+    if published and count != published:
+        warnings.warn(
+            f"{what}: {count:,} image(s) in {where} where the published set has "
+            f"{published:,}; {_why(count < published)}",
+            stacklevel=3,
+        )
 
 
 def folder_dataset(files: Sequence[Path], labels: Sequence[int]) -> Any:
@@ -416,7 +501,6 @@ def unavailable_message(
 ) -> str:
     """What to download and where to put it (``hf_copy``: a save_to_disk / parquet copy is
     read too)."""
-    where = ", ".join(f"<data-dir>/{d}" for d in meta.get("local_dirs", [])) or "<data-dir>"
     parts = [f"{title}: no local copy found"]
     if data_dir is not None:
         parts[0] += f" under --data-dir {str(data_dir)!r}"
@@ -427,19 +511,27 @@ def unavailable_message(
             f"and the HF hub dataset {meta['hub_id']!r} is not in the local datasets cache "
             "(this machine cannot download it)"
         )
-    msg = " ".join(parts) + "."
+    return " ".join(parts) + ". " + download_hint(meta, layout, hf_copy)
+
+
+def download_hint(meta: dict[str, Any], layout: str, hf_copy: bool = True) -> str:
+    """The catalogue's download source of a set and where its files go under --data-dir."""
+    where = ", ".join(f"<data-dir>/{d}" for d in meta.get("local_dirs", [])) or "<data-dir>"
+    msg = ""
     if meta.get("download"):
-        msg += f" Download {meta['download']}"
+        msg += f"Download {meta['download']}"
         msg += f" or the hub dataset {meta['hub_id']}" if meta.get("hub_id") else ""
-        msg += ";"
+        msg += "; "
     elif meta.get("hub_id"):
         msg += (
-            f" Download the hub dataset {meta['hub_id']} (datasets.load_dataset) on a machine "
-            "with network;"
+            f"Download the hub dataset {meta['hub_id']} (datasets.load_dataset) on a machine "
+            "with network; "
         )
     copy = " (or a save_to_disk/parquet copy)" if hf_copy else ""
-    msg += f" put it at one of {where} in the layout {layout}{copy} and pass --data-dir <data-dir>."
-    return msg
+    return (
+        msg
+        + f"put it at one of {where} in the layout {layout}{copy} and pass --data-dir <data-dir>."
+    )
 
 
 def attach_check(factory: Callable[..., Any], check: Callable[[SimpleNamespace], None]) -> None:
@@ -448,19 +540,38 @@ def attach_check(factory: Callable[..., Any], check: Callable[[SimpleNamespace],
     applied and a required one not given as None; an unknown keyword raises ``TypeError``
     as the factory would. ``check`` raises what the factory would (``ValueError`` /
     ``DataUnavailableError``) and reads no image."""
+    factory.check_args = _keyword_entry(factory, check, "check_args", None)  # type: ignore[attr-defined]
+
+
+def attach_inventory(
+    factory: Callable[..., Any], inventory: Callable[[SimpleNamespace], DataInventory]
+) -> None:
+    """Give ``factory`` its ``inventory`` (``tta-bench data check`` calls it with the
+    factory's keyword arguments, as ``attach_check``'s): ``inventory`` returns the
+    ``DataInventory`` of that domain from folder listings and split files, decoding no
+    image, and reports what is wrong rather than raising."""
+    factory.inventory = _keyword_entry(factory, inventory, "inventory", DataInventory)  # type: ignore[attr-defined]
+
+
+def _keyword_entry(
+    factory: Callable[..., Any], fn: Callable[[SimpleNamespace], Any], name: str, returns: Any
+) -> Any:
+    """``factory.<name>``: a function of ``factory``'s keywords (every default None where the
+    factory has none) that calls ``fn`` with them as a namespace, defaults applied."""
     signature = inspect.signature(factory)
 
-    def check_args(**kwargs: Any) -> None:
+    def call(**kwargs: Any) -> Any:
         bound = signature.bind_partial(**kwargs)
         bound.apply_defaults()
-        check(SimpleNamespace(**{**dict.fromkeys(signature.parameters), **bound.arguments}))
+        return fn(SimpleNamespace(**{**dict.fromkeys(signature.parameters), **bound.arguments}))
 
-    check_args.__doc__ = check.__doc__
-    check_args.__signature__ = signature.replace(  # type: ignore[attr-defined]
+    call.__name__ = call.__qualname__ = name
+    call.__doc__ = fn.__doc__
+    call.__signature__ = signature.replace(  # type: ignore[attr-defined]
         parameters=[
             p.replace(default=None) if p.default is p.empty else p
             for p in signature.parameters.values()
         ],
-        return_annotation=None,
+        return_annotation=returns,
     )
-    factory.check_args = check_args  # type: ignore[attr-defined]
+    return call

@@ -22,7 +22,8 @@ from typing import Any
 import numpy as np
 
 from mura_plugin.datasets import _common as c
-from tta_bench.data import DataUnavailableError, DomainStream
+from mura_plugin.datasets import _inventory as inv
+from tta_bench.data import DataInventory, DataUnavailableError, DomainStream
 from tta_bench.text_head import resolve_templates
 
 __all__ = ["cifar10", "cifar100", "cifar10_c", "cifar100_c", "CORRUPTIONS", "EXTRA_CORRUPTIONS"]
@@ -47,7 +48,18 @@ CORRUPTIONS = (
 )
 EXTRA_CORRUPTIONS = ("speckle_noise", "gaussian_blur", "spatter", "saturate")
 SEVERITIES = (1, 2, 3, 4, 5)
-_PICKLES = {"cifar10": ("test_batch", b"labels"), "cifar100": ("test", b"fine_labels")}
+#: Per set and split: the python pickle batches (read in order) and their label key. The
+#: test split is the test domain; the train split is a suite's clean source (EATA's Fisher,
+#: RMT's and SANTA's labelled source), never a test domain.
+_PICKLES = {
+    "cifar10": {
+        "test": (("test_batch",), b"labels"),
+        "train": (tuple(f"data_batch_{i}" for i in range(1, 6)), b"labels"),
+    },
+    "cifar100": {"test": (("test",), b"fine_labels"), "train": (("train",), b"fine_labels")},
+}
+#: Images per split as published (Krizhevsky 2009), for the count warning.
+_PUBLISHED = {"test": 10_000, "train": 50_000}
 
 
 def _array_dataset(images: np.ndarray, labels: np.ndarray) -> Any:
@@ -75,20 +87,32 @@ def _read_pickle(path: Path, label_key: bytes) -> tuple[np.ndarray, np.ndarray]:
 
 def _clean(name: str, split: str, data_dir: Any, revision: str | None, tmpl: Any) -> DomainStream:
     meta = c.dataset_meta(name)
-    if split != "test":
-        raise ValueError(f"{name}: only the 'test' split is a test domain; got split={split!r}")
-    pickle_name, label_key = _PICKLES[name]
+    if split not in _PICKLES[name]:
+        raise ValueError(
+            f"{name}: unknown split {split!r}; available: test (the test domain), train (a "
+            "suite's clean source split)"
+        )
+    pickle_names, label_key = _PICKLES[name][split]
     local = c.find_local(
-        data_dir, meta["local_dirs"], lambda p: (p / pickle_name).exists() or c.is_hf_copy(p)
+        data_dir, meta["local_dirs"], lambda p: (p / pickle_names[0]).exists() or c.is_hf_copy(p)
     )
     num_classes = len(meta["classnames"])
     metadata: dict[str, Any] = {"split": split}
-    if local is not None and (local / pickle_name).exists():
-        images, labels = _read_pickle(local / pickle_name, label_key)
-        labels = c.check_labels(labels, num_classes, str(local / pickle_name))
+    if local is not None and (local / pickle_names[0]).exists():
+        files = [local / f for f in pickle_names]
+        missing_batches = [f.name for f in files if not f.exists()]
+        if missing_batches:
+            raise DataUnavailableError(
+                f"{name} {split}: {local} lacks the pickle batches {', '.join(missing_batches)}"
+            )
+        parts = [_read_pickle(f, label_key) for f in files]
+        images = np.concatenate([im for im, _ in parts])
+        where = str(files[0]) if len(files) == 1 else f"{local} ({', '.join(pickle_names)})"
+        labels = c.check_labels(np.concatenate([lb for _, lb in parts]), num_classes, where)
         ds = _array_dataset(images, labels)
-        fingerprint = f"{name}/pickle/{c.files_fingerprint(local, [local / pickle_name])}"
-        source = str(local / pickle_name)
+        fingerprint = f"{name}/pickle/{c.files_fingerprint(local, files)}"
+        source = where
+        c.warn_count(name, source, len(ds), _PUBLISHED[split])
     else:
         if local is not None:
             raw, files = c.load_hf_copy(local, split, name)
@@ -97,7 +121,7 @@ def _clean(name: str, split: str, data_dir: Any, revision: str | None, tmpl: Any
             metadata["files"] = [f.relative_to(local).as_posix() for f in files]
         else:
             missing = c.unavailable_message(
-                name, meta, data_dir, f"{meta['local_dirs'][0]}/{pickle_name} (python pickle)"
+                name, meta, data_dir, f"{meta['local_dirs'][0]}/{pickle_names[0]} (python pickle)"
             )
             raw = c.load_hub(meta["hub_id"], split, revision, missing)
             source = f"hf:{meta['hub_id']}@{revision or 'cached'}"
@@ -110,6 +134,7 @@ def _clean(name: str, split: str, data_dir: Any, revision: str | None, tmpl: Any
             num_classes=num_classes,
             what=f"{name} {source}",
         )
+        c.warn_count(name, source, len(ds), _PUBLISHED[split])
         fingerprint += f"/{len(ds)}"
     return DomainStream(
         name=f"{name}-{split}",
@@ -128,7 +153,8 @@ def cifar10(
     revision: str | None = None,
     templates: str | Sequence[str] | None = None,
 ) -> DomainStream:
-    """CIFAR-10 test split (10,000 images, 32 px) as a clean ``DomainStream``."""
+    """CIFAR-10 test split (10,000 images, 32 px) as a clean ``DomainStream``; ``split=train``
+    (50,000) is the CIFAR-10-C suite's clean source split."""
     return _clean("cifar10", split, data_dir, revision, templates)
 
 
@@ -139,8 +165,13 @@ def cifar100(
     revision: str | None = None,
     templates: str | Sequence[str] | None = None,
 ) -> DomainStream:
-    """CIFAR-100 test split (10,000 images, 32 px, 100 fine classes), clean."""
+    """CIFAR-100 test split (10,000 images, 32 px, 100 fine classes), clean; ``split=train``
+    (50,000) is the CIFAR-100-C suite's clean source split."""
     return _clean("cifar100", split, data_dir, revision, templates)
+
+
+def _c_layout(meta: dict[str, Any]) -> str:
+    return f"{meta['local_dirs'][0]}/<corruption>.npy + labels.npy"
 
 
 def _corrupted_files(
@@ -156,7 +187,7 @@ def _corrupted_files(
         raise ValueError(f"{name}: severity must be one of {SEVERITIES}, got {severity!r}")
     local = c.find_local(data_dir, meta["local_dirs"], lambda p: (p / "labels.npy").exists())
     if local is None or (shift is not None and not (local / f"{shift}.npy").exists()):
-        layout = f"{meta['local_dirs'][0]}/<corruption>.npy + labels.npy"
+        layout = _c_layout(meta)
         msg = c.unavailable_message(name, meta, data_dir, layout)
         if local is not None:
             msg = f"{name}: {local / (shift + '.npy')} is missing. " + msg
@@ -240,3 +271,37 @@ def cifar100_c(
 
 c.attach_check(cifar10_c, _corrupted_check("cifar10_c"))
 c.attach_check(cifar100_c, _corrupted_check("cifar100_c"))
+
+
+def _corrupted_inventory(name: str) -> Any:
+    def inventory(a: SimpleNamespace) -> DataInventory:
+        """One corruption's ``.npy`` + ``labels.npy``: the rows of a severity (from the array
+        headers) against the published 10,000."""
+        meta = c.dataset_meta(name)
+        domain, published = f"{name}/{a.shift}/{a.severity}", meta["rows_per_severity"]
+        hint = c.download_hint(meta, _c_layout(meta), hf_copy=False)
+        try:
+            meta, local = _corrupted_files(name, a.shift, a.severity, a.data_dir)
+        except DataUnavailableError:
+            return inv.not_found(domain, published, hint)
+        path = local / f"{a.shift}.npy"
+        found = DataInventory(domain, where=str(path), published=published, download=hint)
+        try:
+            rows = len(np.load(path, mmap_mode="r"))
+            labels = len(np.load(local / "labels.npy", mmap_mode="r"))
+        except (OSError, ValueError) as exc:  # not an .npy array: a run cannot read it
+            found.problems.append(f"{path} or labels.npy cannot be read: {exc}")
+            return found
+        if rows != labels or rows % len(SEVERITIES):
+            found.problems.append(
+                f"{path.name} has {rows} rows and labels.npy {labels}: both must be equal and "
+                f"hold {len(SEVERITIES)} severities"
+            )
+        found.images = rows // len(SEVERITIES)
+        return found
+
+    return inventory
+
+
+c.attach_inventory(cifar10_c, _corrupted_inventory("cifar10_c"))
+c.attach_inventory(cifar100_c, _corrupted_inventory("cifar100_c"))

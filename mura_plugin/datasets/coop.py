@@ -47,7 +47,8 @@ from types import SimpleNamespace
 from typing import Any
 
 from mura_plugin.datasets import _common as c
-from tta_bench.data import DataUnavailableError, DomainStream
+from mura_plugin.datasets import _inventory as inv
+from tta_bench.data import DataInventory, DataUnavailableError, DomainStream
 from tta_bench.text_head import resolve_templates
 
 __all__ = [
@@ -181,22 +182,34 @@ def read_aircraft(
     return rels, labels
 
 
+def _read_split(
+    root: Path, meta: dict[str, Any], split: str, name: str
+) -> tuple[Path, list[str], list[int]]:
+    """``(split file, image paths relative to the image directory, labels)`` of ``split``."""
+    names = list(meta["classnames"])
+    if meta["layout"] == "aircraft_variants":
+        return root / f"images_variant_{split}.txt", *read_aircraft(root, split, names, name)
+    return root / meta["split_file"], *read_coop_split(
+        root / meta["split_file"], split, names, name
+    )
+
+
+def _there(file: Path) -> bool:
+    # a link that leads to no file is there, but unreadable: a bad image for the run's
+    # --on-bad-image policy, not missing data
+    return file.is_file() or c.is_broken_link(file)
+
+
 def _coop(
     name: str, split: str, data_dir: Any, templates: str | Sequence[str] | None
 ) -> DomainStream:
     _check_split(name, split)
     meta = c.dataset_meta(name)
     root = _root(name, meta, data_dir)
-    names = list(meta["classnames"])
-    if meta["layout"] == "aircraft_variants":
-        rels, labels = read_aircraft(root, split, names, name)
-    else:
-        rels, labels = read_coop_split(root / meta["split_file"], split, names, name)
+    listing, rels, labels = _read_split(root, meta, split, name)
     image_dir = root / meta["image_dir"]
     files = [image_dir / r for r in rels]
-    # a link that leads to no file is there, but unreadable: a bad image for the run's
-    # --on-bad-image policy, not missing data
-    missing = [f for f in files if not (f.is_file() or c.is_broken_link(f))]
+    missing = [f for f in files if not _there(f)]
     if missing:
         raise DataUnavailableError(
             f"{name}: {len(missing)} of the {len(files)} images of its {split} split are missing "
@@ -207,14 +220,58 @@ def _coop(
         )
     if not files:
         raise DataUnavailableError(f"{name}: the {split} split of {root} lists no image")
+    if split == "test":  # a split file of another version, or an edited one
+        c.warn_count(name, listing, len(files), meta.get("test_size"))
     return DomainStream(
         name=name,
-        classnames=[n.replace("_", " ") for n in names],
+        classnames=[n.replace("_", " ") for n in meta["classnames"]],
         templates=resolve_templates(templates or meta["templates"]),
         dataset=c.folder_dataset(files, labels),
         fingerprint=f"{name}/coop/{split}/{c.files_fingerprint(root, files)}",
         metadata={"source": str(root), "split": split, "dataset": name},
     )
+
+
+def _inventory(name: str) -> Callable[[SimpleNamespace], DataInventory]:
+    def inventory(a: SimpleNamespace) -> DataInventory:
+        """The split file (its digest, its list against CoOp's published test size) and
+        which of the images it lists are there (folders whose listed images are all gone)."""
+        _check_split(name, a.split)
+        meta = c.dataset_meta(name)
+        published = meta.get("test_size") if a.split == "test" else None
+        hint = c.download_hint(meta, _layout(meta), hf_copy=False)
+        root = c.find_local(a.data_dir, meta["local_dirs"], _looks_like(meta))
+        if root is None:
+            return inv.not_found(name, published, hint)
+        found = DataInventory(name, where=str(root), published=published, download=hint)
+        try:
+            listing, rels, _ = _read_split(root, meta, a.split, name)
+        except (ValueError, OSError) as exc:  # DataUnavailableError is both
+            found.problems.append(str(exc))
+            return found
+        found.split_file = f"{listing.name} {inv.file_digest(listing)}, {len(rels):,} {a.split}"
+        image_dir = root / meta["image_dir"]
+        gone = [r for r in rels if not _there(image_dir / r)]
+        found.images, found.missing_files = len(rels) - len(gone), len(gone)
+        gone_set, kept = set(gone), {}  # kept: class folder -> one of its images is there
+        for r in rels:
+            parts = Path(r).parts
+            if len(parts) > 1:
+                kept[parts[0]] = kept.get(parts[0], False) or r not in gone_set
+        found.empty = sorted(f for f, there in kept.items() if not there)
+        if gone:
+            found.notes.append(
+                f"{len(gone)} of the {len(rels)} images its {a.split} split lists are missing "
+                f"under {image_dir}, e.g. {gone[0]}: a run stops on them"
+            )
+        if published and len(rels) != published:
+            found.notes.append(
+                f"{listing.name} lists {len(rels):,} {a.split} images; CoOp's published split "
+                f"lists {published:,}: another version of the split, or an edited one"
+            )
+        return found
+
+    return inventory
 
 
 def _check(name: str) -> Callable[[SimpleNamespace], None]:
@@ -243,6 +300,7 @@ def _factory(name: str, title: str) -> Callable[..., DomainStream]:
         f"{title} in CoOp's published layout (``split`` train / val / test; see the module)."
     )
     c.attach_check(factory, _check(name))
+    c.attach_inventory(factory, _inventory(name))
     return factory
 
 
@@ -334,3 +392,16 @@ def _check_dispatch(suite_dataset: str) -> Callable[[SimpleNamespace], None]:
 
 c.attach_check(cross_domain, _check_dispatch("cross_domain"))
 c.attach_check(vlm_domains, _check_dispatch("vlm_domains"))
+
+
+def _inventory_dispatch(suite_dataset: str) -> Callable[[SimpleNamespace], DataInventory]:
+    def inventory(a: SimpleNamespace) -> DataInventory:
+        """The inventory of the set ``shift``, one of the suite dataset's domains."""
+        factory = _domain_factory(suite_dataset, a.shift, a.severity)
+        return factory.inventory(data_dir=a.data_dir)  # type: ignore[attr-defined]
+
+    return inventory
+
+
+c.attach_inventory(cross_domain, _inventory_dispatch("cross_domain"))
+c.attach_inventory(vlm_domains, _inventory_dispatch("vlm_domains"))

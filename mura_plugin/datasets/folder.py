@@ -45,7 +45,8 @@ def imagefolder(
     image for the run's policy). A class folder without images, or a link beside them that
     leads nowhere, is a warning that the data is partial."""
     root = _root(data_dir, "imagefolder")
-    folders = c.class_folders(root)
+    scan = c.scan_tree(root)
+    folders = list(scan.images)
     if not folders:
         raise DataUnavailableError(f"imagefolder: {root} has no class sub-folders")
     names = list(classnames) if classnames is not None else [f.replace("_", " ") for f in folders]
@@ -55,15 +56,12 @@ def imagefolder(
         )
     files: list[Path] = []
     labels: list[int] = []
-    empty: list[str] = []
     for i, folder in enumerate(folders):
-        found = c.list_images(root / folder)
-        files += found
-        labels += [i] * len(found)
-        empty += [] if found else [folder]
+        files += scan.images[folder]
+        labels += [i] * len(scan.images[folder])
     if not files:
         raise DataUnavailableError(f"imagefolder: no image files under {root}/<class>/")
-    c.warn_empty_classes(root, empty, "imagefolder")
+    c.warn_partial(scan, "imagefolder")
     return DomainStream(
         name=name,
         classnames=names,

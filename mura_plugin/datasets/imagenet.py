@@ -23,8 +23,9 @@ from typing import Any
 import numpy as np
 
 from mura_plugin.datasets import _common as c
+from mura_plugin.datasets import _inventory as inv
 from mura_plugin.datasets.cifar import CORRUPTIONS, EXTRA_CORRUPTIONS, SEVERITIES
-from tta_bench.data import DataUnavailableError, DomainStream
+from tta_bench.data import DataInventory, DataUnavailableError, DomainStream
 from tta_bench.text_head import resolve_templates
 
 __all__ = [
@@ -58,31 +59,33 @@ def _per_class_pick(files: list[Path], wnid: str, per_class: int | None) -> list
 
 
 def _wnid_tree(
-    root: Path, wnids: Sequence[str], per_class: int | None = None, *, what: str
+    root: Path,
+    wnids: Sequence[str],
+    per_class: int | None = None,
+    *,
+    what: str,
+    published: int | None = None,
 ) -> tuple[list[Path], list[int]]:
-    """Files of ``root/<wnid>/*`` with labels = position of the wnid in ``wnids``; a wnid
-    folder without images (or a link in ``root`` that leads nowhere) is a warning that the
-    data is partial (``what`` names the set)."""
+    """Files of ``root/<wnid>/*`` with labels = position of the wnid in ``wnids``; wnid
+    folders without images, absent, or links in ``root`` that lead nowhere, and another
+    number of images than ``published``, are a warning that the data is partial (``what``
+    names the set)."""
     pos = {w: i for i, w in enumerate(wnids)}
-    folders = c.class_folders(root)
-    unknown = [f for f in folders if f not in pos]
-    if unknown:
+    scan = c.scan_tree(root, wnids)
+    if scan.unknown:
         raise ValueError(
-            f"{root}: {len(unknown)} folder(s) are not classes of this dataset, e.g. "
-            f"{unknown[:5]}; expected WordNet ids such as {wnids[0]}"
+            f"{root}: {len(scan.unknown)} folder(s) are not classes of this dataset, e.g. "
+            f"{scan.unknown[:5]}; expected WordNet ids such as {wnids[0]}"
         )
     files: list[Path] = []
     labels: list[int] = []
-    empty: list[str] = []
-    for folder in folders:
-        found = c.list_images(root / folder)
+    for folder, found in scan.images.items():
         chosen = _per_class_pick(found, folder, per_class)
         files += chosen
         labels += [pos[folder]] * len(chosen)
-        empty += [] if found else [folder]
     if not files:
         raise DataUnavailableError(f"{root}: no image files in <wnid>/ folders")
-    c.warn_empty_classes(root, empty, what)
+    c.warn_partial(scan, what, published)
     return files, labels
 
 
@@ -137,8 +140,9 @@ def _hub_or_tree(
     local = c.find_local(
         data_dir, meta["local_dirs"], lambda p: _has_wnid_folders(p) or c.is_hf_copy(p)
     )
+    published = meta.get("published_size")
     if local is not None and not c.is_hf_copy(local):
-        files, labels = _wnid_tree(local, wnids, per_class, what=name)
+        files, labels = _wnid_tree(local, wnids, per_class, what=name, published=published)
         fp = f"{name}/tree/{c.files_fingerprint(local, files)}"
         return c.folder_dataset(files, labels), fp, {"source": str(local)}
     if per_class is not None:
@@ -165,6 +169,7 @@ def _hub_or_tree(
         what=f"{name} {source}",
         wnids=wnids,
     )
+    c.warn_count(name, source, len(ds), published)
     return ds, f"{fp}/{len(ds)}", metadata
 
 
@@ -187,6 +192,9 @@ def imagenet(
     return _stream(f"imagenet-{split}", meta, ds, f"{fp}/subset={subset}", templates, **metadata)
 
 
+_C_LAYOUT = "<corruption>/<severity>/<wnid>/*.JPEG"
+
+
 def _imagenet_c_domain(
     shift: str | None, severity: int | None, data_dir: Any, subset: int | None
 ) -> tuple[dict[str, Any], Path, Path | None]:
@@ -199,7 +207,7 @@ def _imagenet_c_domain(
     if severity is not None and severity not in SEVERITIES:
         raise ValueError(f"imagenet_c: severity must be one of {SEVERITIES}, got {severity!r}")
     _per_class(subset)
-    layout = "<corruption>/<severity>/<wnid>/*.JPEG"
+    layout = _C_LAYOUT
 
     def looks_like_c(p: Path) -> bool:
         return any((p / k / "1").is_dir() or (p / k / "5").is_dir() for k in known)
@@ -232,7 +240,9 @@ def imagenet_c(
     meta, local, domain = _imagenet_c_domain(shift, severity, data_dir, subset)
     assert domain is not None
     what = f"imagenet_c/{shift}/{severity}"
-    files, labels = _wnid_tree(domain, meta["wnids"], _per_class(subset), what=what)
+    files, labels = _wnid_tree(
+        domain, meta["wnids"], _per_class(subset), what=what, published=meta.get("published_size")
+    )
     fp = f"imagenet_c/{shift}/{severity}/subset={subset}/{c.files_fingerprint(local, files)}"
     return _stream(
         f"imagenet_c/{shift}/{severity}",
@@ -282,6 +292,26 @@ def imagenet_r(
     return _subset_set("imagenet_r", data_dir, revision, templates)
 
 
+_V2_LAYOUT = "<class index 0..999>/*.jpeg"
+#: ImageNetV2's class folders: the class indices 0..999, not wnids.
+_V2_FOLDERS = tuple(str(i) for i in range(NUM_CLASSES))
+
+
+def _index_folders(p: Path) -> bool:
+    folders = c.class_folders(p)
+    return bool(folders) and all(f.isdigit() and int(f) < NUM_CLASSES for f in folders)
+
+
+def _v2_meta(variant: str) -> dict[str, Any]:
+    """ImageNetV2's catalogue entry with the ``local_dirs`` of ``variant``."""
+    meta = c.dataset_meta("imagenet_v2")
+    if variant not in meta["variants"]:
+        raise ValueError(
+            f"imagenet_v2: unknown variant {variant!r}; available: {', '.join(meta['variants'])}"
+        )
+    return {**meta, "local_dirs": [d.format(variant=variant) for d in meta["local_dirs"]]}
+
+
 def imagenet_v2(
     *,
     variant: str = "matched-frequency",
@@ -289,34 +319,19 @@ def imagenet_v2(
     templates: str | Sequence[str] | None = None,
 ) -> DomainStream:
     """ImageNetV2 (10,000 images, 1000 classes) in its published folder layout."""
-    meta = c.dataset_meta("imagenet_v2")
-    if variant not in meta["variants"]:
-        raise ValueError(
-            f"imagenet_v2: unknown variant {variant!r}; available: {', '.join(meta['variants'])}"
-        )
-    dirs = [d.format(variant=variant) for d in meta["local_dirs"]]
-    meta = {**meta, "local_dirs": dirs}
-
-    def index_folders(p: Path) -> bool:
-        folders = c.class_folders(p)
-        return bool(folders) and all(f.isdigit() and int(f) < NUM_CLASSES for f in folders)
-
-    local = c.find_local(data_dir, dirs, index_folders)
+    meta = _v2_meta(variant)
+    local = c.find_local(data_dir, meta["local_dirs"], _index_folders)
     if local is None:
-        raise DataUnavailableError(
-            c.unavailable_message("imagenet_v2", meta, data_dir, "<class index 0..999>/*.jpeg")
-        )
+        raise DataUnavailableError(c.unavailable_message("imagenet_v2", meta, data_dir, _V2_LAYOUT))
+    scan = c.scan_tree(local, _V2_FOLDERS)
     files: list[Path] = []
     labels: list[int] = []
-    empty: list[str] = []
-    for folder in sorted(c.class_folders(local), key=int):  # numeric order, not "10" < "2"
-        found = c.list_images(local / folder)
-        files += found
-        labels += [int(folder)] * len(found)
-        empty += [] if found else [folder]
+    for folder in sorted(scan.images, key=int):  # numeric order, not "10" < "2"
+        files += scan.images[folder]
+        labels += [int(folder)] * len(scan.images[folder])
     if not files:
         raise DataUnavailableError(f"imagenet_v2: no image files in {local}/<class index>/")
-    c.warn_empty_classes(local, empty, f"imagenet_v2-{variant}")
+    c.warn_partial(scan, f"imagenet_v2-{variant}", meta.get("published_size"))
     fp = f"imagenet_v2/{variant}/{c.files_fingerprint(local, files)}"
     ds = c.folder_dataset(files, labels)
     return _stream(f"imagenet_v2-{variant}", meta, ds, fp, templates, source=str(local))
@@ -362,3 +377,72 @@ def imagenet_ood(
     # the methods' per-dataset settings read it (ImageNet-V2's stream is named for its variant)
     stream.metadata["dataset"] = shift
     return stream
+
+
+# -- what `tta-bench data check` reports (folder listings only) --------------------------
+_LAYOUTS = {
+    "imagenet": "val/<wnid>/*.JPEG",
+    "imagenet_a": "<wnid>/*.jpg (200 class folders)",
+    "imagenet_r": "<wnid>/*.jpg (200 class folders)",
+    "imagenet_sketch": "<wnid>/*.JPEG",
+}
+
+
+def _set_inventory(name: str) -> Any:
+    def inventory(a: SimpleNamespace) -> DataInventory:
+        """The set's wnid tree (class folders empty, absent, unknown; images against the
+        published size), its local HF copy (rows), or its hub dataset in the local cache."""
+        meta = c.dataset_meta(name)
+        published, hint = meta.get("published_size"), c.download_hint(meta, _LAYOUTS[name])
+        local = c.find_local(
+            a.data_dir, meta["local_dirs"], lambda p: _has_wnid_folders(p) or c.is_hf_copy(p)
+        )
+        if local is not None and c.is_hf_copy(local):
+            return inv.hf_copy(name, local, meta.get("split"), published, hint)
+        local = local or inv.named_folder(a.data_dir, meta["local_dirs"])
+        if local is None:
+            return inv.not_found(name, published, hint, hub_id=meta.get("hub_id"))
+        return inv.tree(name, c.scan_tree(local, meta["wnids"]), published, hint)
+
+    return inventory
+
+
+def _imagenet_c_inventory(a: SimpleNamespace) -> DataInventory:
+    """One ``<corruption>/<severity>/`` folder: its wnid tree against 50,000 images."""
+    name = f"imagenet_c/{a.shift}/{a.severity}"
+    meta = c.dataset_meta("imagenet_c")
+    published = meta.get("published_size")
+    hint = c.download_hint(meta, _C_LAYOUT, hf_copy=False)
+    try:
+        meta, _, domain = _imagenet_c_domain(a.shift, a.severity, a.data_dir, a.subset)
+    except DataUnavailableError:
+        return inv.not_found(name, published, hint)
+    assert domain is not None
+    return inv.tree(name, c.scan_tree(domain, meta["wnids"]), published, hint)
+
+
+def _v2_inventory(a: SimpleNamespace) -> DataInventory:
+    """The variant's class-index tree against its 10,000 images."""
+    meta = _v2_meta(a.variant)
+    name = f"imagenet_v2-{a.variant}"
+    published = meta.get("published_size")
+    hint = c.download_hint(meta, _V2_LAYOUT, hf_copy=False)
+    local = c.find_local(a.data_dir, meta["local_dirs"], _index_folders)
+    local = local or inv.named_folder(a.data_dir, meta["local_dirs"])
+    if local is None:
+        return inv.not_found(name, published, hint)
+    return inv.tree(name, c.scan_tree(local, _V2_FOLDERS), published, hint)
+
+
+def _ood_inventory(a: SimpleNamespace) -> DataInventory:
+    """The inventory of the natural-shift set ``shift``."""
+    if a.shift not in _OOD:
+        raise ValueError(f"imagenet_ood: unknown domain {a.shift!r}; available: {', '.join(_OOD)}")
+    return _OOD[a.shift].inventory(data_dir=a.data_dir)  # type: ignore[attr-defined]
+
+
+for _name in ("imagenet", "imagenet_a", "imagenet_r", "imagenet_sketch"):
+    c.attach_inventory(globals()[_name], _set_inventory(_name))
+c.attach_inventory(imagenet_c, _imagenet_c_inventory)
+c.attach_inventory(imagenet_v2, _v2_inventory)
+c.attach_inventory(imagenet_ood, _ood_inventory)

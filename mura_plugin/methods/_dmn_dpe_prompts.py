@@ -92,5 +92,10 @@ def method_head(
     if prompts is None:
         return class_head(model, text_head, official)
     check_text_head(text_head)
+    if text_head == "protocol" and model.class_prompts is not None:
+        raise ValueError(
+            "method.prompts adds descriptions to the protocol's templates, but this protocol's "
+            "head already has per-class sentences (protocol.text_head); give one or the other"
+        )
     templates = list(model.templates) if text_head == "protocol" else list(official)
     return described_head(model, templates, load_descriptions(prompts, model.classnames))

@@ -141,6 +141,10 @@ def inter_class_separation(features: torch.Tensor, labels: torch.Tensor) -> torc
 class BATCLIP(GradientMethod):
     """See the module docstring."""
 
+    #: Encodes its prompts from the protocol's templates (``model.templates``): the
+    #: per-class sentence modes of ``protocol.text_head`` are refused before a run.
+    text_heads = ("templates",)
+
     Config = BATCLIPConfig
     predict_from_last_forward = True
 

@@ -109,6 +109,10 @@ class CLIPArTT(GradientMethod):
     """See the module docstring. Adapts the image tower's LayerNorm affine parameters and
     predicts each batch after its ``steps`` iterations."""
 
+    #: Encodes its prompts from the protocol's templates (``model.templates``): the
+    #: per-class sentence modes of ``protocol.text_head`` are refused before a run.
+    text_heads = ("templates",)
+
     Config = CLIPArTTConfig
     predict_from_last_forward = False
 

@@ -218,6 +218,10 @@ def buffer_loss(logits: torch.Tensor, selection: float) -> torch.Tensor:
 
 
 class DynaPrompt(Method):
+    #: Encodes its prompts from the protocol's templates (``model.templates``): the
+    #: per-class sentence modes of ``protocol.text_head`` are refused before a run.
+    text_heads = ("templates",)
+
     Config = DynaPromptConfig
     #: the prompt buffer is this method's own (as TPT's context): ``trainable_parameters``
     adapts = True

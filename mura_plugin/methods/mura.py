@@ -168,7 +168,16 @@ class MuRA(OwnHead, MultiViewMethod):
                 f"got {cfg.crop_scale_max}"
             )
         self.copies_wait()  # a ValueError naming the options
-        blocks = vision_blocks(model.visual)
+        try:
+            blocks = vision_blocks(model.visual)
+        except ValueError as exc:  # a convolutional tower: no attention to adapt
+            raise ValueError(
+                f"mura adapts attention in the transformer blocks of a ViT image tower "
+                f"(open_clip's VisionTransformer or a timm ViT trunk: ViT-*, EVA02-*, "
+                f"*-SigLIP*, coca_*); the {type(model.visual).__name__} tower of "
+                f"{model.model_name} has none, as no convolutional tower (ModifiedResNet: "
+                f"RN*; ConvNeXt: convnext_*) has: {exc}"
+            ) from exc
         if not 1 <= cfg.blocks <= len(blocks):
             raise ValueError(f"blocks must be in 1..{len(blocks)}, got {cfg.blocks}")
         adapted = blocks[-cfg.blocks :]

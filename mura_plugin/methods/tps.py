@@ -219,6 +219,10 @@ def tta_vlm_lr(dataset: str | None) -> float:
 
 
 class TPS(Method):
+    #: Encodes its prompts from the protocol's templates (``model.templates``): the
+    #: per-class sentence modes of ``protocol.text_head`` are refused before a run.
+    text_heads = ("templates",)
+
     Config = TPSConfig
     resolved = ("lr",)
     stream_kind = "episodic"  # shifts and optimiser reset before every image

@@ -97,8 +97,11 @@ class PromptTextEncoder(nn.Module):
         needed = ("token_embedding", "positional_embedding", "transformer", "ln_final")
         if not all(hasattr(clip, a) for a in needed):
             raise ValueError(
-                f"tpt needs an open_clip CLIP with a built-in text transformer ({needed}); "
-                f"{type(clip).__name__} does not have one"
+                f"prompt tuning (tpt and the methods on its prompt learner) supports open_clip's "
+                f"CLIP class, whose text transformer is built in (architectures without "
+                f"custom_text: ViT-B-16, RN50, convnext_base, ...); {model.model_name} is a "
+                f"{type(clip).__name__} with a separate text tower (custom_text: EVA02, SigLIP, "
+                f"CoCa, Hugging Face text towers), which it does not support"
             )
         if getattr(clip, "text_pool_type", "argmax") not in ("argmax", "eos"):
             raise ValueError(f"tpt needs end-token pooling, got {clip.text_pool_type!r}")
@@ -181,6 +184,10 @@ class PromptTextEncoder(nn.Module):
 
 
 class TPT(MultiViewMethod):
+    #: Encodes its prompts from the protocol's templates (``model.templates``): the
+    #: per-class sentence modes of ``protocol.text_head`` are refused before a run.
+    text_heads = ("templates",)
+
     predict_reads_original = True  # predict_episode reads view 0 only
     Config = TPTConfig
     stream_kind = "episodic"  # the prompt and optimiser reset before every sample

@@ -2,7 +2,8 @@
 ``--include FILE_OR_DIR`` (local components, ``tta_bench.include``). ``main`` is the entry
 point; the parser is ``cli.parser``, the commands are ``cli.run_commands`` (run, sweep,
 merge, profile, predict, serve), ``cli.list_commands`` (ls, env, cache) and
-``cli.report_commands`` (table, leaderboard, rescore, validate).
+``cli.report_commands`` (table, leaderboard, rescore, validate), ``cli.data_commands``
+(data check) and ``cli.verify_commands`` (verify).
 
 Exit status: 0 success, 1 runtime failure, 2 bad input (unknown name, bad override, bad
 value); every bad-input message names the value and lists the options.

@@ -67,10 +67,23 @@ def _ls_published(into: dict[str, Any] | None) -> None:
         acc = entry.get("accuracy") or {}
         sets = list(dict.fromkeys(d for row in acc.values() for d in row))
         print(f"{name}: {entry.get('description', '')}\nsource: {entry.get('source')}")
-        rows = [[m, *(row.get(d, "-") for d in sets)] for m, row in acc.items()]
-        print(tabulate(rows, headers=["method", *sets], tablefmt="simple"), end="\n\n")
+        heads = entry.get("prompts") or {}
+        rows = [[m, _published_head(heads.get(m)), *(row.get(d, "-") for d in sets)]
+                for m, row in acc.items()]  # fmt: skip
+        print(tabulate(rows, headers=["row", "text head", *sets], tablefmt="simple"), end="\n\n")
     if not found:
         print("no published figures in the installed catalogues")
+
+
+def _published_head(head: Any) -> str:
+    """The text head a published row used (its ``prompts:``): one name, or per set grouped
+    as ``name (n sets)``, ``not published`` for null."""
+    if head is None or isinstance(head, str):
+        return head or "not published"
+    counts: dict[str, int] = {}
+    for value in head.values():
+        counts[value or "not published"] = counts.get(value or "not published", 0) + 1
+    return "; ".join(f"{k} ({n} sets)" for k, n in counts.items())
 
 
 def _ls_profiles(into: dict[str, Any] | None) -> None:

@@ -68,6 +68,8 @@ def build_parser() -> argparse.ArgumentParser:
         add(sub)
     _add_deployment(sub)
     _add_validate(sub)
+    _add_verify(sub)
+    _add_data(sub)
     for name, command in sub.choices.items():  # global options, given after the command
         if name in EXAMPLES and not command.epilog:
             command.epilog = "example:\n" + "\n".join(f"  {e}" for e in EXAMPLES[name])
@@ -354,3 +356,40 @@ def _add_validate(sub: Any) -> None:
     v.add_argument("--suite", help="suite whose dataset gives the images; default: the catalogues'")
     v.add_argument("--data-dir", help="root of local data (datasets that read local files)")
     v.add_argument("--device", default="cpu", help="device the checks run on (default cpu)")
+
+
+def _add_verify(sub: Any) -> None:
+    from tta_bench.cli.verify_commands import DESCRIPTION, cmd_verify
+
+    vf = _command(
+        sub, "verify", cmd_verify, "re-run cells of a results file: identical or not", DESCRIPTION
+    )
+    vf.epilog = "example: tta-bench verify results/SUITE/METHOD.json --cells 3 --seed 0 --record"
+    vf.add_argument("results", help="the results JSON file to verify (it is only read)")
+    vf.add_argument(
+        "--cells", type=int, metavar="K", help="cells to re-run (default 3, or all of fewer)"
+    )
+    vf.add_argument(
+        "--seed", type=int, default=0, metavar="S", help="seed choosing the cells (default 0)"
+    )
+    vf.add_argument(
+        "--record",
+        action="store_true",
+        help="write the verification report beside the file (<file>.verify), which the "
+        "leaderboard marks while the file is unchanged",
+    )
+    vf.add_argument("--report-dir", metavar="DIR", help="also write the report into DIR")
+    vf.add_argument("--threads", type=int, metavar="N", help="default: the recorded count")
+    vf.add_argument("--device", help="default: the recorded device's type (cpu, cuda)")
+    vf.add_argument("--data-dir", help="root of local data; default: the recorded one")
+
+
+def _add_data(sub: Any) -> None:
+    from tta_bench.cli.data_commands import DATA_CHECK_HELP, cmd_data
+
+    d = _command(sub, "data", cmd_data, "check a suite's local data before a run", DATA_CHECK_HELP)
+    d.epilog = "example: tta-bench data check --suite SUITE --data-dir /data --json"
+    d.add_argument("action", choices=("check",), help="check: what of the suite's data is there")
+    d.add_argument("--suite", help="suite whose data to check; default: the catalogues'")
+    d.add_argument("--data-dir", help="root of local data, as tta-bench run takes it")
+    d.add_argument("--json", action="store_true", help="print JSON instead of tables")

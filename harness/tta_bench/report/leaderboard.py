@@ -63,6 +63,8 @@ from tta_bench.report.page import (
     family,
     method_links,
     per_shift_title,
+    verified_marks,
+    verified_note,
 )
 from tta_bench.run import results
 
@@ -248,11 +250,16 @@ def leaderboard_markdown(
     names and reasons) renders as text (``md_text``, ``md_code``): no HTML, link or table
     column of its own."""
     headers, rows = leaderboard_rows(board, baseline, test)
+    marks = verified_marks(board)  # tta-bench verify's reports: a mark after the method
+    for row, mark in zip(rows, marks):
+        if mark:
+            row[headers.index("method")] += f" {mark['text']}"
     records = [e.record for e in board.entries]
     labels = [e.label for e in board.entries]
     figures = _figure_list(board, baseline, test, images)
     parts = [f"# Leaderboard: {md_text(board.suite)}", ""]
-    parts += [f"{n}\n" for n in _notes(board, baseline, test, md_text, md_code, True)]
+    notes = _notes(board, baseline, test, md_text, md_code, True) + verified_note(marks)
+    parts += [f"{n}\n" for n in notes]
     parts += [_md_table(rows, headers), ""]
     if records:
         head, rows = tables.method_shift_rows(records, labels)

@@ -186,15 +186,17 @@ def _page(
     links = [method_links(r["method"]) for r in records]
     summary, cost = _summary_and_cost(board, links, analysis, baseline, test)
     p_head, p_rows = _provenance_rows(board)
+    marks = verified_marks(board)
     entries = [
         {"rank": i + 1, "label": labels[i], "anchor": anchors[i], "family": families[i]}
+        | {"verified": marks[i]}  # tta-bench verify's mark, or None
         for i in range(len(records))
     ]
     return {
         "title": f"Leaderboard: {board.suite}",
         "suite": board.suite,
         "protocol_id": board.protocol_id,
-        "notes": _notes(board, baseline, test, per_sample=True),  # the markdown's
+        "notes": _notes(board, baseline, test, per_sample=True) + verified_note(marks),  # as md
         "families": sorted(
             Counter(families).items(), key=lambda kv: (kv[0] == OTHER_FAMILY, kv[0].lower())
         ),
@@ -209,6 +211,26 @@ def _page(
         "runs": {"head": p_head, "rows": p_rows},
         "left_out": board.left_out,
     }
+
+
+def verified_marks(board: Leaderboard) -> list[dict[str, str] | None]:
+    """Each ranked run's mark from its verification report (``tta-bench verify --record``:
+    ``<results file>.verify`` beside it, naming the file's digest), None where it has none or
+    a stale one (``tta_bench.run.verify_report.verified_mark``)."""
+    from tta_bench.run.verify_report import verified_mark
+
+    return [verified_mark(e.path) for e in board.entries]
+
+
+def verified_note(marks: Sequence[dict[str, str] | None]) -> list[str]:
+    """The note that explains the marks, on a board that has one (else none)."""
+    if not any(marks):
+        return []
+    return [
+        "✓ k/K beside a method: K cells of its results file were re-run with `tta-bench "
+        "verify` and k of them came out identical to the file's (✗: one differed); the "
+        "report names the file's digest, so an edited file loses its mark (docs/submitting.md)."
+    ]
 
 
 def _header(name: str, numeric: bool = True, per_sample: bool = False) -> dict[str, Any]:

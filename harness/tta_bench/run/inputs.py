@@ -20,6 +20,7 @@ import torch
 
 from tta_bench.data import DomainStream, to_float_images
 from tta_bench.model import ZeroShotClassifier
+from tta_bench.prompts import prompts_for_classes
 from tta_bench.registry import registry
 from tta_bench.rng import GeneratorPool, SampleGenerator, stable_seed
 from tta_bench.run.cache import decoded_bytes
@@ -136,14 +137,22 @@ class RunInputs:
         """The frozen zero-shot classifier of ``domain``'s label set, with the protocol's
         text head (one per distinct label set; ``bundle`` is needed the first time)."""
         stream = self.streams[domain]
-        templates = list(self.protocol.templates or stream.templates)
+        protocol = self.protocol
+        templates = list(protocol.templates or stream.templates)
         dataset = self._dataset_of(stream)
         key = (dataset, *stream.classnames, "\x1f", *templates)
         if key not in self._bases:
             if bundle is None:
                 raise KeyError(f"no classifier built for domain {domain}")
+            sentences = None
+            if protocol.text_head is not None:  # per-class sentences (tta_bench.prompts)
+                assert protocol.prompts_file is not None and protocol.prompts is not None
+                sentences = prompts_for_classes(
+                    protocol.prompts_file, protocol.prompts, stream.classnames
+                )
+                templates = templates if protocol.text_head == "all" else []
             self._bases[key] = ZeroShotClassifier(
-                bundle, stream.classnames, templates, dataset=dataset
+                bundle, stream.classnames, templates, dataset=dataset, class_prompts=sentences
             ).to(self.device)
         return self._bases[key]
 

@@ -19,6 +19,7 @@ import hashlib
 import json
 import math
 from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
 from typing import Any
 
 from tta_bench import catalog
@@ -67,6 +68,8 @@ OPTIONAL_IN_ID = (
     "templates",
     "orders",
     "realtime",
+    "text_head",
+    "prompts",
 )
 
 
@@ -124,6 +127,15 @@ class Protocol:
     #: per unit of the reference's cost; a method whose step costs k units adapts on one
     #: batch in k and predicts the others with its current state. Part of the id when set.
     realtime: bool | None = None
+    #: The prompt mode of the text head (``tta_bench.prompts``): None (templates), ``cupl``
+    #: (the per-class sentences of ``prompts_file``) or ``all`` (templates and sentences).
+    #: Part of the id when set.
+    text_head: str | None = None
+    #: The sentences file's ``tta_bench.prompts.identity`` (content digest and counts), set
+    #: with ``text_head``; part of the id. Its path (``prompts_file``) is not: where a file
+    #: lives changes no number.
+    prompts: dict[str, Any] | None = None
+    prompts_file: str | None = field(default=None, compare=False)
     description: str = field(default="", compare=False)
 
     def __post_init__(self) -> None:
@@ -154,6 +166,11 @@ class Protocol:
                 f"orders={self.orders!r}: the number of stream orders per cell is an integer "
                 ">= 2 (e.g. protocol.orders=100), or null for one order per seed"
             )
+        from tta_bench.prompts import check_head
+
+        object.__setattr__(self, "text_head", check_head(self.text_head, self.prompts_file))
+        if self.text_head is not None and not self.prompts:
+            raise ValueError(f"protocol.text_head={self.text_head} needs the prompts' identity")
         if self.realtime is False:  # the default track: left out of the id as None
             object.__setattr__(self, "realtime", None)
         if self.max_images is not None and self.max_images < 1:
@@ -232,6 +249,7 @@ class Protocol:
         data = asdict(self)
         data.pop("description")
         data.pop("default_model")
+        data.pop("prompts_file")
         # Each optional field is absent unless set, so the ids of protocols from before the
         # field existed hold.
         for name in OPTIONAL_IN_ID:
@@ -244,7 +262,7 @@ class Protocol:
     @property
     def id(self) -> str:
         """``<suite>@v<version>-<policy>[-d<delta>|-k<classes>|-r<ratio>]-bs<batch>
-        [-ood<ratio>][-o<orders>][-rt]-<digest of identity()>``."""
+        [-ood<ratio>][-o<orders>][-rt][-cupl|-all]-<digest of identity()>``."""
         blob = json.dumps(self.identity(), sort_keys=True, default=list)
         digest = hashlib.sha256(blob.encode()).hexdigest()[:10]
         policy = self.reset
@@ -256,6 +274,7 @@ class Protocol:
             policy += f"-r{self.imbalance_ratio:g}"
         ood = f"-ood{self.ood['ratio']:g}" if self.ood is not None else ""
         extra = (f"-o{self.orders}" if self.orders else "") + ("-rt" if self.realtime else "")
+        extra += f"-{self.text_head}" if self.text_head else ""
         return f"{self.name}@v{self.version}-{policy}-bs{self.batch_size}{ood}{extra}-{digest}"
 
     def noise_seed(self, seed: int) -> int:
@@ -273,6 +292,8 @@ PROTOCOL_FIELDS = {f.name for f in fields(Protocol)}
 #: Fields a run may override (the override changes the protocol id).
 OVERRIDABLE = (
     "templates",
+    "text_head",
+    "prompts",
     "orders",
     "realtime",
     "shifts",
@@ -414,6 +435,11 @@ def load_protocol(suite: str, **overrides: Any) -> Protocol:
     if given is None:  # a suite may name its head through the dataset's arguments
         given = spec["dataset_args"].get("templates")
     spec["templates"] = _protocol_templates(given, spec.get("dataset"), suite)
+    if isinstance(spec.get("prompts"), str):  # a file: its content identity, kept apart
+        from tta_bench.prompts import identity, load_class_prompts
+
+        spec["prompts_file"] = str(Path(spec["prompts"]).expanduser().resolve())
+        spec["prompts"] = identity(load_class_prompts(spec["prompts"]))
     return Protocol(**spec)
 
 

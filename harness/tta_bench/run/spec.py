@@ -100,6 +100,7 @@ def spec_from_config(cfg: Any, method: str, model: str, preset: str | None = Non
     name = cfg.get("profile")
     overrides, applied = _profile_protocol(name, method, overrides)
     protocol = load_protocol(cfg.suite, **overrides)
+    _check_text_head(method, protocol.text_head)
     mcfg, by_dataset, changed = _per_dataset_configs(method, mcfg, protocol, name)
     changed = {f"method.{k}": v for k, v in changed.items()}
     official = {} if name else changed  # the method's own per-dataset rule: what ran
@@ -163,6 +164,16 @@ def _profile_protocol(
     kind = getattr(registry("methods").get(method), "stream_kind", None)
     completed = profiles.protocol_overrides(name, overrides, kind)
     return completed, {f"protocol.{k}": v for k, v in completed.items() if k not in overrides}
+
+
+def _check_text_head(method: str, text_head: str | None) -> None:
+    """Refuse a prompt mode the method cannot build (``tta_bench.prompts.check_method``)."""
+    from tta_bench.prompts import check_method
+    from tta_bench.registry import registry
+
+    methods = registry("methods")
+    if method in methods:
+        check_method(method, methods.get(method), text_head)
 
 
 def _record_config(
