@@ -168,16 +168,54 @@ def test_reset_returns_to_setup_and_seeds_repeat(classifier, test_images):
     assert torch.isfinite(expected).all()
 
 
-def test_fusion_weight_none_takes_the_searched_value(classifier):
-    from mura_plugin.methods.dmn import SEARCHED_FUSION
+#: The fusion weight each of DMN's zero-shot runs chose on the test labels, as its
+#: ViT-B/16 camera-ready logs print them (camera_ready_dmn_tf_searched_vit_0.txt, the
+#: ``n_shot 0`` block; camera_ready_dmn_tf_shift_0.txt): its ``set_id``, the registered
+#: dataset that is that set, the weight.
+OFFICIAL_FUSION = [
+    ("I", "imagenet", 1.0),
+    ("Flower102", "oxford_flowers", 10.0),
+    ("DTD", "dtd", 10.0),
+    ("Pets", "oxford_pets", 1.0),
+    ("Cars", "stanford_cars", 0.3),
+    ("UCF101", "ucf101", 0.3),
+    ("Caltech101", "caltech101", 0.3),
+    ("Food101", "food101", 0.3),
+    ("SUN397", "sun397", 3.0),
+    ("Aircraft", "fgvc_aircraft", 1.0),
+    ("eurosat", "eurosat", 0.3),
+    ("A", "imagenet_a", 3.0),
+    ("V", "imagenet_v2", 1.0),
+    ("R", "imagenet_r", 0.3),
+    ("K", "imagenet_sketch", 1.0),
+]
 
+
+@pytest.mark.parametrize(("set_id", "dataset", "weight"), OFFICIAL_FUSION)
+def test_fusion_weight_none_takes_the_searched_value_of_every_official_set(
+    classifier, set_id, dataset, weight
+):
+    from tta_bench.registry import registry
+
+    assert dataset in registry("datasets").names(), (set_id, dataset)
     model = copy.copy(classifier)
-    model.dataset = "imagenet_r"  # the classes are the digits'; only the rule is checked
+    model.dataset = dataset  # the classes are the digits'; only the rule is checked
     method = DMN(model, dataclasses.replace(DMN.Config(), fusion_weight=None))
     method.setup()
-    assert method.fusion_weight == SEARCHED_FUSION["imagenet_r"] == 0.3
-    assert method.resolved_settings() == {"fusion_weight": 0.3, "augmix": False}
-    assert _build(classifier).fusion_weight == 1.0
+    assert method.fusion_weight == weight, set_id
+    assert method.resolved_settings()["fusion_weight"] == weight
+
+
+def test_the_searched_table_is_the_official_one_and_other_sets_fuse_with_1(classifier):
+    from mura_plugin.methods.dmn import SEARCHED_FUSION
+
+    assert {dataset: weight for _, dataset, weight in OFFICIAL_FUSION} == SEARCHED_FUSION
+    model = copy.copy(classifier)
+    model.dataset = "digits"  # not in DMN's logs
+    method = DMN(model, dataclasses.replace(DMN.Config(), fusion_weight=None))
+    method.setup()
+    assert method.resolved_settings() == {"fusion_weight": 1.0, "augmix": False}
+    assert _build(classifier).fusion_weight == 1.0  # the fixed default
 
 
 def test_descriptions_head_is_the_mean_over_templates_and_descriptions(classifier, tmp_path):

@@ -128,6 +128,15 @@ def test_runs_through_the_runner(tta_vlm, tmp_path):
     assert 0.0 <= cell["accuracy"] <= 1.0
     assert cell["forward_passes_per_sample"] <= 1.0
     assert cell["backward_passes_per_sample"] == 0.0
+    # its outputs are scores: the record says so and the summary prints no NLL/ECE for it
+    from tta_bench.report import tables
+    from tta_bench.report.columns import NOT_PROBABILITIES
+
+    assert ECALP.scores_are_logits is False and record["scores_are_logits"] is False
+    headers, [row] = tables.summary_rows([record], baseline=None)
+    summary = dict(zip(headers, row))
+    assert summary["NLL"] == summary["ECE %"] == NOT_PROBABILITIES
+    assert summary["accuracy % (95% CI)"] != NOT_PROBABILITIES
 
 
 def test_logits_are_the_official_scores_and_finite(classifier, test_images):

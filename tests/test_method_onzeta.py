@@ -121,6 +121,43 @@ def test_heads_and_tta_vlm_beta_follow_the_dataset(classifier, monkeypatch):
     assert OnZeta.light and not OnZeta.adapts and OnZeta.stream_kind == "online"
 
 
+def test_tta_vlm_alpha_is_0_on_caltech101_and_the_updates_follow_it(classifier, test_images):
+    """TTA-VLM's online_method/onzeta.py sets alpha 0 on Caltech101 only: under the profile
+    the method's alpha is 0 there (and the step is the official loop with alpha 0: the dual
+    never leaves zero), 1 on other sets; without the profile 1 everywhere."""
+    tta = dict(method_settings("tta_vlm", "onzeta"))
+    assert tta["alpha_by_dataset"] == {"caltech101": 0.0}
+    for dataset, alpha in [("caltech101", 0.0), ("oxford_flowers", 1.0), ("digits", 1.0)]:
+        assert _build(classifier, dataset=dataset, **tta).alpha == alpha, dataset
+    assert _build(classifier, dataset="caltech101").alpha == 1.0  # official: 1 everywhere
+
+    images = test_images[0][:3]
+    method = _build(classifier, stream_length=3, dataset="caltech101", **tta)
+    with torch.no_grad():
+        feats = classifier.encode_image(images).double().numpy()
+    ratio = 100.0 / float(classifier.logit_scale)
+    cfg = method.config
+    hyper = dict(tau_t=cfg.tau_t * ratio, tau_i=cfg.tau_i * ratio, cw=cfg.cw, cr=cfg.cr)
+    text = method.head.double().numpy().T
+    assert method.beta == 0.4  # Caltech101 is a fine-grained set: TTA-VLM's beta there
+    expected = _official(feats, text, 3, alpha=0.0, beta=0.4, **hyper)
+    with_one = _official(feats, text, 3, alpha=1.0, beta=0.4, **hyper)
+    out = method.step(images)
+    for i in range(3):
+        np.testing.assert_allclose(out[i].exp().numpy(), expected[i][0], rtol=1e-4, atol=1e-6)
+    assert not method.rho.any()  # alpha 0: the dual stays at zero
+    # with alpha 1 the dual moves on the same images and the last prediction differs
+    assert with_one[-1][2].any() and not np.allclose(with_one[-1][0], expected[-1][0])
+    assert method.resolved_settings()["alpha"] == 0.0
+
+
+def test_alpha_by_dataset_refuses_an_unknown_dataset_or_a_negative_alpha():
+    with pytest.raises(ValueError, match=r"unknown dataset 'caltech'; available: .*caltech101"):
+        OnZeta.Config(alpha_by_dataset={"caltech": 0.0})
+    with pytest.raises(ValueError, match=r"alpha_by_dataset\['caltech101'\]=-1.0 is out of range"):
+        OnZeta.Config(alpha_by_dataset={"caltech101": -1.0})
+
+
 def test_reset_returns_to_setup_and_seeding_is_deterministic(classifier, test_images):
     images = test_images[0]
     expected = seeded_step(_build(classifier, stream_length=16), images[:8], 0)
@@ -141,12 +178,14 @@ def test_runs_through_the_runner(tmp_path, tta_vlm):
         applied = record["config"]["profile_applied"]
         assert applied["protocol.batch_size"] == 1
         assert applied["method.beta_fine_grained"] == 0.4
+        assert applied["method.alpha_by_dataset"] == {"caltech101": 0.0}
     [cell] = record["cells"]
     assert cell["n"] == 32 and 0.0 <= cell["accuracy"] <= 1.0
     assert math.isfinite(cell["nll"])
     resolved = record["method_resolved"]
     assert resolved["stream_length"] == 32  # the runner told it the stream's length
     assert resolved["beta"] == 0.8  # digits is not a fine-grained set
+    assert resolved["alpha"] == 1.0  # nor Caltech101
 
 
 def test_text_heads(classifier):

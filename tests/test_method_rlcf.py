@@ -175,6 +175,7 @@ def test_the_teacher_is_the_configured_model(classifier, shifted, teachers):
     assert outputs[None][2]["teacher"] is None
     assert outputs[None][2]["teacher_model"] == "tiny-clip-digits"
     assert outputs[other][2] == {
+        "steps": 2,
         "teacher": other,
         "teacher_model": other,
         "teacher_weights": f"test:{other}",
@@ -216,6 +217,7 @@ def test_runs_through_the_runner_with_its_defaults(tmp_path):
     assert cells and all(0.0 <= c["accuracy"] <= 1.0 for c in cells)
     assert all(c["n"] > 0 for c in cells)
     assert record["method_resolved"]["teacher"] is None
+    assert record["method_resolved"]["steps"] == 3  # digits is not a fine-grained set
 
 
 def test_runs_under_the_tta_vlm_settings(tmp_path):
@@ -233,6 +235,35 @@ def test_the_logits_are_finite_and_adaptation_changes_them(classifier, shifted):
     frozen = _method(classifier, steps=0)
     frozen.reseed(0)
     assert not torch.allclose(adapted, frozen.step(shifted))
+
+
+def test_fine_grained_sets_take_the_fine_grained_scripts_5_steps(classifier, shifted):
+    """rlcf-prompt-fine.sh runs 5 steps on the fine-grained sets (rlcf-prompt.sh: 3 on the
+    ImageNet sets); TTA-VLM runs 3 everywhere. A set the catalogue marks fine-grained (DTD)
+    adapts exactly as an explicit 5-step run does, the digits as a 3-step one."""
+    from tta_bench.run.profiles import method_settings
+
+    def build(dataset, **overrides):
+        model = copy.deepcopy(classifier)
+        model.dataset = dataset  # the classes are the digits'; only the rule is checked
+        method = RLCF(model, RLCFConfig(views=15, **overrides))
+        torch.manual_seed(0)
+        method.setup()
+        return method
+
+    on_dtd = build("dtd")
+    assert on_dtd.config.steps == 5 and on_dtd.resolved_settings()["steps"] == 5
+    assert build("digits").config.steps == 3 and build(None).config.steps == 3
+    assert build("dtd", steps_fine_grained=None).config.steps == 3
+    tta = method_settings("tta_vlm", "rlcf")
+    assert tta["steps_fine_grained"] is None and build("dtd", **tta).config.steps == 3
+    outputs = {}
+    for name, method in [("dtd", on_dtd), ("five", build("digits", steps=5)),
+                         ("three", build("digits"))]:  # fmt: skip
+        method.reseed(4)
+        outputs[name] = method.step(shifted)
+    torch.testing.assert_close(outputs["dtd"], outputs["five"], rtol=0, atol=0)
+    assert not torch.allclose(outputs["dtd"], outputs["three"], atol=1e-5)
 
 
 # -- 3. reset and seeds ------------------------------------------------------------------

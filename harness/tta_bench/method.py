@@ -82,6 +82,11 @@ class Method(abc.ABC):
     #: True for the frozen source model itself (the reference a run is compared with):
     #: its cells' ``reference_accuracy`` is its own accuracy.
     is_reference: ClassVar[bool] = False
+    #: True when the softmax of what ``step`` returns is the method's predicted class
+    #: probabilities (logits of a probability model); False for outputs that only rank the
+    #: classes (scores scaled by an arbitrary constant). Results record it, and tables print
+    #: no likelihood or calibration figure (NLL, ECE) for such a method.
+    scores_are_logits: ClassVar[bool] = True
     #: True for cheap cells: with its defaults, at most one forward pass per sample and no
     #: backward pass. ``tta-bench sweep`` packs light jobs several to a launcher task, so a
     #: cluster task (and its GPU) is not held for one small cell (docs/cluster.md).

@@ -46,7 +46,11 @@ What differs and why:
   features' head is DMN's extraction, not reproducible from the ECALP repository). Either
   head is the method's own tensor: the shared model is never changed (``adapts = False``).
 * Output: logits ``output_scale * y`` of the copy's row, whose softmax is the official
-  output ``softmax(y * 10000)``.
+  output ``softmax(y * 10000)``. These are scores, not a probability model: the propagated
+  labels ``y`` are not log-probabilities and the scale 10000 makes the softmax one-hot
+  (the default suite's NLL was 151 nats and ECE 39%, numbers that say nothing). So
+  ``scores_are_logits = False``: the results record it and the tables print "n/a
+  (scores)" for NLL and ECE (accuracy reads only the argmax).
 * The adjacency is built from edge lists (``index_add``, ``torch.sparse.mm`` on a dense
   label matrix) instead of sparse-sparse products: the same sums in another order (checked
   against the official functions: docs/methods.md#ecalp).
@@ -242,6 +246,8 @@ class ECALP(Method):
     stream_kind = "online"
     #: one forward of the image per sample, no backward: sweeps pack its jobs
     light = True
+    #: propagated label scores times 10000, not a probability model: no NLL/ECE in tables
+    scores_are_logits = False
 
     def setup(self) -> None:
         cfg = self.config

@@ -36,11 +36,18 @@ online_method/onzeta.py, online_tta.py) departs from it (``tta_vlm``):
   ``fine_grained: true``, the rule the harness's option applies to AugMix (the official
   code covers ImageNet only; whether the paper's downstream runs used 0.4 was not
   checked).
+* ``alpha_by_dataset={caltech101: 0.0}``: alpha 0 on Caltech101 (its
+  ``prepare_model_and_optimization`` sets alpha 0 when ``args.test_sets`` is
+  ``'Caltech101'``), the official 1 elsewhere. ``alpha_by_dataset`` maps registered dataset
+  names to the alpha used on them (the run's dataset: ``model.dataset``), ``alpha`` on every
+  other set; an unknown name or a negative value is refused when the config is made. Both
+  values are catalogue data (the method's entry, ``profiles: {tta_vlm: ...}``);
+  ``resolved_settings`` records the alpha used.
 
-Not carried: its alpha 0 on Caltech101 (not in this harness). Set by the harness's option
-itself (``tta_bench.run.profiles``): its single prompt "a photo of a {}." (CoOp-style
-``--ctx_init a_photo_of_a``, as the protocol's templates) and its stream of batch size 1.
-Its updates run under fp16 autocast (the official: float32).
+Set by the harness's option itself (``tta_bench.run.profiles``): its single prompt "a photo
+of a {}." (CoOp-style ``--ctx_init a_photo_of_a``, as the protocol's templates) and its
+stream of batch size 1. Not carried: its updates run under fp16 autocast (the official:
+float32).
 
 What differs and why:
 
@@ -62,7 +69,7 @@ Measured effect: docs/methods.md#onzeta.
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Optional
 
 import torch
@@ -106,12 +113,35 @@ class OnZetaConfig:
     cw: float = bounded(0.5, ge=0)  # proxy learning rate cw / sqrt(i + 1)
     cr: float = bounded(20.0, ge=0)  # dual learning rate cr / sqrt(i + 1)
     alpha: float = bounded(1.0, ge=0)  # class proportions held above alpha / C
+    #: alpha on the named registered datasets instead (TTA-VLM: {caltech101: 0.0})
+    alpha_by_dataset: dict[str, float] = field(default_factory=dict)
     beta: float = bounded(0.8, ge=0, le=1)  # final weight of the vision proxy
     # beta on the catalogue's fine-grained sets (TTA-VLM: 0.4); None: beta
     beta_fine_grained: Optional[float] = bounded(None, ge=0, le=1)
     scale_tau: bool = True  # temperatures are tuned for logit scale 100: rescale
     text_head: str = one_of("protocol", TEXT_HEADS)  # protocol | official (official_templates)
     precision: str = one_of("fp16", PRECISIONS)  # image features under autocast on CUDA
+
+    #: added after results were recorded; its default (empty) changes nothing
+    hash_omit_at_default = ("alpha_by_dataset",)
+
+    def __post_init__(self) -> None:
+        """Refuse an ``alpha_by_dataset`` naming no registered dataset, or a negative or
+        non-finite alpha, when the config is made (before any model is built)."""
+        if not self.alpha_by_dataset:
+            return
+        from tta_bench.registry import registry
+
+        known = registry("datasets").names()
+        for name, value in dict(self.alpha_by_dataset).items():
+            if name not in known:
+                raise ValueError(
+                    f"method.alpha_by_dataset names an unknown dataset {name!r}; "
+                    f"available: {', '.join(sorted(known))}"
+                )
+            if not (math.isfinite(float(value)) and float(value) >= 0):
+                key = f"method.alpha_by_dataset[{name!r}]"
+                raise ValueError(f"{key}={value!r} is out of range: it must be >= 0")
 
 
 def onzeta_update(
@@ -145,7 +175,7 @@ def onzeta_update(
 
 class OnZeta(Method):
     Config = OnZetaConfig
-    resolved = ("tau_t", "tau_i", "beta", "stream_length")
+    resolved = ("tau_t", "tau_i", "alpha", "beta", "stream_length")
     stream_kind = "online"
     adapts = False  # the proxies live in the method; the shared model is never changed
     #: one forward per sample, no backward
@@ -157,6 +187,7 @@ class OnZeta(Method):
         self.head = class_head(self.model, cfg.text_head, official_templates(dataset)).float()
         ratio = 100.0 / float(self.model.logit_scale) if cfg.scale_tau else 1.0
         self.tau_t, self.tau_i = cfg.tau_t * ratio, cfg.tau_i * ratio
+        self.alpha = float(cfg.alpha_by_dataset.get(dataset or "", cfg.alpha))
         self.beta = cfg.beta
         if cfg.beta_fine_grained is not None and fine_grained(dataset):
             self.beta = cfg.beta_fine_grained
@@ -195,7 +226,6 @@ class OnZeta(Method):
     def update_features(self, feats: torch.Tensor) -> torch.Tensor:
         """The online updates on image features ``[B, D]`` (normalised here), one sample at
         a time in order; returns the log predictions ``[B, C]``."""
-        cfg = self.config
         out = []
         for x in F.normalize(feats.float(), dim=-1):
             lr, rlr, beta = self.schedule(self.position)
@@ -209,7 +239,7 @@ class OnZeta(Method):
                 beta,
                 tau_t=self.tau_t,
                 tau_i=self.tau_i,
-                alpha=cfg.alpha,
+                alpha=self.alpha,
             )
             self.position += 1
             out.append(log_pred)

@@ -28,13 +28,17 @@ loss is ``mean over views and classes of (reward - baseline) * CE(student logits
 the REINFORCE gradient of the expected reward under the student's softmax. The prediction
 is the student's on the original image after the last step.
 
-Setting (defaults = the official ImageNet script ``rlcf-prompt.sh``): ViT-B/16 student with
+Setting (defaults = the official scripts: ``rlcf-prompt.sh`` on the ImageNet sets,
+``rlcf-prompt-fine.sh`` on the fine-grained ones): ViT-B/16 student with
 ``--ctx_init a_photo_of_a`` (4 context tokens before "{class}."); ``sample_k`` 3;
 CLIPScore weight 2.5 (``CLIPRewards`` default); AdamW lr 7e-3, weight decay 5e-4, 3 steps
-(``tta_steps``); 64 views (``batch_size``), selection 0.1; views without AugMix on its
-ImageNet sets and with it on its fine-grained ones (applied per dataset as for tpt.py;
-``rlcf-prompt-fine.sh``
-also runs 5 steps there: ``steps=5``); fp16 autocast over fp32 weights
+(``tta_steps``) on the ImageNet sets and 5 on the fine-grained ones (the fine-grained
+script's ``case 01``: ``tta_steps=5``, lr 7e-3 again), applied per dataset:
+``steps_fine_grained`` (5) where the dataset's catalogue entry says ``fine_grained: true``,
+``steps`` (3) elsewhere, so 3 on every shipped suite (``steps_fine_grained=null``: ``steps``
+everywhere; ``resolved_settings`` records the steps used); 64 views (``batch_size``),
+selection 0.1; views without AugMix on its ImageNet sets and with it on its fine-grained
+ones (applied per dataset as for tpt.py); fp16 autocast over fp32 weights
 (``convert_weights`` is commented out in its ``clip.py``) with
 ``GradScaler(init_scale=1000)``; the reward model (teacher) is ViT-L/14
 (``reward_arch``), its class text features are those of the student's initial hard
@@ -53,9 +57,11 @@ weights SHA-256 in the results. None (default): the student's own frozen CLIP (i
 features of the kept views and its hard-prompt head).
 
 TTA-VLM (``tta_vlm``): its reward model is ``CLIPRewards(arch=args.arch)``, the student's
-own architecture (``teacher=None`` here); every other value equals the official ImageNet
-script (sample_k 3, lr 7e-3, weight decay 5e-4, 3 steps on every set, selection 0.1, 64
-views, AugMix on the fine-grained sets as in the official code, no CoOp initialisation).
+own architecture (``teacher=None`` here), and it runs 3 steps on every set
+(``args.tta_steps = 3`` in instance_method/rlcf.py: ``steps_fine_grained=None``); every other
+value equals the official ImageNet script (sample_k 3, lr 7e-3, weight decay 5e-4,
+selection 0.1, 64 views, AugMix on the fine-grained sets as in the official code, no CoOp
+initialisation).
 
 What differs and why:
 * The teacher defaults to the student's own model, not the official larger CLIP
@@ -77,12 +83,17 @@ What differs and why:
   the official computes it under fp16 autocast. On the CPU everything is float32.
 * The teacher encodes the kept views once per episode (its official
   ``set_image_features`` does the same, at the first step).
+* Steps per dataset: the official scripts choose them by the script a set is run with;
+  here by the catalogue's ``fine_grained`` flag (the ten sets of ``rlcf-prompt-fine.sh``).
+  A run that sets ``steps`` itself sets it on the non-fine-grained sets only; on the
+  fine-grained ones ``steps_fine_grained`` decides (set it too, or null).
 
 Measured effect: docs/methods.md#rlcf.
 """
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 from typing import Any, ClassVar, Optional
 
@@ -93,6 +104,7 @@ from mura_plugin.losses import view_entropy
 from mura_plugin.methods._text_heads import class_head
 from mura_plugin.methods.tpt import TPT, TPTConfig
 from tta_bench.bounds import bounded
+from tta_bench.catalog import fine_grained
 from tta_bench.model import ZeroShotClassifier
 
 __all__ = ["RLCF", "RLCFConfig", "clip_reward", "rlcf_loss"]
@@ -103,7 +115,9 @@ class RLCFConfig(TPTConfig):
     loss: Optional[str] = None  # the objective is fixed: the policy-gradient loss below
     lr: float = 7e-3
     weight_decay: float = 5e-4
-    steps: int = 3
+    steps: int = 3  # rlcf-prompt.sh (the ImageNet sets)
+    #: steps on the catalogue's fine-grained sets (rlcf-prompt-fine.sh: 5); None: steps
+    steps_fine_grained: Optional[int] = bounded(5, ge=0)
     sample_k: int = bounded(3, ge=1)  # top-K classes of the student per kept view
     clipscore_weight: float = bounded(2.5, gt=0)  # CLIPScore = max(w * cos, 0)
     reward_baseline: bool = True  # reward_process: subtract the mean reward
@@ -113,6 +127,9 @@ class RLCFConfig(TPTConfig):
     teacher: Optional[str] = None
     #: Keyword arguments of the teacher's model factory (e.g. openclip's arch/pretrained).
     teacher_args: dict[str, Any] = field(default_factory=dict)
+
+    #: added after results were recorded: at its default only fine-grained sets change
+    hash_omit_at_default = (*TPTConfig.hash_omit_at_default, "steps_fine_grained")
 
 
 def clip_reward(
@@ -172,6 +189,11 @@ class RLCF(TPT):
     def configure(self, model: ZeroShotClassifier) -> None:
         super().configure(model)
         cfg = self.config
+        self.steps = cfg.steps
+        if cfg.steps_fine_grained is not None and fine_grained(model.dataset):
+            self.steps = cfg.steps_fine_grained
+        if self.steps != cfg.steps:  # the episode loop reads config.steps
+            self.config = cfg = dataclasses.replace(cfg, steps=self.steps)
         if cfg.sample_k > model.num_classes:
             raise ValueError(
                 f"sample_k={cfg.sample_k} exceeds the number of classes ({model.num_classes})"
@@ -216,7 +238,7 @@ class RLCF(TPT):
         self.last_rewards: torch.Tensor | None = None
 
     def resolved_settings(self) -> dict[str, Any]:
-        return dict(self._teacher_info)
+        return {"steps": self.steps, **self._teacher_info}
 
     def batched_episodes(self) -> bool:
         # the loss of sample i depends on sample i's views only: batched episodes are exact

@@ -22,10 +22,11 @@ loss is the entropy of their mean prediction (``avg_entropy``); AdamW (torch's d
 weight decay 0.01) takes one step; the prediction is the original image's logits under the
 updated shifts (``model(image, test=True)``).
 
-Setting (defaults = the README's command, ``scripts/shift/
-shift_text_per_class_mean_init_template_and_gpt4_micro.sh I/A/V/R/K 5e-3``): per-class
-shifts (``--per_label``) initialised at zero (``Shifter``: ``torch.zeros``, fp32 as the
-model's weights: ``convert_weights`` is commented out in its ``model.py``), lr 5e-3 (the
+Setting (the optimisation of the README's command, ``scripts/shift/
+shift_text_per_class_mean_init_template_and_gpt4_micro.sh I/A/V/R/K 5e-3``; its prototypes
+are not the default's, see below): per-class shifts (``--per_label``) initialised at zero
+(``Shifter``: ``torch.zeros``, fp32 as the model's weights: ``convert_weights`` is
+commented out in its ``model.py``), lr 5e-3 (the
 README's and ``args.py``'s value; the scripts take it as an argument), 1 step
 (``--tta_steps 1``), 64 views (``-b 64 --img_aug``: original + 63 ``RandomResizedCrop(224)`` +
 flip, AugMix on the fine-grained sets only: ``augmix=len(set_id) > 1``, which the harness
@@ -46,6 +47,16 @@ Prototypes (``text_head``, ``prompts``):
   case-sensitive prefix tests as written), or the description itself with
   ``descriptor_sentence=false`` (sentences written as full prompts). None: no descriptors
   (the ``shift_text_per_class_mean_init_template`` variant). Nothing is downloaded.
+* The README's command is not the default: its prototypes pool the GPT-4 descriptors
+  (``--with_concepts --concept_type gpt4``: the ``gpt4_descriptors/<set>-gpt4.json`` files
+  published in the official repository, MIT licence; not shipped here) with CLIP's 80
+  templates (``--with_templates``). The defaults use neither: the protocol's templates and
+  no descriptors (``prompts=None``), the repository's
+  ``scripts/shift/shift_text_per_class_mean_init_template.sh`` with the protocol's head in
+  place of the 80 templates. The README's setting is ``text_head=official`` with
+  ``prompts`` naming that set's descriptor file (its keys must be the protocol's class
+  names: a class without descriptors is refused, naming it). Not measured (no descriptor
+  file exists for the digits).
 
 TTA-VLM (``tta_vlm = {"lr": None}``): its prototypes are the single prompt's features (the
 harness's option sets the protocol's templates to it), its views the same pipeline (AugMix
@@ -56,6 +67,9 @@ true`` and 5e-3 otherwise (so 5e-3 on every shipped suite); ``resolved_settings`
 the rate used.
 
 What differs and why:
+* Prototypes: the README's command uses the GPT-4 descriptors and CLIP's 80 templates; the
+  defaults use the protocol's templates alone (above: the descriptor files are the official
+  repository's and are not shipped; a benchmark protocol names one head for every method).
 * The prototype shift, the logits, the selection and the loss are computed in float32 on
   the image features the tower returns under fp16 autocast (CUDA); the official computes
   the matmul and the loss under autocast (fp16 matmul) and scales the loss by a GradScaler

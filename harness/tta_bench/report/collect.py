@@ -450,6 +450,11 @@ def _notes(
             f"({code('log_samples=true')}) of every ranked run; not used: {text(analysis)}. "
             "Δ and p compare seed means.",
         )
+    if any(rec.get("scores_are_logits") is False for rec in records):
+        notes.append(
+            "n/a (scores): the method's outputs are scores, not the logits of a probability "
+            f"model ({code('Method.scores_are_logits')}), so NLL and ECE are not defined for it."
+        )
     notes.insert(2, tracks.orders_note(records, code) or "")  # after the accuracy
     notes.append(tracks.realtime_note([t.record if t else None for t in board.twins()], code) or "")
     return [n for n in notes if n]

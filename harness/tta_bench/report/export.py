@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from tta_bench.report import stats, tables
-from tta_bench.report.columns import table_columns
+from tta_bench.report.columns import column, shown, table_columns
 
 #: Cell fields copied into the long table, in this order, after the cell key.
 CELL_FIELDS = (
@@ -48,6 +48,9 @@ def long_rows(records: Sequence[dict[str, Any]], labels: Sequence[str]) -> list[
                 "diverged": bool(c.get("diverged")),
             }
             row.update({k: c.get(k) for k in (*CELL_FIELDS, *metric_names)})
+            for name in metric_names:  # NLL/ECE of scores that are not logits mean nothing
+                if not shown(column(name), rec):
+                    row[name] = None
             rows.append(row)
     return rows
 
@@ -89,7 +92,8 @@ def summary_rows(
         }
         for name in metric_names:
             est = stats.suite_estimate(rec, name)
-            row[name] = None if est is None else est.mean
+            row[name] = None if est is None or not shown(column(name), rec) else est.mean
+        row["scores_are_logits"] = rec.get("scores_are_logits", True) is not False
         row["time_per_sample_s"] = summary.get("mean_time_per_sample_s")
         row["peak_memory_bytes"] = summary.get("max_peak_memory_bytes")
         row["trainable_parameters"] = (rec.get("parameters") or {}).get("trainable")

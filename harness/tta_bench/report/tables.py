@@ -21,7 +21,7 @@ from typing import Any
 from tabulate import tabulate
 
 from tta_bench.report import stats
-from tta_bench.report.columns import table_columns
+from tta_bench.report.columns import NOT_PROBABILITIES, column, shown, table_columns
 
 FORMATS = {
     "github": "github",
@@ -194,13 +194,18 @@ def method_shift_rows(
     metric: str = "accuracy",
 ) -> tuple[list[str], list[list[Any]]]:
     """Headers and rows of the method x shift table (see ``method_shift_table``) of
-    ``metric`` (a fraction, shown in percent)."""
+    ``metric`` (a fraction, shown in percent); a probabilistic metric of a method whose
+    outputs are scores reads ``NOT_PROBABILITIES`` (``columns.shown``)."""
     _check_one_protocol(records)
     names = _labels(records, labels)
     shifts = shift_order(records)
+    col = column(metric)
     rows = []
     for name, rec in zip(names, records):
         row: list[Any] = [name]
+        if not shown(col, rec):
+            rows.append(row + [NOT_PROBABILITIES] * (len(shifts) + 1))
+            continue
         for shift in shifts:
             row.append(_acc_text([c for c in rec["cells"] if c["shift"] == shift], metric))
         row.append(_acc_text(rec["cells"], metric))
@@ -337,6 +342,9 @@ def summary_rows(
             cmp = None if bad else compare_to_baseline(rec, base_rec, baseline, test)
             row += [_delta(cmp), _p(cmp.p_value if cmp else None)]
         for col in columns:
+            if not shown(col, rec):
+                row.append(NOT_PROBABILITIES)
+                continue
             est = stats.suite_estimate(rec, col.name)
             row.append(MISSING if est is None else col.format(est.mean))
         rows.append(row)
@@ -353,7 +361,8 @@ def summary_table(
     """Runs of one protocol: accuracy mean ± 95% CI half-width (Student t over seeds), the
     paired difference to ``baseline`` with its interval and p-value (``test``: ``t`` or
     ``bootstrap``), and the mean of every other metric the cells hold (ECE in percent and
-    NLL in nats for the built-in ones; ``tta_bench.report.columns``)."""
+    NLL in nats for the built-in ones; ``tta_bench.report.columns``), NLL and ECE as
+    ``NOT_PROBABILITIES`` for a method whose outputs are scores, not logits."""
     headers, rows = summary_rows(records, labels, baseline, test)
     return render(rows, headers, fmt)
 

@@ -1,10 +1,11 @@
 """The head of a results record: what its numbers depend on.
 
 Model name, weights and their hashes (file and loaded state), method and its resolved
-config (+ hash), protocol id and identity, seeds, the resolved run config, and provenance:
-git sha, package versions, device (CPU model, the instruction set torch dispatches to,
-thread count), precision, the distribution and version of every plugin component used, and
-each file included with ``--include`` with its full SHA-256 (``provenance.includes``).
+config (+ hash), whether its outputs are logits (``scores_are_logits``), protocol id and
+identity, seeds, the resolved run config, and provenance: git sha, package versions, device
+(CPU model, the instruction set torch dispatches to, thread count), precision, the
+distribution and version of every plugin component used, and each file included with
+``--include`` with its full SHA-256 (``provenance.includes``).
 """
 
 from __future__ import annotations
@@ -69,6 +70,9 @@ def new_record(spec: Any, bundle: Any, device: torch.device, *, from_registry: b
         "created": results.now_iso(),
         "method": spec.method,
         "method_preset": getattr(spec, "method_preset", None),
+        # whether its outputs are logits of a probability model (Method.scores_are_logits):
+        # tables print no NLL/ECE for a method whose outputs are scores; absent: True
+        "scores_are_logits": bool(registry("methods").get(spec.method).scores_are_logits),
         "method_config": config_dict(spec.method_config),
         **(
             {
