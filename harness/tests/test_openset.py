@@ -131,11 +131,36 @@ def test_cli_refuses_bad_ood_options_before_work(capsys, tmp_path):
     assert not out.exists()
 
 
+#: Class names of an out-of-distribution synthetic set: none is a known class.
+UNKNOWN = ["ochre", "teal", "mauve", "umber"]
+
+
+def test_an_ood_set_sharing_a_known_class_is_refused_naming_it(tmp_path, capsys):
+    from tta_bench.registry import registry
+
+    synthetic = registry("datasets").get("synthetic")
+    ind = synthetic(per_class=4)
+    spec = openset.check_ood({"dataset": "synthetic", "ratio": 0.2})
+    known = list(ind.classnames)
+    # one known class under another spelling: case, underscores and hyphens do not hide it
+    names = [*UNKNOWN[:3], known[2].upper().replace(" ", "_")]
+    with pytest.raises(ValueError, match=rf"shares 1 class\(es\) .*'{known[2]}'"):
+        openset.mix(ind, synthetic(split="train", per_class=2, names=names), spec)
+    with pytest.raises(ValueError, match="shares 4 class"):
+        openset.mix(ind, synthetic(split="train", per_class=2), spec)
+    out = tmp_path / "r.json"
+    rc, _, err = cli(
+        capsys, "run", "--method", "zeroshot", "--suite", "tiny-shifts", "--output", str(out),
+        "protocol.ood_dataset=synthetic", "seeds=[0]",
+    )  # fmt: skip
+    assert rc == 2 and "shares 4 class(es)" in err and not out.exists()
+
+
 def test_mix_counts_rows_and_refuses_too_few():
     from tta_bench.registry import registry
 
     synthetic = registry("datasets").get("synthetic")
-    ind, ood = synthetic(per_class=4), synthetic(split="train", per_class=2)
+    ind, ood = synthetic(per_class=4), synthetic(split="train", per_class=2, names=UNKNOWN)
     spec = openset.check_ood({"dataset": "synthetic", "ratio": 0.2})
     mixed = openset.mix(ind, ood, spec)
     assert openset.ood_count(16, 0.2) == 4
@@ -156,7 +181,7 @@ def test_open_set_run_scores_known_rows_and_detection(tmp_path):
 
     protocol = {
         "ood_dataset": "synthetic",
-        "ood_dataset_args": {"split": "train", "per_class": 8},
+        "ood_dataset_args": {"split": "train", "per_class": 8, "names": UNKNOWN},
         "ood_ratio": 0.5,
     }
     out = tmp_path / "r.json"

@@ -11,6 +11,8 @@ A protocol's ``ood`` (``Protocol.ood``, from the suite's ``ood:`` or the run's
 * the mixed split is the in-distribution rows followed by the chosen OOD rows; the stream
   shuffles it per run seed as it shuffles every split, and a synthetic shift corrupts the
   OOD images as it corrupts the others (they come from the same shifted world);
+* an OOD set sharing a class name with the in-distribution set is refused, naming the
+  classes (``check_disjoint``; names compared ignoring case, ``_``, ``-``);
 * an OOD row's label is ``OOD_LABEL`` (-1): labels never reach the method, and the runner
   scores the closed-set metrics (accuracy, NLL, ECE) on the in-distribution rows only;
 * the open-set metrics (``OPEN_SET_METRICS``) take the whole cell: the in-distribution rows
@@ -47,6 +49,7 @@ __all__ = [
     "fpr95",
     "check_ood",
     "ood_count",
+    "check_disjoint",
     "mix",
     "ood_score",
 ]
@@ -103,6 +106,28 @@ def ood_count(n_id: int, ratio: float) -> int:
     return int(math.floor(ratio / (1.0 - ratio) * n_id + 0.5))
 
 
+def _class_key(name: str) -> str:
+    """A class name compared across datasets: case, underscores, hyphens and repeated
+    spaces ignored ("Golden_Retriever" and "golden retriever" are one class)."""
+    return " ".join(str(name).replace("_", " ").replace("-", " ").casefold().split())
+
+
+def check_disjoint(id_stream: Any, ood_stream: Any) -> None:
+    """A ``ValueError`` naming the classes the OOD set shares with the in-distribution set
+    (by ``_class_key``): an "unknown" image of a known class would be scored as a detection
+    failure when the model is right. Nothing when they share none."""
+    known = {_class_key(c): c for c in id_stream.classnames}
+    shared = sorted({known[k] for k in map(_class_key, ood_stream.classnames) if k in known})
+    if shared:
+        shown = ", ".join(repr(c) for c in shared[:8]) + (", ..." if len(shared) > 8 else "")
+        raise ValueError(
+            f"ood: {ood_stream.name!r} shares {len(shared)} class(es) with the "
+            f"in-distribution set {id_stream.name!r}: {shown}. An out-of-distribution set "
+            "must hold none of the known classes (choose another set, or its classes "
+            "without those, e.g. through its dataset arguments)"
+        )
+
+
 def mix(id_stream: Any, ood_stream: Any, ood: dict[str, Any]) -> Any:
     """The ``DomainStream`` of ``id_stream`` with ``ood_count`` rows of ``ood_stream`` (a
     fixed subset drawn with ``ood["seed"]``, kept in their order) appended, labelled
@@ -112,6 +137,7 @@ def mix(id_stream: Any, ood_stream: Any, ood: dict[str, Any]) -> Any:
     from tta_bench.data import DomainStream
     from tta_bench.rng import stable_seed
 
+    check_disjoint(id_stream, ood_stream)
     n_id, n_avail = len(id_stream), len(ood_stream)
     n = ood_count(n_id, ood["ratio"])
     if n > n_avail:

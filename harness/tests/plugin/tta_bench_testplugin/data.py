@@ -50,8 +50,15 @@ def png_bytes(image: np.ndarray) -> bytes:
 
 
 def check_synthetic(
-    *, split: str = "test", per_class: int = 8, shift: str | None = None, **_: object
+    *,
+    split: str = "test",
+    per_class: int = 8,
+    shift: str | None = None,
+    names: Sequence[str] | None = None,
+    **_: object,
 ) -> None:
+    if names is not None and len(names) != len(CLASSNAMES):
+        raise ValueError(f"names: one per colour class ({len(CLASSNAMES)}), got {list(names)}")
     if split not in SPLITS:
         raise ValueError(f"unknown synthetic split {split!r}; available: {', '.join(SPLITS)}")
     if per_class < 1:
@@ -67,14 +74,18 @@ def synthetic(
     corrupt: Sequence[int] = (),
     shift: str | None = None,
     severity: int | None = None,
+    names: Sequence[str] | None = None,
 ) -> DomainStream:
     """``per_class`` 16 px images of each of the 4 classes, class-interleaved (label of row
     ``i`` is ``i % 4``). ``corrupt``: rows whose PNG bytes are truncated (undecodable).
     ``shift``/``severity`` (a suite with ``shift_source: dataset``): the domain's own split,
-    brightness scaled by ``DOMAIN_FACTOR[shift] ** severity``."""
+    brightness scaled by ``DOMAIN_FACTOR[shift] ** severity``. ``names``: other class names
+    for the same images (an out-of-distribution set that shares no class with the test
+    split)."""
     import datasets
 
-    check_synthetic(split=split, per_class=per_class, shift=shift)
+    check_synthetic(split=split, per_class=per_class, shift=shift, names=names)
+    classnames = list(CLASSNAMES if names is None else names)
     n = per_class * len(CLASSNAMES)
     labels = [i % len(CLASSNAMES) for i in range(n)]
     factor = 1.0 if shift is None else DOMAIN_FACTOR[shift] ** int(severity or 1)
@@ -87,16 +98,17 @@ def synthetic(
             data = data[: len(data) // 2]
         rows.append({"bytes": data, "path": None})
     features = datasets.Features(
-        {"image": datasets.Image(), "label": datasets.ClassLabel(names=CLASSNAMES)}
+        {"image": datasets.Image(), "label": datasets.ClassLabel(names=classnames)}
     )
     ds = datasets.Dataset.from_dict({"image": rows, "label": labels}, features=features)
     domain = "" if shift is None else f"-{shift}-{severity}"
     return DomainStream(
         name=f"synthetic-{split}{domain}",
-        classnames=list(CLASSNAMES),
+        classnames=classnames,
         templates=list(TEMPLATES),
         dataset=ds,
-        fingerprint=f"testplugin-synthetic/v1/{split}/{per_class}/{shift}/{severity}/{list(corrupt)}",
+        fingerprint=f"testplugin-synthetic/v1/{split}/{per_class}/{shift}/{severity}/{list(corrupt)}"
+        + ("" if names is None else f"/{classnames}"),
     )
 
 
