@@ -1,6 +1,6 @@
 """A method whose outputs are scores, not logits of a probability model
 (``Method.scores_are_logits`` False): its results record it, and the summary, the
-per-shift calibration tables and the leaderboard print ``n/a (scores)`` for its NLL and
+per-shift calibration tables and the leaderboard print ``n/a`` for its NLL and
 ECE instead of a number, while its accuracy and every other method's figures stay. A
 results file written before the flag existed reads as logits."""
 

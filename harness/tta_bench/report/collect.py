@@ -452,7 +452,7 @@ def _notes(
         )
     if any(rec.get("scores_are_logits") is False for rec in records):
         notes.append(
-            "n/a (scores): the method's outputs are scores, not the logits of a probability "
+            "n/a (NLL, ECE): the method's outputs are scores, not the logits of a probability "
             f"model ({code('Method.scores_are_logits')}), so NLL and ECE are not defined for it."
         )
     notes.insert(2, tracks.orders_note(records, code) or "")  # after the accuracy

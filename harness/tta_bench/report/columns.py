@@ -22,7 +22,7 @@ PRIMARY = "accuracy"
 #: metric's catalogue entry may say so itself (``table: {probabilistic: true}``).
 PROBABILITY_METRICS = ("nll", "ece", "ece20")
 #: What a table prints for such a metric of a method whose outputs are scores, not logits.
-NOT_PROBABILITIES = "n/a (scores)"
+NOT_PROBABILITIES = "n/a"
 
 
 @dataclass(frozen=True)
