@@ -12,8 +12,9 @@ from pathlib import Path
 
 import pytest
 
+from tta_bench.paths import file_sha256
 from tta_bench.run.verify import choose_cells, compare_cell, hydra_literal
-from tta_bench.run.verify_report import file_sha256, report_path, verified_mark
+from tta_bench.run.verify_report import report_path, verified_mark
 
 from .helpers import cli
 

@@ -113,26 +113,19 @@ class ZeroShotClassifier(nn.Module):
         return len(self.classnames)
 
     def build_class_embeddings(self) -> torch.Tensor:
-        """The protocol head: ``encode_templates(self.templates)``, or with per-class
-        sentences the mean over each class's formatted templates and sentences."""
-        if self.class_prompts is None:
-            return self.encode_templates(self.templates)
-        return text_head.class_embeddings(
-            self.clip,
-            self.tokenizer,
-            self.classnames,
-            self.templates,
-            chunk_size=self.text_chunk_size,
-            cache=self.text_cache,
-            about={"model": self.model_name, "weights": self.weights},
-            class_prompts=self.class_prompts,
-        )
+        """The protocol head: ``encode_templates(self.templates, self.class_prompts)``."""
+        return self.encode_templates(self.templates, self.class_prompts)
 
-    def encode_templates(self, templates: Sequence[str]) -> torch.Tensor:
+    def encode_templates(
+        self,
+        templates: Sequence[str],
+        class_prompts: Mapping[str, Sequence[str]] | None = None,
+    ) -> torch.Tensor:
         """Class embeddings ``[C, D]`` of another template set (a method's official head),
         without changing this classifier: the normalised mean over templates of the
-        normalised text embeddings of every class name, encoded in chunks of
-        ``text_chunk_size`` prompts and cached on disk (``tta_bench.text_head``)."""
+        normalised text embeddings of every class name (with ``class_prompts``, each class's
+        own sentences after its formatted templates: ``tta_bench.prompts``), encoded in chunks
+        of ``text_chunk_size`` prompts and cached on disk (``tta_bench.text_head``)."""
         return text_head.class_embeddings(
             self.clip,
             self.tokenizer,
@@ -141,6 +134,7 @@ class ZeroShotClassifier(nn.Module):
             chunk_size=self.text_chunk_size,
             cache=self.text_cache,
             about={"model": self.model_name, "weights": self.weights},
+            class_prompts=None if class_prompts is None else dict(class_prompts),
         )
 
     def normalize(self, images: torch.Tensor) -> torch.Tensor:

@@ -4,6 +4,7 @@ file it writes gets there whole (``atomic_path``)."""
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import os
 import tempfile
 from collections.abc import Iterator
@@ -84,3 +85,12 @@ class AtomicLog:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def file_sha256(path: str | Path) -> str:
+    """SHA-256 (hex) of a file's bytes, read in 1 MiB blocks."""
+    h = hashlib.sha256()
+    with open(path, "rb") as fh:
+        for block in iter(lambda: fh.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()

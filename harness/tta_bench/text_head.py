@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import itertools
 import json
 import os
 import struct
@@ -116,10 +117,7 @@ def encode_class_embeddings(
             f"a text head needs class names and templates, got {len(classnames)} class names "
             f"and {len(templates)} templates"
         )
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(
-            f"chunk_size must be a positive int (prompts per call), got {chunk_size!r}"
-        )
+    _check_chunk_size(chunk_size)
     n_classes, n_templates = len(classnames), len(templates)
     per_call = min(n_templates, chunk_size)  # templates of one class per call
     classes_per_call = max(1, chunk_size // per_call)
@@ -144,6 +142,13 @@ def encode_class_embeddings(
         return (mean / mean.norm(dim=-1, keepdim=True)).to(out_dtype)
 
 
+def _check_chunk_size(chunk_size: Any) -> None:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(
+            f"chunk_size must be a positive int (prompts per call), got {chunk_size!r}"
+        )
+
+
 def encode_prompt_lists(
     clip: nn.Module,
     tokenizer: Callable[[Sequence[str]], torch.Tensor],
@@ -161,10 +166,7 @@ def encode_prompt_lists(
     lists = [list(p) for p in prompt_lists]
     if not lists or not all(lists):
         raise ValueError("a text head needs at least one prompt for every class")
-    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
-        raise ValueError(
-            f"chunk_size must be a positive int (prompts per call), got {chunk_size!r}"
-        )
+    _check_chunk_size(chunk_size)
     flat = [(c, text) for c, texts in enumerate(lists) for text in texts]
     device = next(clip.parameters()).device
     sums: torch.Tensor | None = None
@@ -178,11 +180,8 @@ def encode_prompt_lists(
                 sums = torch.zeros(len(lists), feats.shape[1], device=device)
                 out_dtype = feats.dtype
             start = 0
-            while start < len(part):  # each class's run of prompts in this chunk
-                c = part[start][0]
-                end = start
-                while end < len(part) and part[end][0] == c:
-                    end += 1
+            for c, run in itertools.groupby(part, key=lambda item: item[0]):  # class by class
+                end = start + len(list(run))
                 sums[c] += feats[start:end].float().sum(dim=0)
                 start = end
         assert sums is not None

@@ -6,13 +6,13 @@ reads folder listings, file headers and split files only, never an image.
 
 from __future__ import annotations
 
-import hashlib
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
 from mura_plugin.datasets import _common as c
 from tta_bench.data import DataInventory, DataUnavailableError
+from tta_bench.paths import file_sha256
 
 __all__ = [
     "file_digest",
@@ -26,11 +26,7 @@ __all__ = [
 
 def file_digest(path: Path) -> str:
     """``sha256:<first 12 hex digits>`` of the file's bytes: the version of a split file."""
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return f"sha256:{h.hexdigest()[:12]}"
+    return f"sha256:{file_sha256(path)[:12]}"
 
 
 def tree(domain: str, scan: c.ClassTree, published: int | None, download: str) -> DataInventory:

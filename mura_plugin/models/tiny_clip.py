@@ -42,7 +42,7 @@ import torch.nn.functional as F
 
 from tta_bench.catalog import entry
 from tta_bench.model import ModelBundle, Preprocess, format_prompts
-from tta_bench.paths import atomic_path
+from tta_bench.paths import atomic_path, file_sha256
 
 __all__ = [
     "TinyClipRecipe",
@@ -207,14 +207,6 @@ def save_shippable(model: torch.nn.Module, path: str | Path, recipe: TinyClipRec
     with atomic_path(path) as tmp:
         save_file(state, str(tmp), metadata=metadata)
     return file_sha256(path)
-
-
-def file_sha256(path: str | Path) -> str:
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def load_shipped(path: str | Path = SHIPPED_WEIGHTS) -> tuple[torch.nn.Module, TinyClipRecipe]:

@@ -305,7 +305,7 @@ def environment_differences(record: dict[str, Any], here: dict[str, Any]) -> lis
     device = prov.get("device") or {}
     recorded = {
         "torch": prov.get("torch"),
-        "threads": prov.get("torch_threads", device.get("threads")),
+        "threads": _recorded_threads(record),
         "CPU kernels": device.get("cpu_capability"),
         "device": device.get("type"),
         "device name": device.get("name"),
@@ -410,7 +410,7 @@ def _say(message: str) -> None:
 def _read(path: Path) -> tuple[dict[str, Any], str]:
     """The record and the SHA-256 of the file's bytes; a ``VerifyError`` for what is no
     results file."""
-    from tta_bench.run.verify_report import file_sha256
+    from tta_bench.paths import file_sha256
 
     if not path.is_file():
         raise VerifyError(f"results file {str(path)!r} does not exist")

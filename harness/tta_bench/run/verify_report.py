@@ -11,15 +11,15 @@ name. Reading reports imports neither torch nor the runner.
 
 from __future__ import annotations
 
-import hashlib
 import json
 from pathlib import Path
 from typing import Any
 
+from tta_bench.paths import file_sha256
+
 __all__ = [
     "REPORT_FORMAT",
     "REPORT_SUFFIX",
-    "file_sha256",
     "report_path",
     "verified_mark",
     "write_report",
@@ -29,15 +29,6 @@ __all__ = [
 REPORT_FORMAT = 1
 #: The report of ``<results file>`` is ``<results file><REPORT_SUFFIX>``.
 REPORT_SUFFIX = ".verify"
-
-
-def file_sha256(path: str | Path) -> str:
-    """SHA-256 of a file's bytes."""
-    h = hashlib.sha256()
-    with open(path, "rb") as fh:
-        for block in iter(lambda: fh.read(1 << 20), b""):
-            h.update(block)
-    return h.hexdigest()
 
 
 def report_path(results_path: str | Path, folder: str | Path | None = None) -> Path:
