@@ -75,6 +75,13 @@ says: on disk by default (memory stays flat in the batch), in memory, or nowhere
 (``recompute``: the episodes run again after the step); the same predictions whichever.
 ``method.episode_batching=false`` runs the sequential per-sample router updates (the
 exact CRU order, slower) for exactness studies.
+Variants the article proposes, as options (docs/methods.md#mura-variants): ``towers``
+(the components on the vision tower, the text tower or both; on the text tower the class
+head is re-encoded through the adapted blocks at every step, one head per episode,
+text_adapters.py), persistence (``episodic`` with the protocol's reset policy), the update
+period (``adapt_every``), the signal (``loss``, ``augmix``) and the rank set (``ranks``;
+``[28]`` matches the parameters of ``[4, 8, 16]``). The held-out study of them:
+benchmarks/mura_variants.py.
 """
 
 from __future__ import annotations
@@ -97,16 +104,21 @@ from mura_plugin.adapters import (
 from mura_plugin.methods._episodes import MultiViewConfig, MultiViewMethod
 from mura_plugin.methods._text_heads import SINGLE_PROMPT, OwnHead, class_head
 from mura_plugin.methods._view_budget import COPIES_WAIT
+from mura_plugin.text_adapters import TextHead, per_sample_logits, prompt_lists, text_blocks
 from tta_bench.bounds import bounded, one_of
 from tta_bench.model import ZeroShotClassifier
 
-__all__ = ["MuRA", "MuRAConfig", "FUSIONS"]
+__all__ = ["MuRA", "MuRAConfig", "FUSIONS", "TOWERS"]
 
 #: softmax: learned global weights over components (one softmax over K logits shared by
 #: every adapted layer); router: per-token learned weights; none: every component with weight
 #: 1 (plain LoRA when there is one component); softmax_layer: like softmax but each adapted
 #: layer has its own K logits (the seed article's sketch).
 FUSIONS = ("softmax", "router", "none", "softmax_layer")
+#: Which towers carry the components (the deepest ``blocks`` of each): vision (the image
+#: tower), text (the text tower: the class head is re-encoded at every step,
+#: text_adapters.py) or both.
+TOWERS = ("vision", "text", "both")
 
 
 @dataclass
@@ -119,10 +131,12 @@ class MuRAConfig(MultiViewConfig):
         "rotate_degrees",
         "view_memory_mb",
         "copies_wait",
+        "towers",
     )
 
     ranks: list[int] = bounded(default_factory=lambda: [4, 8, 16], ge=1)
-    blocks: int = bounded(1, ge=1)  # adapt the deepest N vision blocks
+    blocks: int = bounded(1, ge=1)  # adapt the deepest N blocks (of each tower in towers)
+    towers: str = one_of("vision", TOWERS)
     targets: list[str] = field(default_factory=lambda: ["attn.q", "attn.v"])
     # each component's LoRA alpha: component k is scaled by alpha / rank_k
     alpha: float = bounded(32.0, gt=0)
@@ -168,6 +182,56 @@ class MuRA(OwnHead, MultiViewMethod):
                 f"got {cfg.crop_scale_max}"
             )
         self.copies_wait()  # a ValueError naming the options
+        # no official code: the official head is TTL's ("a photo of a {}."); encoded before
+        # any text adapter exists, so the text-head cache only ever sees the frozen tower
+        self.head = class_head(model, cfg.text_head, SINGLE_PROMPT)
+        k = len(cfg.ranks)
+        self.adapters: dict[str, MultiRankLinear] = {}
+        first = self._attach_vision(model) if cfg.towers != "text" else self._frozen_vision(model)
+        self._text: TextHead | None = None
+        if cfg.towers != "vision":
+            blocks = text_blocks(model.clip)
+            if not 1 <= cfg.blocks <= len(blocks):
+                raise ValueError(f"blocks must be in 1..{len(blocks)}, got {cfg.blocks}")
+            for name, adapter in self._attach(blocks[-cfg.blocks :]).items():
+                self.adapters[f"text.{name}"] = adapter
+            official = SINGLE_PROMPT if cfg.text_head == "official" else None
+            self._text = TextHead(model, prompt_lists(model, official), len(blocks) - cfg.blocks)
+        # softmax: K logits shared by all layers; softmax_layer: [L, K], row l for the l-th
+        # adapted layer (in ``self.adapters`` order)
+        shape = {"softmax": (k,), "softmax_layer": (len(self.adapters), k)}.get(cfg.fusion)
+        self.merge_logits = (
+            None if shape is None else nn.Parameter(torch.zeros(shape, device=model.mean.device))
+        )
+        # Frozen prefix run once per batch (None: unknown tower, plain forward per step).
+        self._split = None if first is None else split_vision_forward(model.visual, first)
+        # Batched episodes read tokens as sample-major rows: needs batch-first blocks.
+        transformer = getattr(model.visual, "transformer", None)
+        self._batch_first = bool(getattr(transformer, "batch_first", True)) and (
+            self._text is None or self._text.batch_first
+        )
+        self._episode_merge: torch.Tensor | None = None  # copies in use ([n, K])
+        self._episode_merge_all: torch.Tensor | None = None
+        self._episodes_n: int | None = None  # episodes in use (text heads per sample)
+
+    def _attach(self, blocks: list[nn.Module]) -> dict[str, MultiRankLinear]:
+        cfg = self.config
+        k = len(cfg.ranks)
+        return attach_adapters(
+            blocks,
+            cfg.targets,
+            cfg.ranks,
+            cfg.alpha,
+            init=cfg.init,
+            router=cfg.fusion == "router",
+            init_weights=torch.full((k,), 1.0 / k if cfg.fusion != "none" else 1.0),
+            scale=cfg.scale,
+        )
+
+    def _attach_vision(self, model: ZeroShotClassifier) -> int:
+        """Components beside the deepest ``blocks`` vision blocks; returns the index of the
+        first adapted one (where the frozen prefix stops)."""
+        cfg = self.config
         try:
             blocks = vision_blocks(model.visual)
         except ValueError as exc:  # a convolutional tower: no attention to adapt
@@ -176,41 +240,43 @@ class MuRA(OwnHead, MultiViewMethod):
                 f"(open_clip's VisionTransformer or a timm ViT trunk: ViT-*, EVA02-*, "
                 f"*-SigLIP*, coca_*); the {type(model.visual).__name__} tower of "
                 f"{model.model_name} has none, as no convolutional tower (ModifiedResNet: "
-                f"RN*; ConvNeXt: convnext_*) has: {exc}"
+                f"RN*; ConvNeXt: convnext_*) has (method.towers=text adapts the text tower "
+                f"only): {exc}"
             ) from exc
         if not 1 <= cfg.blocks <= len(blocks):
             raise ValueError(f"blocks must be in 1..{len(blocks)}, got {cfg.blocks}")
         adapted = blocks[-cfg.blocks :]
-        first = len(blocks) - cfg.blocks
-        k = len(cfg.ranks)
-        init_weights = torch.full((k,), 1.0 / k if cfg.fusion != "none" else 1.0)
-        self.adapters: dict[str, MultiRankLinear] = attach_adapters(
-            adapted,
-            cfg.targets,
-            cfg.ranks,
-            cfg.alpha,
-            init=cfg.init,
-            router=cfg.fusion == "router",
-            init_weights=init_weights,
-            scale=cfg.scale,
-        )
-        # softmax: K logits shared by all layers; softmax_layer: [L, K], row l for the l-th
-        # adapted layer (in ``self.adapters`` order)
-        shape = {"softmax": (k,), "softmax_layer": (len(self.adapters), k)}.get(cfg.fusion)
-        self.merge_logits = (
-            None if shape is None else nn.Parameter(torch.zeros(shape, device=model.mean.device))
-        )
+        self.adapters.update(self._attach(adapted))
         # Autograd stops at the first adapted block: backward covers only adapted blocks.
         self._hook = adapted[0].register_forward_pre_hook(_detach_inputs)
-        # Frozen prefix run once per batch (None: unknown tower, plain forward per step).
-        self._split = split_vision_forward(model.visual, first)
-        # Batched episodes read tokens as sample-major rows: needs batch-first blocks.
-        transformer = getattr(model.visual, "transformer", None)
-        self._batch_first = bool(getattr(transformer, "batch_first", True))
-        self._episode_merge: torch.Tensor | None = None  # copies in use ([n, K])
-        self._episode_merge_all: torch.Tensor | None = None
-        # no official code: the official head is TTL's ("a photo of a {}.")
-        self.head = class_head(model, cfg.text_head, SINGLE_PROMPT)
+        return len(blocks) - cfg.blocks
+
+    def _frozen_vision(self, model: ZeroShotClassifier) -> int | None:
+        """``towers=text``: the whole image tower is frozen, so a ViT's blocks all run once
+        per batch (the suffix is the pooling and projection); None for other towers."""
+        self._hook = None
+        try:
+            return len(vision_blocks(model.visual))
+        except ValueError:
+            return None
+
+    def class_embeddings(self) -> torch.Tensor:
+        """The text head this method classifies with ``[C, D]``: the adapted one when the
+        text tower carries components."""
+        if self._text is None:
+            return self.head
+        with torch.no_grad():
+            return self._text.head()
+
+    def _class_head(self) -> torch.Tensor:
+        """``[C, D]``, or one head per running episode ``[n, C, D]`` (text components)."""
+        return self.head if self._text is None else self._text.head(self._episodes_n)
+
+    def _logits(self, feats: torch.Tensor) -> torch.Tensor:
+        head = self._class_head()
+        if head.dim() == 3:
+            return per_sample_logits(self.model, feats, head)
+        return self.model.logits_from_features(feats, head)
 
     def collect_params(self, model: ZeroShotClassifier) -> list[nn.Parameter]:
         params: list[nn.Parameter] = [] if self.merge_logits is None else [self.merge_logits]
@@ -256,12 +322,14 @@ class MuRA(OwnHead, MultiViewMethod):
             merge = logits.unsqueeze(0).repeat(n, *([1] * logits.dim()))
             self._episode_merge = self._episode_merge_all = merge.requires_grad_(True)
             copies.append(merge)
+        self._episodes_n = n
         for adapter in self.adapters.values():
             router = any(id(p) in episode for p in adapter.router_parameters())
             copies += adapter.begin_episodes(n, router=router)
         return copies
 
     def select_episodes(self, rows: slice) -> None:
+        self._episodes_n = rows.stop - rows.start
         if self._episode_merge_all is not None:
             self._episode_merge = self._episode_merge_all[rows]
         for adapter in self.adapters.values():
@@ -269,6 +337,7 @@ class MuRA(OwnHead, MultiViewMethod):
 
     def end_episodes(self) -> None:
         self._episode_merge = self._episode_merge_all = None
+        self._episodes_n = None
         for adapter in self.adapters.values():
             adapter.end_episodes()
 
@@ -303,7 +372,7 @@ class MuRA(OwnHead, MultiViewMethod):
         x = inputs["tokens"] if "tokens" in inputs else inputs["images"]
         v, b = x.shape[:2]
         feats = self._features(inputs, x.transpose(0, 1).flatten(0, 1))  # [B * V, D]
-        logits = self.model.logits_from_features(feats, self.head)
+        logits = self._logits(feats)
         feats = feats.view(b, v, -1).transpose(0, 1)
         logits = logits.view(b, v, -1).transpose(0, 1)
         return self.loss_fn(logits, features=feats), logits
@@ -317,11 +386,11 @@ class MuRA(OwnHead, MultiViewMethod):
         self._set_fusion()
         with self.autocast():  # view 0 is the original image: restart from its tokens
             feats = self._features(inputs, inputs["tokens"][0])
-            return self.model.logits_from_features(feats, self.head).float()
+            return self._logits(feats).float()
 
     @torch.no_grad()
     def predict(self, images: torch.Tensor) -> torch.Tensor:
         self._set_fusion()
         with self.autocast():
             feats = self.model.encode_image(images)
-            return self.model.logits_from_features(feats, self.head).float()
+            return self._logits(feats).float()
