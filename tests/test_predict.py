@@ -92,9 +92,21 @@ def _adapter_replay(bundle, input_dir: Path, results: dict, method: str, reset: 
     return out
 
 
-@pytest.mark.parametrize(("method", "reset"), [("tent", "never"), ("mura", "per_batch")])
+#: An online MuRA on both towers that updates on every second batch only (the article's
+#: lighter deployment): the job must replay exactly as the standalone adapter steps.
+ONLINE_MURA = {"episodic": "online", "adapt_every": 2, "towers": "both", "views": 3, "lr": 0.01}
+
+
+@pytest.mark.parametrize(
+    ("method", "reset", "overrides"),
+    [
+        ("tent", "never", {"steps": 1}),
+        ("mura", "per_batch", {"views": 15}),
+        ("mura", "never", ONLINE_MURA),
+    ],
+)
 def test_labeled_folder_matches_the_adapter_and_reports_accuracy(
-    tmp_path, labeled_dir, default_bundle, method, reset, capsys
+    tmp_path, labeled_dir, default_bundle, method, reset, overrides, capsys
 ):
     out = tmp_path / "out"
     job = write_job(
@@ -104,7 +116,7 @@ def test_labeled_folder_matches_the_adapter_and_reports_accuracy(
         method=method,
         reset=reset,
         top_k=3,
-        overrides={"steps": 1} if method == "tent" else ["views=15"],
+        overrides=overrides if method == "tent" else [f"{k}={v}" for k, v in overrides.items()],
     )
     assert main(["predict", "--config", str(job)]) == 0
     printed = capsys.readouterr()
@@ -116,7 +128,6 @@ def test_labeled_folder_matches_the_adapter_and_reports_accuracy(
     assert summary["ignored_files"] == ["three/notes.txt"]
     results = batch_results(out)
     assert len(results) == 6 and summary["images"] == 40
-    overrides = {"steps": 1} if method == "tent" else {"views": 15}
     expected = _adapter_replay(
         default_bundle, labeled_dir, results, method, reset, overrides=overrides
     )

@@ -20,7 +20,7 @@ from tta_bench.deploy.serve.limits import (
     limits_from_options,
     upload_memory_bound,
 )
-from tta_bench.deploy.serve.sessions import Service
+from tta_bench.deploy.serve.sessions import Service, check_reset_every
 from tta_bench.deploy.serve.transport import _bind, serve
 
 __all__ = ["TOKEN_ENV", "add_arguments", "build_service", "main", "resolve_token"]
@@ -104,6 +104,15 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
     )
     p.add_argument("--device", default="auto", help="auto | cpu | cuda | cuda:N")
     p.add_argument("--seed", type=int, default=0, help="the method's seed")
+    p.add_argument(
+        "--session-reset-every",
+        type=int,
+        default=None,
+        metavar="N",
+        help="reset a session's adaptation state after every N of its requests (default: "
+        "never; POST /sessions/{id}/reset resets on request); the method's own options say "
+        "what persists between requests (e.g. mura method.episodic=online)",
+    )
 
 
 def _add_access_arguments(p: argparse.ArgumentParser) -> None:
@@ -244,6 +253,7 @@ def build_service(args: argparse.Namespace, token: str | None = _FROM_ARGS) -> S
     from tta_bench.deploy.adapter import Adapter
 
     limits = limits_from_options(args)
+    check_reset_every(args.session_reset_every)  # before the model is built
     if token is _FROM_ARGS:
         token = resolve_token(args.token, args.token_file, no_auth=args.no_auth)
     classnames = (
@@ -262,7 +272,7 @@ def build_service(args: argparse.Namespace, token: str | None = _FROM_ARGS) -> S
             f"serve: listening on {args.host} with --no-auth; anyone who can reach it can "
             f"use it (--token-file PATH or ${TOKEN_ENV} to require a token)"
         )
-    return Service(adapter, limits, token=token)
+    return Service(adapter, limits, token=token, session_reset_every=args.session_reset_every)
 
 
 def main(args: argparse.Namespace) -> int:

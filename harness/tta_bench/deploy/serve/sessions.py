@@ -18,7 +18,7 @@ from typing import Any
 from tta_bench.deploy.serve.limits import Limits, upload_memory_bound
 from tta_bench.deploy.uploads import ACCEPTED_FORMATS, ClientError, check_headers, decode_image
 
-__all__ = ["POLICY", "Session", "Service"]
+__all__ = ["POLICY", "Session", "Service", "check_reset_every"]
 
 POLICY = (
     "at most `workers` requests compute at once (a thread pool); the event loop never "
@@ -30,6 +30,17 @@ POLICY = (
     "against `max_reading_bytes` as they arrive (503 beyond) and must arrive within "
     "`body_timeout_s` (408)"
 )
+
+
+def check_reset_every(every: Any) -> int | None:
+    """The reset policy ``session_reset_every``: a positive integer (requests) or None
+    (never); anything else is a ``ValueError`` naming the value."""
+    if every is not None and (isinstance(every, bool) or not isinstance(every, int) or every < 1):
+        raise ValueError(
+            f"session_reset_every (--session-reset-every) must be a positive integer "
+            f"(requests) or None (never), got {every!r}"
+        )
+    return every
 
 
 @dataclass
@@ -51,10 +62,21 @@ class Service:
     worker pool and the limits. All bookkeeping runs on the event loop's thread; only
     decoding and the method's calls run on the worker threads."""
 
-    def __init__(self, adapter: Any, limits: Limits | None = None, *, token: str | None = None):
+    def __init__(
+        self,
+        adapter: Any,
+        limits: Limits | None = None,
+        *,
+        token: str | None = None,
+        session_reset_every: int | None = None,
+    ):
         """``token``: the bearer token every endpoint but ``/health`` requires, or None for
         none (the command line needs ``--no-auth`` for that). An empty or whitespace token
-        is a ``ValueError``, never read as no auth; the token is used stripped."""
+        is a ``ValueError``, never read as no auth; the token is used stripped.
+        ``session_reset_every``: the service's reset policy, a session's adaptation state
+        is reset after every N of its requests (None: only on ``POST
+        /sessions/{id}/reset``); a positive integer, else a ``ValueError`` naming it."""
+        self.session_reset_every = check_reset_every(session_reset_every)
         if token is not None and (not isinstance(token, str) or not token.strip()):
             shown = "an empty token" if isinstance(token, str) else f"a {type(token).__name__}"
             raise ValueError(
@@ -179,13 +201,20 @@ class Service:
             adapter.reset()  # the next sessionless request starts from setup again
             self.pool.put(adapter)
 
-    @staticmethod
-    def _in_session(s: Session, x: Any) -> Any:
+    def _in_session(self, s: Session, x: Any) -> tuple[Any, bool]:
+        """The session's prediction, then the reset policy: whether it reset the session
+        (after every ``session_reset_every``-th request since the last reset)."""
         with s.thread_lock:
-            return s.adapter(x)
+            pred = s.adapter(x)
+            every = self.session_reset_every
+            if every is not None and s.requests + 1 >= every:
+                s.adapter.reset()
+                return pred, True
+            return pred, False
 
     async def predict(self, uploads: list[tuple[str, bytes]], sid: str | None, k: int) -> dict:
         s = self.session(sid) if sid is not None else None
+        was_reset = False
         if s is None:
             x = await self.run(self._preprocess, uploads)
             start = time.perf_counter()
@@ -196,20 +225,23 @@ class Service:
                 x = await self.run(self._preprocess, uploads)
                 start = time.perf_counter()
                 async with s.lock:
-                    pred = await self.run(self._in_session, s, x)
-                    s.requests += 1
+                    pred, was_reset = await self.run(self._in_session, s, x)
+                    s.requests = 0 if was_reset else s.requests + 1
             finally:
                 s.busy -= 1
                 s.last_used = time.monotonic()
         seconds = time.perf_counter() - start
         rows = pred.records(k)
-        return {
+        out = {
             "session": sid,
             "method": self.template.method_name,
             "loss": pred.loss,
             "seconds": seconds,
             "predictions": [{"file": name, **row} for (name, _), row in zip(uploads, rows)],
         }
+        if s is not None:  # the reset policy reset the session after this request
+            out["session_reset"] = was_reset
+        return out
 
     def info(self) -> dict[str, Any]:
         from tta_bench import __version__
@@ -236,6 +268,7 @@ class Service:
                 "open": len(self.sessions),
                 "max": self.limits.max_sessions,
                 "idle_timeout_s": self.limits.session_idle_s,
+                "reset_every_requests": self.session_reset_every,
             },
             "load": {
                 "pending": self.pending,
