@@ -47,12 +47,12 @@ ONLINE_FAMILY = (
     "gtta", "vte",
 )  # fmt: skip
 #: The methods the continual protocol (never reset) is reported for.
-CONTINUAL_METHODS = ("zeroshot", "tent", "eta", "sar", "cotta", "mura", *ONLINE_FAMILY)
+CONTINUAL_METHODS = ("zeroshot", "tent", "eta", "sar", "cotta", "mura", "lora", *ONLINE_FAMILY)
 #: The class-sorted stream (the reference harness's ``correlated``) and its methods.
 CORRELATED = ROOT / "results" / "digits-c-correlated"
-CORRELATED_METHODS = ("zeroshot", "tent", "cotta", "mura", *ONLINE_FAMILY)
+CORRELATED_METHODS = ("zeroshot", "tent", "cotta", "mura", "lora", *ONLINE_FAMILY)
 #: The methods the open-set suite ``digits-open`` is reported for.
-OPEN_METHODS = ("zeroshot", "tent", "tda", "mura")
+OPEN_METHODS = ("zeroshot", "tent", "tda", "mura", "lora")
 
 #: (file stem, method, overrides): MuRA's ablation around its defaults, with single-rank
 #: LoRA at matched placement (deepest block), views, loss, optimiser and steps as reference.
@@ -215,6 +215,7 @@ def report(wall: dict[str, float]) -> str:
     mura, lora = MAIN / "mura.json", MAIN / "lora.json"
     if mura.exists() and lora.exists():
         lines += ["## MuRA vs single-rank LoRA", "", mura_vs_lora(mura, lora), ""]
+    lines += mura_variants_section()
     lines += realtime_and_orders()
     lines += online_family()
     ablation = sorted(ABLATION.glob("*.json"))
@@ -260,18 +261,32 @@ def report(wall: dict[str, float]) -> str:
     return "\n".join(lines).rstrip() + "\n"
 
 
-def _paired(a: Path, b: Path) -> str:
-    """``A - B`` in points with its 95% interval: the batch block bootstrap over the paired
-    samples when both runs have per-sample files, else the paired t over the seeds."""
+def mura_variants_section() -> list[str]:
+    """"When does MuRA help?": the held-out-tuned variants (``benchmarks/mura_variants.py``)."""
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    import mura_variants
+
+    return mura_variants.report_section()
+
+
+def paired_interval(a: Path, b: Path, confidence: float = 0.95) -> tuple[float, float, float, str]:
+    """``A - B`` (fractions) with its interval at ``confidence`` and the unit resampled: the
+    batch block bootstrap over the paired samples when both runs have per-sample files,
+    else the paired t over the seeds."""
     from tta_bench.report import paired, stats
 
     ra, rb = (json.loads(p.read_text(encoding="utf-8")) for p in (a, b))
     try:
-        boot = paired.compare(ra, a, rb, b)["bootstrap_batch"]
-        d, lo, hi, unit = boot["difference"], boot["ci_low"], boot["ci_high"], "batches"
+        boot = paired.compare(ra, a, rb, b, confidence=confidence)["bootstrap_batch"]
+        return boot["difference"], boot["ci_low"], boot["ci_high"], "batches"
     except (ValueError, FileNotFoundError):
-        seed = stats.paired_comparison(ra, rb, "accuracy", "seed", "t")
-        d, lo, hi, unit = seed.mean_difference, seed.ci_low, seed.ci_high, "seeds"
+        seed = stats.paired_comparison(ra, rb, "accuracy", "seed", "t", confidence)
+        return seed.mean_difference, seed.ci_low, seed.ci_high, "seeds"
+
+
+def paired_delta(a: Path, b: Path) -> str:
+    """``A - B`` in points with its 95% interval (``paired_interval``)."""
+    d, lo, hi, unit = paired_interval(a, b)
     return f"{100 * d:+.1f} [{100 * lo:+.1f}, {100 * hi:+.1f}] ({unit})"
 
 
@@ -290,7 +305,7 @@ def online_family() -> list[str]:
         for m in runs:
             rec = json.loads((folder / f"{m}.json").read_text(encoding="utf-8"))
             row = [f"`{m}`", f"{100 * rec['summary']['mean_accuracy']:.1f}"]
-            row += [_paired(folder / f"{m}.json", folder / f"{a}.json") for a in anchors]
+            row += [paired_delta(folder / f"{m}.json", folder / f"{a}.json") for a in anchors]
             rows.append(row)
         lines += [f"### `{suite}`", "", "| " + " | ".join(head) + " |"]
         lines += ["|" + "---|" * len(head)]
