@@ -149,8 +149,16 @@ def accuracy(record: dict) -> float:
 
 
 def grid_points(setting: str) -> list[Point]:
+    """The setting's grid; the consistency signal reads image features only, so it has no
+    text-only point (mura refuses it)."""
     signals, lrs, _ = SETTINGS[setting]
-    return [Point(setting, t, s, lr) for s in signals for t in TOWERS for lr in lrs]
+    return [
+        Point(setting, t, s, lr)
+        for s in signals
+        for t in TOWERS
+        for lr in lrs
+        if not (t == "text" and s == "consistency")
+    ]
 
 
 def choose(scored: dict[Point, float]) -> Point:

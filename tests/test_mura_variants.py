@@ -239,3 +239,14 @@ def test_cli_bad_option_exits_2_before_the_model_is_built(tmp_path, capsys, opti
     assert main(["run", "--method", "mura", *CLI_SMALL, option, "--output", str(out)]) == 2
     err = capsys.readouterr().err
     assert message in err and not out.exists()
+
+
+def test_text_components_refuse_a_loss_that_never_reads_the_logits(tmp_path, capsys):
+    with pytest.raises(ValueError, match="loss=consistency reads the image features only"):
+        MuRA.Config(towers="text", loss="consistency")
+    from tta_bench.cli import main
+
+    out = tmp_path / "r.json"
+    args = ["method.towers=text", "method.loss=consistency", "--output", str(out)]
+    assert main(["run", "--method", "mura", *CLI_SMALL, *args]) == 2
+    assert "reads the image features only" in capsys.readouterr().err and not out.exists()

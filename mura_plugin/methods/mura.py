@@ -119,6 +119,8 @@ FUSIONS = ("softmax", "router", "none", "softmax_layer")
 #: tower), text (the text tower: the class head is re-encoded at every step,
 #: text_adapters.py) or both.
 TOWERS = ("vision", "text", "both")
+#: Losses that read the image features only (never the logits, hence not the text head).
+FEATURE_LOSSES = ("consistency",)
 
 
 @dataclass
@@ -163,6 +165,16 @@ class MuRAConfig(MultiViewConfig):
     #: batch), memory (0.34 MB an image on ViT-B-32), recompute (the episodes run again
     #: after the step: twice the adaptation's compute). Changes no cell (_views.COPIES_WAIT).
     copies_wait: str = one_of("disk", COPIES_WAIT)
+
+    def __post_init__(self) -> None:
+        """Refuse, when the config is made (before any model is built), components that
+        the loss cannot reach."""
+        if self.towers == "text" and self.loss in FEATURE_LOSSES:
+            raise ValueError(
+                f"method.loss={self.loss} reads the image features only, which components on "
+                f"the text tower cannot change: use method.towers=vision or both with it, or a "
+                f"loss on the logits with method.towers=text"
+            )
 
 
 def _detach_inputs(_module: nn.Module, args: tuple[Any, ...]) -> tuple[Any, ...]:
