@@ -262,7 +262,7 @@ def report(wall: dict[str, float]) -> str:
 
 
 def mura_variants_section() -> list[str]:
-    """"When does MuRA help?": the held-out-tuned variants (``benchmarks/mura_variants.py``)."""
+    """ "When does MuRA help?": the held-out-tuned variants (``benchmarks/mura_variants.py``)."""
     sys.path.insert(0, str(Path(__file__).resolve().parent))
     import mura_variants
 

@@ -82,6 +82,8 @@ SETTINGS = {
     ),
 }
 CONTINUAL = ["protocol.reset=continual"]
+#: The preset a setting's chosen variant became (it beat zero-shot and TTL, ``verdict``).
+PRESETS = {"per_shift": "mura-online", "continual": "mura-online-text"}
 CONTINUAL_TOP = 4
 MATCHED_SINGLE = "method.ranks=[28]"
 PERIODS = (2, 4)
@@ -193,6 +195,8 @@ def run_grid(out: Path) -> dict[str, dict[Point, float]]:
                 )
                 run(extra / f"{q.stem}.json", q.overrides(), HELD_OUT)
     run(extra / "zeroshot.json", [], HELD_OUT, method="zeroshot")
+    # the continual points are compared with zero-shot under their own protocol
+    run(extra / "zeroshot_continual.json", CONTINUAL, HELD_OUT, method="zeroshot")
     run(extra / "lora.json", [], HELD_OUT, method="lora")
     return scored
 
@@ -344,7 +348,8 @@ def held_out_lines(out: Path, chosen: dict[str, Point]) -> list[str]:
             if not path.exists():
                 continue
             rec = _load(path)
-            vs = _delta(path, extra / "zeroshot.json")[0]
+            zs = "zeroshot_continual" if setting == "continual" else "zeroshot"
+            vs = _delta(path, extra / f"{zs}.json")[0]
             lines.append(f"| {setting} | `{label}` | {_ci(rec)} | {vs} | {cost(rec)} |")
     for name in ("zeroshot", "lora"):
         rec = _load(extra / f"{name}.json")
@@ -424,10 +429,10 @@ def verdict(out: Path, chosen: dict[str, Point]) -> list[str]:
         )
     lines.append("")
     if presets:
+        named = [f"{s} (`--method {PRESETS[s]}`)" if s in PRESETS else s for s in presets]
         lines.append(
-            "Beats zero-shot and TTL with adjusted intervals above zero: "
-            + ", ".join(presets)
-            + " (a preset: `tta-bench ls configs`)."
+            "Beats zero-shot and TTL with adjusted intervals above zero, so it is a preset "
+            "(`tta-bench ls configs`): " + ", ".join(named) + "."
         )
     else:
         lines.append(

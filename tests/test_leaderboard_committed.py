@@ -50,12 +50,13 @@ def test_a_committed_leaderboard_is_the_current_rendering(page):
     assert {p.name for p in folder.glob("*.png")} == {f.file for f in figures}, again
 
 
-def test_the_open_set_suite_has_three_seeds_of_four_methods_ranked():
-    """digits-open: zeroshot, tent, tda and mura, 3 seeds each, every cell open-set
+def test_the_open_set_suite_has_three_seeds_of_five_methods_ranked():
+    """digits-open: zeroshot, tent, tda, mura and lora (TTL), 3 seeds each, every cell open-set
     (180 known + 180 unknown digits) with AUROC / AUPR / FPR95, all on the leaderboard."""
     folder = ROOT / "results" / "digits-open"
     board = report.collect(folder, "digits-open")
-    assert {e.record["method"] for e in board.entries} == {"zeroshot", "tent", "tda", "mura"}
+    methods = {e.record["method"] for e in board.entries}
+    assert methods == {"zeroshot", "tent", "tda", "mura", "lora"}
     for entry in board.entries:
         cells = entry.record["cells"]
         assert sorted({c["seed"] for c in cells}) == [0, 1, 2] and len(cells) == 45

@@ -100,3 +100,14 @@ def test_tuning_never_saw_the_evaluation_corruptions():
     for path in (DIR / mv.HELD_OUT).glob("*.json"):
         record = json.loads(path.read_text(encoding="utf-8"))
         assert {c["shift"] for c in record["cells"]} <= held_out, path.name
+
+
+def test_presets_are_the_chosen_variants():
+    """A setting's preset (``PRESETS``) is exactly its chosen variant's method config."""
+    if not (DIR / mv.HELD_OUT).is_dir():
+        pytest.skip("the study is not committed")
+    chosen = mv.chosen_points(DIR)
+    for setting, preset in mv.PRESETS.items():
+        _, want = resolve_run(method="mura", overrides=chosen[setting].method_overrides())
+        _, got = resolve_run(method=preset)
+        assert method_config_hash(got.method_config) == method_config_hash(want.method_config)

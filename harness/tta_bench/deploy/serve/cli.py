@@ -111,7 +111,7 @@ def _add_model_arguments(p: argparse.ArgumentParser) -> None:
         metavar="N",
         help="reset a session's adaptation state after every N of its requests (default: "
         "never; POST /sessions/{id}/reset resets on request); the method's own options say "
-        "what persists between requests (e.g. mura method.episodic=online)",
+        "what persists between requests",
     )
 
 
