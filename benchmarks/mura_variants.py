@@ -116,8 +116,7 @@ class Point:
         return f"{self.setting}_{self.towers}_{self.signal}_lr{self.lr:g}{tail}"
 
     def overrides(self) -> list[str]:
-        signals, _, shared = SETTINGS["per_shift" if self.setting == "continual" else self.setting]
-        del signals
+        shared = SETTINGS["per_shift" if self.setting == "continual" else self.setting][2]
         out = list(shared) + list(SIGNALS[self.signal])
         if self.towers != "vision":
             out.append(f"method.towers={self.towers}")
@@ -225,12 +224,12 @@ def chosen_points(out: Path) -> dict[str, Point]:
     return {setting: choose(points) for setting, points in grid.items()}
 
 
-def eval_path(out: Path, suite: str, setting: str, single: bool = False) -> Path:
+def eval_path(out: Path, chosen: Point, suite: str, single: bool = False) -> Path:
     """The evaluation file of a setting's chosen variant (or its matched single rank); the
     committed default run where the chosen variant is MuRA's defaults."""
-    if not single and setting == "episodic" and chosen_points(out)[setting].overrides() == []:
+    if not single and chosen.overrides() == []:
         return ROOT / "results" / suite / "mura.json"
-    return out / suite / f"{setting}{'_single' if single else ''}.json"
+    return out / suite / f"{chosen.setting}{'_single' if single else ''}.json"
 
 
 def run_eval(out: Path) -> None:
@@ -238,8 +237,8 @@ def run_eval(out: Path) -> None:
     for setting, point in chosen.items():
         method = [o for o in point.overrides() if o not in CONTINUAL]
         for suite in EVAL[setting]:
-            run(eval_path(out, suite, setting), method, suite)
-        run(eval_path(out, HOME[setting], setting, True), [*method, MATCHED_SINGLE], HOME[setting])
+            run(eval_path(out, point, suite), method, suite)
+        run(eval_path(out, point, HOME[setting], True), [*method, MATCHED_SINGLE], HOME[setting])
 
 
 # -- the report ------------------------------------------------------------------------------
@@ -296,9 +295,10 @@ def grid_table(out: Path, setting: str, points: dict[Point, float]) -> list[str]
     return lines
 
 
-def _delta(a: Path, b: Path) -> tuple[str, bool]:
-    """``A - B`` in points with its interval, and whether the interval excludes zero above."""
-    d, lo, hi, unit = _evidence().paired_interval(a, b)
+def _interval(a: Path, b: Path, confidence: float = 0.95) -> tuple[str, bool]:
+    """``A - B`` in points with its interval at ``confidence``, and whether the interval
+    excludes zero above."""
+    d, lo, hi, unit = _evidence().paired_interval(a, b, confidence)
     return f"{100 * d:+.2f} [{100 * lo:+.2f}, {100 * hi:+.2f}] ({unit})", lo > 0
 
 
@@ -348,7 +348,7 @@ def held_out_lines(out: Path, chosen: dict[str, Point]) -> list[str]:
                 continue
             rec = _load(path)
             zs = "zeroshot_continual" if setting == "continual" else "zeroshot"
-            vs = _delta(path, extra / f"{zs}.json")[0]
+            vs = _interval(path, extra / f"{zs}.json")[0]
             lines.append(f"| {setting} | `{label}` | {_ci(rec)} | {vs} | {cost(rec)} |")
     for name in ("zeroshot", "lora"):
         rec = _load(extra / f"{name}.json")
@@ -363,12 +363,7 @@ VERDICT_CONFIDENCE = 1 - 0.05 / (2 * len(HOME))
 RANKS_CONFIDENCE = 1 - 0.05 / len(HOME)
 
 
-def _interval(a: Path, b: Path, confidence: float) -> tuple[str, bool]:
-    d, lo, hi, unit = _evidence().paired_interval(a, b, confidence)
-    return f"{100 * d:+.2f} [{100 * lo:+.2f}, {100 * hi:+.2f}] ({unit})", lo > 0
-
-
-def eval_table(out: Path, setting: str) -> list[str]:
+def eval_table(out: Path, chosen: Point) -> list[str]:
     """The setting's chosen variant on each evaluation suite: accuracy, paired differences
     against zero-shot, TTL and TENT on the same streams (95%), and its cost."""
     lines = [
@@ -376,23 +371,24 @@ def eval_table(out: Path, setting: str) -> list[str]:
         "| fwd | bwd | peak MiB |",
         "|---|---|---|---|---|---|---|---|---|",
     ]
+    setting = chosen.setting
     for suite in EVAL[setting]:
-        path = eval_path(out, suite, setting)
+        path = eval_path(out, chosen, suite)
         if not path.exists():
             continue
         base = ROOT / "results" / suite
         deltas = [
-            _delta(path, base / f"{m}.json")[0] if (base / f"{m}.json").exists() else "-"
+            _interval(path, base / f"{m}.json")[0] if (base / f"{m}.json").exists() else "-"
             for m in ("zeroshot", "lora", "tent")
         ]
         rec = _load(path)
         lines.append(f"| `{suite}` | {_ci(rec)} | " + " | ".join(deltas) + f" | {cost(rec)} |")
-    single = eval_path(out, HOME[setting], setting, True)
+    single = eval_path(out, chosen, HOME[setting], True)
     if single.exists():
         rec = _load(single)
         lines.append(
             f"| `{HOME[setting]}` ranks=[28] | {_ci(rec)} | "
-            + _delta(single, ROOT / "results" / HOME[setting] / "zeroshot.json")[0]
+            + _interval(single, ROOT / "results" / HOME[setting] / "zeroshot.json")[0]
             + f" | | | {cost(rec)} |"
         )
     return lines
@@ -411,12 +407,12 @@ def verdict(out: Path, chosen: dict[str, Point]) -> list[str]:
     for setting, p in chosen.items():
         home = ROOT / "results" / HOME[setting]
         multi, single = (
-            eval_path(out, HOME[setting], setting),
-            eval_path(out, HOME[setting], setting, True),
+            eval_path(out, p, HOME[setting]),
+            eval_path(out, p, HOME[setting], True),
         )
         if not (multi.exists() and single.exists()):
             continue
-        ranks95 = _delta(multi, single)[0]
+        ranks95 = _interval(multi, single)[0]
         ranks_adj = _interval(multi, single, RANKS_CONFIDENCE)[0]
         vs_zs, beats_zs = _interval(multi, home / "zeroshot.json", VERDICT_CONFIDENCE)
         vs_ttl, beats_ttl = _interval(multi, home / "lora.json", VERDICT_CONFIDENCE)
@@ -464,7 +460,7 @@ def report_section(out: Path = DIR) -> list[str]:
         lines += [
             f"### {setting}: `--method mura {' '.join(p.method_overrides())}`".rstrip(),
             "",
-            *eval_table(out, setting),
+            *eval_table(out, p),
             "",
         ]
     lines.append(

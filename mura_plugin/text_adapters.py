@@ -23,27 +23,23 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mura_plugin.methods._clip_text import _causal_open_clip, end_positions
 from tta_bench.model import ZeroShotClassifier
 from tta_bench.prompts import class_prompt_lists
 
 __all__ = ["TextHead", "per_sample_logits", "prompt_lists", "text_blocks"]
 
-_NEEDED = ("token_embedding", "positional_embedding", "transformer", "ln_final", "attn_mask")
-
 
 def text_blocks(clip: nn.Module) -> list[nn.Module]:
     """The blocks of a causal open_clip text transformer pooled at its end token, shallowest
-    first; ValueError naming what is missing for any other text tower."""
-    missing = [a for a in _NEEDED if getattr(clip, a, None) is None]
-    pool = getattr(clip, "text_pool_type", None)
+    first; ValueError naming the tower for any other text tower."""
     blocks = getattr(getattr(clip, "transformer", None), "resblocks", None)
-    if missing or pool not in ("argmax", "eos") or not isinstance(blocks, nn.ModuleList):
+    if not _causal_open_clip(clip) or not isinstance(blocks, nn.ModuleList):
         raise ValueError(
             f"towers=text/both adapts the blocks of a causal open_clip text transformer "
             f"pooled at its end token (open_clip's CLIP class: ViT-*, RN*, convnext_*); "
-            f"{type(clip).__name__} has {'no ' + ', '.join(missing) if missing else ''}"
-            f"{'' if pool in ('argmax', 'eos') else f' text pooling {pool!r}'}"
-            f"{'' if isinstance(blocks, nn.ModuleList) else ' no transformer.resblocks'}"
+            f"{type(clip).__name__} (text pooling "
+            f"{getattr(clip, 'text_pool_type', None)!r}) is not one"
         )
     return list(blocks)
 
@@ -71,10 +67,7 @@ class TextHead:
         flat = [(c, text) for c, texts in enumerate(lists) for text in texts]
         device = next(clip.parameters()).device
         tokens = model.tokenizer([t for _, t in flat]).to(device)
-        if getattr(clip, "text_pool_type", None) == "argmax":
-            positions = tokens.argmax(dim=-1)
-        else:
-            positions = (tokens == clip.text_eos_id).int().argmax(dim=-1)
+        positions = end_positions(clip, tokens)
         length = int(positions.max()) + 1
         self.positions = positions
         self.mask = clip.attn_mask[:length, :length]

@@ -68,9 +68,9 @@ def _committed() -> list[tuple[Path, list[str], str]]:
         )
         method = [o for o in p.overrides() if o not in mv.CONTINUAL]
         for suite in mv.EVAL[setting]:
-            out.append((mv.eval_path(DIR, suite, setting), method, suite))
+            out.append((mv.eval_path(DIR, p, suite), method, suite))
         home = mv.HOME[setting]
-        out.append((mv.eval_path(DIR, home, setting, True), [*method, mv.MATCHED_SINGLE], home))
+        out.append((mv.eval_path(DIR, p, home, True), [*method, mv.MATCHED_SINGLE], home))
     return out
 
 

@@ -31,6 +31,7 @@ __all__ = [
     "clipartt_loss",
     "clipartt_targets",
     "encode_text",
+    "end_positions",
     "ensemble_features",
     "names_per_chunk",
     "prompt_features",
@@ -48,6 +49,14 @@ def _causal_open_clip(clip: nn.Module) -> bool:
         and getattr(clip, "text_pool_type", None) in ("argmax", "eos")
         and hasattr(clip.transformer, "get_cast_dtype")
     )
+
+
+def end_positions(clip: nn.Module, tokens: torch.Tensor) -> torch.Tensor:
+    """Where an open_clip text tower pools each of ``tokens [N, L]``: the end token (the
+    largest id under ``text_pool_type="argmax"``, ``text_eos_id`` under ``"eos"``)."""
+    if getattr(clip, "text_pool_type", "argmax") == "eos":
+        return (tokens == clip.text_eos_id).int().argmax(dim=-1)
+    return tokens.argmax(dim=-1)
 
 
 def encode_text(clip: nn.Module, tokens: torch.Tensor) -> torch.Tensor:

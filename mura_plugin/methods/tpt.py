@@ -59,6 +59,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from mura_plugin.losses import view_entropy
+from mura_plugin.methods._clip_text import end_positions
 from mura_plugin.methods._episodes import MultiViewConfig, MultiViewMethod
 from tta_bench.bounds import bounded
 from tta_bench.model import ZeroShotClassifier
@@ -130,7 +131,7 @@ class PromptTextEncoder(nn.Module):
         if sum(sizes) == 0:
             raise ValueError(f"no template has text before the class name: {templates}")
         tokens = torch.cat(rows).to(device)  # [T * C, L], template-major
-        self.end = self._end_positions(tokens)
+        self.end = end_positions(self.clip, tokens)
         length = int(self.end.max()) + 1  # causal: later positions never reach the end token
         tokens = tokens[:, :length]
         # per row: which positions hold context, and which row of ``ctx`` each one reads
@@ -148,11 +149,6 @@ class PromptTextEncoder(nn.Module):
         ctx = torch.cat([embedded[r, 1 : 1 + n] for r, n in zip(first, sizes)])
         self.ctx = nn.Parameter(ctx.clone())
         self.n_ctx = sizes
-
-    def _end_positions(self, tokens: torch.Tensor) -> torch.Tensor:
-        if getattr(self.clip, "text_pool_type", "argmax") == "eos":
-            return (tokens == self.clip.text_eos_id).int().argmax(dim=-1)
-        return tokens.argmax(dim=-1)
 
     def forward(self, ctx: torch.Tensor | None = None) -> torch.Tensor:
         """L2-normalised class embeddings: ``[C, D]`` from ``ctx [N, width]`` (default: the
