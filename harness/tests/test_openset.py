@@ -209,3 +209,80 @@ def test_a_record_says_how_its_binned_metrics_bin(tmp_path):
         "confidence": "max softmax probability",
     }
     assert bins["ece20"]["count"] == metrics.CTPT_ECE_BINS == 20
+
+
+# -- a method's own OOD score and decision (Method.own_ood_score) ------------------------
+
+
+def test_own_score_metrics_and_decision_accuracies_by_hand():
+    labels = np.array([0, 0, 1, -1, -1, -1])
+    own = np.array([0.9, 0.8, 0.6, 0.7, 0.55, 0.95])  # the msp cell's scores above
+    out = openset.own_metrics(labels, own)
+    assert out["auroc_own"] == pytest.approx(5 / 9)
+    assert out["aupr_own"] == pytest.approx((1 / 2 + 2 / 3 + 3 / 5) / 3)
+    assert out["fpr95_own"] == pytest.approx(2 / 3)
+    # predictions 0, 1, 1 on the known rows: rows 0 and 2 right; judged in: rows 0, 1, 5
+    logits = np.array([[1, 0], [0, 1], [0, 1], [1, 0], [1, 0], [1, 0]], dtype=np.float32)
+    keep = np.array([True, True, False, False, False, True])
+    acc = openset.decision_metrics(logits, labels, keep)
+    assert acc["acc_id"] == pytest.approx(1 / 3)  # row 0 only: right and kept
+    assert acc["acc_ood"] == pytest.approx(2 / 3)  # rows 3 and 4 rejected
+    assert acc["acc_h"] == pytest.approx(2 * (1 / 3) * (2 / 3) / (1 / 3 + 2 / 3))
+    none = openset.decision_metrics(logits, labels, np.zeros(6, bool))
+    assert none["acc_id"] == 0 and none["acc_ood"] == 1 and none["acc_h"] == 0
+
+
+def _own_protocol() -> dict:
+    return {
+        "ood_dataset": "synthetic",
+        "ood_dataset_args": {"split": "train", "per_class": 8, "names": UNKNOWN},
+        "ood_ratio": 0.5,
+    }
+
+
+def test_a_run_scores_the_methods_own_score_beside_the_protocols(tmp_path):
+    """Every open-set cell of a method with its own score holds auroc_own & co. computed
+    from the per-sample column it wrote, and the decision accuracies; rescore recomputes
+    them from the files; a closed-set run of the same method holds none of them."""
+    from tta_bench.run import rescore, samples
+
+    out = tmp_path / "r.json"
+    record = run(out, "own_score_oracle", protocol=_own_protocol(), log_samples="logits")
+    assert record["own_ood_score"] == "largest cosine to a class colour"
+    for cell in record["cells"]:
+        table = samples.read_cell(samples.samples_dir(out), cell["shift"], cell["severity"], 0)
+        own = table.column(samples.OWN_SCORE).to_numpy()
+        keep = table.column(samples.DECISION).to_numpy(zero_copy_only=False)
+        logits, labels = samples.logits_and_labels(table, "cell")
+        np.testing.assert_allclose(own, logits.max(axis=1) / 10, rtol=1e-6)
+        want = openset.own_metrics(labels, own)
+        assert {k: cell[k] for k in want} == pytest.approx(want)
+        acc = openset.decision_metrics(logits, labels, keep)
+        assert {k: cell[k] for k in acc} == pytest.approx(acc)
+        assert cell["auroc"] == pytest.approx(openset.auroc(torch.from_numpy(logits), labels))
+    checks = {c.name: c for c in rescore.rescore(out)}
+    assert checks["auroc_own"].max_difference == 0 and checks["acc_h"].max_difference == 0
+    closed = run(tmp_path / "c.json", "own_score_oracle")
+    assert all("auroc_own" not in c and "acc_h" not in c for c in closed["cells"])
+    plain = run(tmp_path / "p.json", "colour_oracle", protocol=_own_protocol())
+    assert "own_ood_score" not in plain and "auroc_own" not in plain["cells"][0]
+
+
+@pytest.mark.parametrize(
+    ("fault", "reason"),
+    [
+        ("missing", "declares an own OOD score but set none"),
+        ("shape", "own OOD score has 15 values for 16 images"),
+        ("nan", "non-finite own OOD score"),
+    ],
+)
+def test_a_bad_own_score_is_reported_never_scored(tmp_path, fault, reason):
+    record = run(
+        tmp_path / "r.json",
+        "own_score_oracle",
+        method_args={"fault": fault},
+        protocol={**_own_protocol(), "batch_size": 16},
+    )
+    cells = record["cells"]
+    assert cells and all(c["accuracy"] is None for c in cells)
+    assert all(reason in c["diverged"]["reason"] for c in cells)

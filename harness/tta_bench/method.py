@@ -103,6 +103,20 @@ class Method(abc.ABC):
     #: encodes prompts from ``model.templates`` itself declares ``("templates",)``, and a run
     #: of another mode is refused before anything is built.
     text_heads: ClassVar[tuple[str, ...]] = ("templates", "cupl", "all")
+    #: The name of the method's own out-of-distribution score (higher = more
+    #: in-distribution), or None for a method without one. A method that declares one sets
+    #: ``last_ood_score`` in every ``step``, ``step_features`` and ``predict``; the runner
+    #: records it per sample and scores open-set cells with it beside the protocol's score
+    #: (``auroc_own``, ``aupr_own``, ``fpr95_own``: ``tta_bench.run.openset``).
+    own_ood_score: ClassVar[str | None] = None
+    #: The own OOD score of the batch the last ``step``/``predict`` returned: ``[B]``
+    #: floats (``own_ood_score``); the runner clears it before every batch.
+    last_ood_score: torch.Tensor | None = None
+    #: Optionally, the method's own in/out decision for the same batch (``[B]`` bools, True
+    #: = judged in-distribution): a detector that thresholds its score (ZS-NTTA's AdaND).
+    #: Open-set cells then also get the noisy-stream accuracies (``acc_id``, ``acc_ood``,
+    #: ``acc_h``: ``tta_bench.run.openset.decision_metrics``).
+    last_ood_decision: torch.Tensor | None = None
     #: Set by the runner before ``setup()``: how many samples the method sees until its
     #: next reset by the protocol (a schedule over the stream needs it, e.g. OnZeta's).
     stream_length: int | None = None

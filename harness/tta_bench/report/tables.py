@@ -216,15 +216,21 @@ def method_shift_rows(
 #: Metrics that get a method x shift table of their own in a leaderboard, when its cells
 #: hold them: calibration (both binnings) and open-set detection.
 PER_SHIFT_METRICS = ("ece", "ece20", "auroc", "aupr", "fpr95")
+#: Metrics only some methods have (their own OOD score and decision,
+#: ``Method.own_ood_score``): a table of their own when any record holds them, the others'
+#: rows left empty.
+OWN_PER_SHIFT_METRICS = ("auroc_own", "fpr95_own", "acc_h")
 
 
 def per_shift_metrics(records: Sequence[dict[str, Any]]) -> list[str]:
-    """The ``PER_SHIFT_METRICS`` every record's scored cells hold."""
-    out = []
-    for name in PER_SHIFT_METRICS:
-        if records and all(any(c.get(name) is not None for c in r["cells"]) for r in records):
-            out.append(name)
-    return out
+    """The ``PER_SHIFT_METRICS`` every record's scored cells hold, then the
+    ``OWN_PER_SHIFT_METRICS`` any of them holds."""
+
+    def held(r: dict[str, Any], name: str) -> bool:
+        return any(c.get(name) is not None for c in r["cells"])
+
+    out = [n for n in PER_SHIFT_METRICS if records and all(held(r, n) for r in records)]
+    return out + [n for n in OWN_PER_SHIFT_METRICS if any(held(r, n) for r in records)]
 
 
 # -- suite summary ---------------------------------------------------------------------

@@ -148,6 +148,9 @@ class _Cell:
     batch_numbers: list[np.ndarray] = field(default_factory=list)
     #: the frozen model's predictions (scored by ``samples.score``)
     references: list[torch.Tensor] = field(default_factory=list)
+    #: the method's own OOD scores and decisions (``Method.own_ood_score``)
+    own_scores: list[torch.Tensor] = field(default_factory=list)
+    decisions: list[torch.Tensor] = field(default_factory=list)
     diverged: dict[str, Any] | None = None
 
 
@@ -180,9 +183,12 @@ class CellBook:
         labels: torch.Tensor,
         ref_pred: torch.Tensor | None,
         cost: BatchCost,
+        own: tuple[Any, Any] = (None, None),
     ) -> None:
         """Fold one batch into its cells: logits, labels (which the method never saw), the
-        frozen model's predictions and costs, scored when the cells are (``entries``)."""
+        frozen model's predictions and costs, the method's own OOD score and decision
+        (``own``, from ``openset.take_own``), scored when the cells are (``entries``)."""
+        own_score, decision = own
         logits_cpu, labels_cpu = logits.detach().float().cpu(), labels.cpu()
         ref_cpu = None if ref_pred is None else ref_pred.cpu()
         for d, sel in _rows_by_domain(batch):
@@ -203,6 +209,10 @@ class CellBook:
             cell.forward += share * cost.forward
             cell.backward += share * cost.backward
             cell.logits.append(logits_cpu[sel])
+            if own_score is not None:
+                cell.own_scores.append(own_score[sel])
+            if decision is not None:
+                cell.decisions.append(decision[sel])
             cell.labels.append(labels_cpu[sel])
             rows = batch.indices if isinstance(sel, slice) else batch.indices[sel.numpy()]
             cell.indices.append(np.asarray(rows))
@@ -240,6 +250,8 @@ class CellBook:
                     indices=np.concatenate(c.indices),
                     batches=np.concatenate(c.batch_numbers),
                     references=self._references(c),
+                    own_scores=_joined(c.own_scores, c.logits),
+                    decisions=_joined(c.decisions, c.logits),
                 )
             )
         return out
@@ -279,6 +291,8 @@ class CellBook:
                     self._references(c),
                     ood_score=self.ood_score,
                     per_class=self.per_class,
+                    own_scores=_joined(c.own_scores, c.logits),
+                    decisions=_joined(c.decisions, c.logits),
                 )
             )
         entry.update(
@@ -304,6 +318,14 @@ class CellBook:
         if c.untimed:
             entry["flops_per_sample"] = c.flops / c.untimed
         return finite_or_none(entry)
+
+
+def _joined(parts: list[torch.Tensor], logits: list[torch.Tensor]) -> np.ndarray | None:
+    """A cell's own OOD scores (or decisions) in stream order, or None unless every batch
+    of the cell gave them."""
+    if not parts or len(parts) != len(logits):
+        return None
+    return torch.cat(parts).numpy()
 
 
 def _rows_by_domain(batch: Batch) -> list[tuple[int, Any]]:

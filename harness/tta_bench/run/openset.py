@@ -52,6 +52,11 @@ __all__ = [
     "check_disjoint",
     "mix",
     "ood_score",
+    "OWN_METRICS",
+    "DECISION_METRICS",
+    "own_metrics",
+    "decision_metrics",
+    "take_own",
 ]
 
 #: The label of an out-of-distribution row (never a class index).
@@ -200,6 +205,11 @@ def ood_score(logits: Any, score: str = "msp") -> np.ndarray:
 
 
 def _split(logits: Any, labels: Any, score: str) -> tuple[np.ndarray, np.ndarray]:
+    is_id = _is_id(labels)
+    return is_id, ood_score(logits, score)
+
+
+def _is_id(labels: Any) -> np.ndarray:
     y = np.asarray(labels).reshape(-1)
     is_id = (y != OOD_LABEL).astype(np.int64)
     if is_id.all() or not is_id.any():
@@ -207,35 +217,107 @@ def _split(logits: Any, labels: Any, score: str) -> tuple[np.ndarray, np.ndarray
             "open-set metrics need both in-distribution and OOD rows (label -1); this cell "
             f"has {int(is_id.sum())} and {int((1 - is_id).sum())}"
         )
-    return is_id, ood_score(logits, score)
+    return is_id
+
+
+def _auroc(is_id: np.ndarray, s: np.ndarray) -> float:
+    from sklearn.metrics import roc_auc_score
+
+    return float(roc_auc_score(is_id, s))
+
+
+def _aupr(is_id: np.ndarray, s: np.ndarray) -> float:
+    from sklearn.metrics import average_precision_score
+
+    return float(average_precision_score(is_id, s))
+
+
+def _fpr95(is_id: np.ndarray, s: np.ndarray) -> float:
+    from sklearn.metrics import roc_curve
+
+    fpr, tpr, _ = roc_curve(is_id, s, drop_intermediate=False)
+    return float(fpr[int(np.searchsorted(tpr, 0.95, side="left"))])
 
 
 def auroc(logits: Any, labels: Any, score: str = "msp") -> float:
     """Area under the ROC curve of the OOD score, in-distribution rows positive."""
-    from sklearn.metrics import roc_auc_score
-
-    is_id, s = _split(logits, labels, score)
-    return float(roc_auc_score(is_id, s))
+    return _auroc(*_split(logits, labels, score))
 
 
 def aupr(logits: Any, labels: Any, score: str = "msp") -> float:
     """Area under the precision-recall curve (average precision), in-distribution rows
     positive (AUPR-In)."""
-    from sklearn.metrics import average_precision_score
-
-    is_id, s = _split(logits, labels, score)
-    return float(average_precision_score(is_id, s))
+    return _aupr(*_split(logits, labels, score))
 
 
 def fpr95(logits: Any, labels: Any, score: str = "msp") -> float:
     """False-positive rate (OOD rows kept) at the first threshold keeping >= 95% of the
     in-distribution rows."""
-    from sklearn.metrics import roc_curve
-
-    is_id, s = _split(logits, labels, score)
-    fpr, tpr, _ = roc_curve(is_id, s, drop_intermediate=False)
-    return float(fpr[int(np.searchsorted(tpr, 0.95, side="left"))])
+    return _fpr95(*_split(logits, labels, score))
 
 
 for _fn in (auroc, aupr, fpr95):
     _fn.open_set = True  # type: ignore[attr-defined]
+
+
+# -- a method's own score and decision (``Method.own_ood_score``) -----------------------
+#: The open-set metrics of a method's own OOD score, the same definitions as above.
+OWN_METRICS = ("auroc_own", "aupr_own", "fpr95_own")
+#: The metrics of a method's own in/out decision (``Method.last_ood_decision``).
+DECISION_METRICS = ("acc_id", "acc_ood", "acc_h")
+
+
+def own_metrics(labels: Any, own: Any) -> dict[str, float]:
+    """``auroc_own``, ``aupr_own`` and ``fpr95_own`` of the method's own OOD score ``own``
+    ``[N]`` (higher = more in-distribution) on a cell with labels ``labels`` (-1: OOD)."""
+    is_id = _is_id(labels)
+    s = np.asarray(own, dtype=np.float64).reshape(-1)
+    return {
+        "auroc_own": _auroc(is_id, s),
+        "aupr_own": _aupr(is_id, s),
+        "fpr95_own": _fpr95(is_id, s),
+    }
+
+
+def decision_metrics(logits: Any, labels: Any, decision: Any) -> dict[str, float]:
+    """The noisy-stream accuracies of ZS-NTTA (Cao et al., ICLR 2025) from a method's own
+    in/out decision ``decision`` ``[N]`` (True = judged in-distribution):
+
+    * ``acc_id`` (their ACC_S): the share of in-distribution rows judged in-distribution
+      *and* classified correctly;
+    * ``acc_ood`` (their ACC_N): the share of OOD rows judged OOD;
+    * ``acc_h``: the harmonic mean of the two (0 when either is 0)."""
+    is_id = _is_id(labels).astype(bool)
+    y = np.asarray(labels).reshape(-1)
+    keep = np.asarray(decision, dtype=bool).reshape(-1)
+    pred = np.asarray(logits).argmax(axis=1)
+    acc_id = float(np.mean(keep[is_id] & (pred[is_id] == y[is_id])))
+    acc_ood = float(np.mean(~keep[~is_id]))
+    h = 0.0 if acc_id + acc_ood == 0 else 2 * acc_id * acc_ood / (acc_id + acc_ood)
+    return {"acc_id": acc_id, "acc_ood": acc_ood, "acc_h": float(h)}
+
+
+def take_own(method: Any, n: int) -> tuple[Any, Any, str | None]:
+    """``(score [n] float32 or None, decision [n] bool or None, problem or None)`` of the
+    batch ``method`` just returned (``Method.own_ood_score``, ``last_ood_score``,
+    ``last_ood_decision``), on the CPU. ``problem`` says why the batch cannot be scored (a
+    declared score not set, of another shape, or not finite): the runner reports the cell
+    as failed, never scores it."""
+    import torch
+
+    if getattr(method, "own_ood_score", None) is None:
+        return None, None, None
+    name = type(method).__name__
+    score, decision = method.last_ood_score, getattr(method, "last_ood_decision", None)
+    if score is None:
+        return None, None, f"{name} declares an own OOD score but set none for the batch"
+    score = torch.as_tensor(score).detach().float().cpu().reshape(-1)
+    if score.numel() != n:
+        return None, None, f"{name}'s own OOD score has {score.numel()} values for {n} images"
+    if not bool(torch.isfinite(score).all()):
+        return None, None, "non-finite own OOD score"
+    if decision is not None:
+        decision = torch.as_tensor(decision).detach().cpu().reshape(-1).bool()
+        if decision.numel() != n:
+            return None, None, f"{name}'s OOD decision has {decision.numel()} values for {n} images"
+    return score, decision, None

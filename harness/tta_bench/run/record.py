@@ -73,6 +73,8 @@ def new_record(spec: Any, bundle: Any, device: torch.device, *, from_registry: b
         # whether its outputs are logits of a probability model (Method.scores_are_logits):
         # tables print no NLL/ECE for a method whose outputs are scores; absent: True
         "scores_are_logits": bool(registry("methods").get(spec.method).scores_are_logits),
+        # the method's own OOD score (Method.own_ood_score), scored as auroc_own, ...
+        **_own_ood_score(registry("methods").get(spec.method)),
         "method_config": config_dict(spec.method_config),
         **(
             {
@@ -117,3 +119,10 @@ def new_record(spec: Any, bundle: Any, device: torch.device, *, from_registry: b
         # a part of every cell (protocol.shard=i/N), never a cell: tta-bench merge
         **({"shard": spec.shard.as_dict()} if getattr(spec, "shard", None) else {}),
     }
+
+
+def _own_ood_score(cls: Any) -> dict[str, Any]:
+    """``{"own_ood_score": name}`` for a method with its own OOD score, else nothing (the
+    records of the others stay as they were)."""
+    name = getattr(cls, "own_ood_score", None)
+    return {"own_ood_score": str(name)} if name else {}

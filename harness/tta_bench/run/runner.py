@@ -25,7 +25,7 @@ from tta_bench.model import ZeroShotClassifier, count_parameters
 from tta_bench.paths import AtomicLog
 from tta_bench.registry import registry
 from tta_bench.rng import stable_seed
-from tta_bench.run import results, resume, samples, shard
+from tta_bench.run import openset, results, resume, samples, shard
 from tta_bench.run.accounting import CellBook, CostMeter, log_batch, non_finite
 from tta_bench.run.allocator import reuse_large_blocks
 from tta_bench.run.cost import PeakMemory
@@ -327,6 +327,7 @@ class Evaluation:
                     if batch.reset_before:
                         method.reset()
                     method.reseed(self.batch_seeds[stream.seed][batch.number])
+                    method.last_ood_score = method.last_ood_decision = None
                     if replay:
                         logits = method.step_features(x).detach().float()
                     else:
@@ -337,7 +338,8 @@ class Evaluation:
                 measured.passes_done()
                 state.pace.done(batch, stream, adapted, *measured.passes())
                 loss = method.last_loss if method.adapts and adapted else None
-                state.diverged = non_finite(logits, loss)
+                *own, own_problem = openset.take_own(method, len(batch))
+                state.diverged = non_finite(logits, loss) or own_problem
                 if state.diverged is not None:  # later batches: the state is lost from here
                     state.diverged_at = batch.number
             ref = None
@@ -348,7 +350,7 @@ class Evaluation:
         if state.diverged is not None:  # reported, never scored; the state is lost
             book.diverge(batch, state.diverged, at=state.diverged_at)
             return
-        book.fold(batch, logits, y, ref if spec.reference else None, measured.cost)
+        book.fold(batch, logits, y, ref if spec.reference else None, measured.cost, tuple(own))
         if self._log is not None:
             log_batch(self._log, stream.seed, batch, stream, loss, logits, y, ref,
                       measured.cost, self.device)  # fmt: skip

@@ -9,7 +9,9 @@ Layout: for results ``run.json`` the folder ``run.samples/`` holds
 dataset split), ``batch`` (the stream's batch number), ``label``, ``prediction``,
 ``topk_classes`` and ``topk_probs`` (softmax, the ``top_k`` most probable classes),
 ``reference`` (the frozen model's prediction of the sample, when the run scored the
-reference), and with ``log_samples=logits`` the full ``logits`` (float32). A file is
+reference), ``ood_score_own`` and ``ood_decision`` (the method's own OOD score and in/out
+decision, for a method that has them: ``Method.own_ood_score``), and with
+``log_samples=logits`` the full ``logits`` (float32). A file is
 written atomically when its cell's group finishes, before the results file lists the cell,
 so a resumed run finds the files of the cells it skips; a rerun of a cell replaces its file.
 
@@ -43,6 +45,8 @@ IDENTITY_FORMAT = 1
 #: ``auto`` (the default) is ``True`` for a new output (``tta_bench.run.output``).
 MODES = (False, True, "logits", "auto")
 SUFFIX = ".samples"
+#: The columns of a method's own OOD score and in/out decision (``Method.own_ood_score``).
+OWN_SCORE, DECISION = "ood_score_own", "ood_decision"
 
 
 def mode(value: Any) -> str | None:
@@ -88,6 +92,10 @@ class CellSamples:
     batches: np.ndarray  # [N] stream batch numbers
     #: [N] the frozen model's predictions (None: the run scored no reference)
     references: np.ndarray | None = None
+    #: [N] the method's own OOD score (``Method.own_ood_score``; None: it has none)
+    own_scores: np.ndarray | None = None
+    #: [N] the method's own in/out decision (True = in-distribution; None: it makes none)
+    decisions: np.ndarray | None = None
 
 
 def write_cell(
@@ -134,6 +142,10 @@ def write_cell(
     }
     if cell.references is not None:
         columns["reference"] = pa.array(np.asarray(cell.references, dtype=np.int64))
+    if cell.own_scores is not None:
+        columns[OWN_SCORE] = pa.array(np.asarray(cell.own_scores, dtype=np.float32))
+    if cell.decisions is not None:
+        columns[DECISION] = pa.array(np.asarray(cell.decisions, dtype=bool))
     if with_logits:
         columns["logits"] = pa.FixedSizeListArray.from_arrays(pa.array(logits.reshape(-1)), classes)
     table = pa.table(columns)
@@ -265,6 +277,13 @@ def references(table: Any) -> np.ndarray | None:
     return table.column("reference").to_numpy().astype(np.int64)
 
 
+def column_or_none(table: Any, name: str, dtype: Any) -> np.ndarray | None:
+    """Column ``name`` of a cell's rows as a numpy array of ``dtype``, None when absent."""
+    if name not in table.column_names:
+        return None
+    return table.column(name).to_numpy(zero_copy_only=False).astype(dtype)
+
+
 def logits_and_labels(table: Any, path: str = "") -> tuple[np.ndarray, np.ndarray]:
     """``(logits [N, C] float32, labels [N] int64)`` of a cell's rows; a file written with
     ``log_samples=true`` (top-k only) is a ``ValueError``: recomputing needs the logits."""
@@ -287,14 +306,19 @@ def score(
     *,
     ood_score: str = "msp",
     per_class: bool = False,
+    own_scores: Any = None,
+    decisions: Any = None,
 ) -> dict[str, Any]:
     """Every derived figure of a cell from its rows (float32 ``logits [N, C]`` and int64
     ``labels [N]`` tensors, in stream order): each registered metric
     (``metrics.compute_all``), ``error`` over the in-distribution rows,
     ``reference_accuracy`` from the frozen model's predictions ``references [N]`` (None:
     not scored), ``n_known`` / ``n_ood`` for an open-set cell, ``per_class_accuracy`` on
-    request. The runner scores its cells with it, and ``rescore`` and ``merge`` rescore
-    them from their per-sample files with it."""
+    request; in an open-set cell also the open-set metrics of the method's own OOD score
+    ``own_scores [N]`` and the accuracies of its decision ``decisions [N]``
+    (``openset.own_metrics``, ``openset.decision_metrics``) when given. The runner scores
+    its cells with it, and ``rescore`` and ``merge`` rescore them from their per-sample
+    files with it."""
     import torch
 
     from tta_bench import metrics
@@ -309,6 +333,14 @@ def score(
     )
     if n_known != n:  # open-set: the closed-set metrics score the known rows
         entry.update(n_known=n_known, n_ood=n - n_known)
+        if n_known:
+            from tta_bench.run import openset
+
+            y = np.asarray(labels)
+            if own_scores is not None:
+                entry.update(openset.own_metrics(y, own_scores))
+            if decisions is not None:
+                entry.update(openset.decision_metrics(np.asarray(logits), y, decisions))
     if per_class:
         entry["per_class_accuracy"] = metrics.per_class_accuracy(logits, labels, logits.shape[1])
     return entry
@@ -326,6 +358,8 @@ def score_rows(
         rows.references,
         ood_score=ood_score,
         per_class=per_class,
+        own_scores=rows.own_scores,
+        decisions=rows.decisions,
     )
 
 
@@ -343,4 +377,6 @@ def cell_rows(table: Any, key: tuple[str, int, int], path: str = "") -> CellSamp
         indices=table.column("index").to_numpy().astype(np.int64),
         batches=table.column("batch").to_numpy().astype(np.int64),
         references=references(table),
+        own_scores=column_or_none(table, OWN_SCORE, np.float32),
+        decisions=column_or_none(table, DECISION, bool),
     )

@@ -326,7 +326,16 @@ def _merged_rows(
         indices=np.concatenate([r.indices for r in rows])[order],
         batches=batches[order],
         references=None if any(r is None for r in refs) else np.concatenate(refs)[order],
+        own_scores=_stacked([r.own_scores for r in rows], order),
+        decisions=_stacked([r.decisions for r in rows], order),
     )
+
+
+def _stacked(parts: list[Any], order: Any) -> Any:
+    """The parts' column in stream order, or None unless every part holds it."""
+    import numpy as np
+
+    return None if any(p is None for p in parts) else np.concatenate(parts)[order]
 
 
 #: A piece's figures that are counts over its rows: exact on any machine, so a part that

@@ -94,6 +94,38 @@ class ColourOracle(Method):
         )
 
 
+@dataclass
+class OwnScoreConfig:
+    #: ``none``; ``missing`` (no score set), ``shape`` (one value too few), ``nan``: the
+    #: faults the runner must report rather than score
+    fault: str = "none"
+    threshold: float = 0.9
+
+
+class OwnScoreOracle(ColourOracle):
+    """``colour_oracle`` with its own OOD score (the largest cosine to a class colour, the
+    logits over 10) and decision (the score above ``threshold``)."""
+
+    Config: ClassVar[type] = OwnScoreConfig
+    own_ood_score: ClassVar[str | None] = "largest cosine to a class colour"
+
+    @torch.no_grad()
+    def step(self, images: torch.Tensor) -> torch.Tensor:
+        logits = super().step(images)
+        score = logits.max(dim=1).values / 10
+        fault = self.config.fault
+        if fault == "missing":
+            return logits
+        if fault == "shape":
+            score = score[1:]
+        elif fault == "nan":
+            score = score.clone()
+            score[0] = float("nan")
+        self.last_ood_score = score
+        self.last_ood_decision = score > self.config.threshold
+        return logits
+
+
 class Spy(Method):
     """Zero-shot that records every call the harness makes on it in ``Spy.calls``:
     ``(name, args, kwargs)``."""
