@@ -4,6 +4,7 @@ selects distributions, and every result records who supplied each component."""
 
 from __future__ import annotations
 
+import json
 import textwrap
 
 import pytest
@@ -182,6 +183,12 @@ def test_ls_lists_each_component_with_its_distribution_and_catalogue_description
     for name in registry("methods").names():
         line = next(x for x in out.splitlines() if x.split()[:1] == [name])
         assert TEST_DIST in line and catalog.description("methods", name) in line
+    # the catalogue's family beside each method
+    line = next(x for x in out.splitlines() if x.split()[:1] == ["own_score_oracle"])
+    assert line.split()[2] == "open-set"
+    rc, out, _ = cli(capsys, "ls", "methods", "--json")
+    listed = {m["name"]: m for m in json.loads(out)}
+    assert listed["own_score_oracle"]["family"] == "open-set"
     rc, out, _ = cli(capsys, "ls", "suites")
     assert rc == 0
     for suite in ("tiny-shifts", "tiny-continual", "tiny-folder", "tiny-domains"):

@@ -150,16 +150,22 @@ def _ls_components(kind: str, into: dict[str, Any] | None, heading: bool) -> Non
                 ]
             )
         headers = ["suite", "protocol", "description"]
+    elif kind == "methods":  # with the family each belongs to (the catalogue's ``family``)
+        reg = registry(kind)
+        rows = [
+            [n, reg.origin(n).distribution, _family(n), catalog.description(kind, n)]
+            for n in reg.names()
+        ]
+        headers = [SINGULAR[kind], "from", "family", "description"]
     else:
         reg = registry(kind)
         rows = [[n, reg.origin(n).distribution, catalog.description(kind, n)] for n in reg.names()]
         headers = [SINGULAR[kind], "from", "description"]
     if into is not None:
-        keys = (
-            ("name", "protocol", "description")
-            if kind == "suites"
-            else ("name", "from", "description")
-        )
+        keys = {
+            "suites": ("name", "protocol", "description"),
+            "methods": ("name", "from", "family", "description"),
+        }.get(kind, ("name", "from", "description"))
         into[kind] = [dict(zip(keys, r)) for r in rows]
         return
     if heading:
@@ -168,6 +174,12 @@ def _ls_components(kind: str, into: dict[str, Any] | None, heading: bool) -> Non
         print(NO_PLUGINS.format(kind=kind) + ".")
         return
     print(tabulate(rows, headers=headers, tablefmt="simple"))
+
+
+def _family(method: str) -> str:
+    """A method's family in its catalogue entry (``open-set``, ``online``, ``TENT
+    family``, ...), or an empty string."""
+    return str(catalog.entry("methods", method).get("family") or "")
 
 
 def _malloc_line() -> str:
