@@ -286,3 +286,39 @@ def test_a_bad_own_score_is_reported_never_scored(tmp_path, fault, reason):
     cells = record["cells"]
     assert cells and all(c["accuracy"] is None for c in cells)
     assert all(reason in c["diverged"]["reason"] for c in cells)
+
+
+def test_an_open_set_cells_rates_count_its_known_rows():
+    """Regression: the results check read accuracy as a count of all n rows, so an
+    open-set cell whose known rows do not divide n (protocol.max_images=64 on digits-open:
+    33 known of 64) was refused as corrupt after every run."""
+    from tta_bench.run.schema import ResultsFormatError, check_cells
+
+    cell = {"shift": "fog", "severity": 5, "seed": 0, "n": 64, "n_known": 33, "n_ood": 31}
+    check_cells([{**cell, "accuracy": 17 / 33, "error": 16 / 33}], "r.json")
+    with pytest.raises(ResultsFormatError, match="no count of its 33 in-distribution images"):
+        check_cells([{**cell, "accuracy": 0.3, "error": 0.7}], "r.json")
+    run_ok = {**cell, "n_known": None, "accuracy": 0.5, "error": 0.5}
+    check_cells([run_ok], "r.json")
+
+
+def test_a_small_ood_set_is_repeated_only_when_asked():
+    """ZS-NTTA's resampling: the whole set n // m times, then n % m distinct drawn rows;
+    without repeat too few images are refused, naming the option."""
+    rows = openset.ood_rows(7, 3, seed=0)
+    assert list(rows[:6]) == [0, 1, 2, 0, 1, 2] and len(set(rows[6:])) == 1
+    assert sorted(openset.ood_rows(3, 5, seed=1)) == list(openset.ood_rows(3, 5, seed=1))
+    assert openset.check_ood({"dataset": "x"}) == {**openset.OOD_KEYS, "dataset": "x"}
+    assert openset.check_ood({"dataset": "x", "repeat": True})["repeat"] is True
+    assert "repeat" not in openset.check_ood({"dataset": "x", "repeat": False})
+    with pytest.raises(ValueError, match="repeat must be true or false, got 'yes'"):
+        openset.check_ood({"dataset": "x", "repeat": "yes"})
+    from tta_bench.registry import registry
+
+    synthetic = registry("datasets").get("synthetic")
+    ind, ood = synthetic(per_class=4), synthetic(split="train", per_class=2, names=UNKNOWN)
+    spec = openset.check_ood({"dataset": "synthetic", "ratio": 0.75})
+    with pytest.raises(ValueError, match="protocol.ood_repeat=true"):
+        openset.mix(ind, ood, spec)
+    mixed = openset.mix(ind, ood, {**spec, "repeat": True})
+    assert len(mixed) == len(ind) + openset.ood_count(len(ind), 0.75)

@@ -55,13 +55,15 @@ class ProtocolOverrides:
     shard: Optional[str] = None
     #: Open-set evaluation (``tta_bench.run.openset``): an out-of-distribution dataset mixed into
     #: every test split (its labels never reach the method), its arguments, its share of the
-    #: stream in (0, 1), the seed choosing its images, and the OOD score (msp | energy).
-    #: Part of the id.
+    #: stream in (0, 1), the seed choosing its images, the OOD score (msp | energy), and
+    #: whether a set too small for the ratio is repeated. Part of the id.
     ood_dataset: Optional[str] = None
     ood_dataset_args: Optional[Any] = None
     ood_ratio: Optional[float] = bounded(None, gt=0, lt=1)
     ood_seed: Optional[int] = None
     ood_score: Optional[str] = None
+    #: True: an OOD set smaller than the ratio asks is repeated (ZS-NTTA's noisy streams)
+    ood_repeat: Optional[bool] = None
 
 
 @dataclass

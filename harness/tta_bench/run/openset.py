@@ -7,7 +7,9 @@ A protocol's ``ood`` (``Protocol.ood``, from the suite's ``ood:`` or the run's
 
 * ``ratio`` is the OOD share of the mixed split: ``n_ood = round(ratio / (1 - ratio) * n_id)``
   OOD images, a fixed subset drawn with ``seed`` (the same images in every domain and run
-  seed); too few OOD images is a ``ValueError`` naming both counts;
+  seed); too few OOD images is a ``ValueError`` naming both counts, unless ``repeat``
+  (``protocol.ood_repeat=true``, ZS-NTTA's rule: the whole set repeated, then a drawn
+  rest; ``ood_rows``);
 * the mixed split is the in-distribution rows followed by the chosen OOD rows; the stream
   shuffles it per run seed as it shuffles every split, and a synthetic shift corrupts the
   OOD images as it corrupts the others (they come from the same shifted world);
@@ -52,6 +54,7 @@ __all__ = [
     "check_disjoint",
     "mix",
     "ood_score",
+    "ood_rows",
     "OWN_METRICS",
     "DECISION_METRICS",
     "own_metrics",
@@ -83,7 +86,7 @@ def check_ood(ood: Any, *, known_datasets: Any = None) -> dict[str, Any] | None:
         return None
     if not isinstance(ood, dict):
         raise ValueError(f"ood must be a mapping with keys {', '.join(OOD_KEYS)}, got {ood!r}")
-    unknown = sorted(set(ood) - set(OOD_KEYS))
+    unknown = sorted(set(ood) - set(OOD_KEYS) - {"repeat"})
     if unknown:
         raise ValueError(f"ood: unknown key(s) {unknown}; known: {', '.join(OOD_KEYS)}")
     out = {**OOD_KEYS, **{k: v for k, v in ood.items() if v is not None}}
@@ -103,6 +106,11 @@ def check_ood(ood: Any, *, known_datasets: Any = None) -> dict[str, Any] | None:
         raise ValueError(f"ood: seed must be an integer, got {out['seed']!r}")
     if out["score"] not in SCORES:
         raise ValueError(f"ood: unknown score {out['score']!r}; available: {', '.join(SCORES)}")
+    repeat = out.pop("repeat", False)
+    if not isinstance(repeat, bool):
+        raise ValueError(f"ood: repeat must be true or false, got {repeat!r}")
+    if repeat:  # absent when false: the ids of protocols without it are unchanged
+        out["repeat"] = True
     return out
 
 
@@ -145,16 +153,16 @@ def mix(id_stream: Any, ood_stream: Any, ood: dict[str, Any]) -> Any:
     check_disjoint(id_stream, ood_stream)
     n_id, n_avail = len(id_stream), len(ood_stream)
     n = ood_count(n_id, ood["ratio"])
-    if n > n_avail:
+    if n > n_avail and not ood.get("repeat"):
         raise ValueError(
             f"ood: ratio {ood['ratio']:g} needs {n} out-of-distribution images beside the "
             f"{n_id} of {id_stream.name!r}, but {ood_stream.name!r} has {n_avail}; lower "
-            "protocol.ood_ratio or choose a larger OOD set"
+            "protocol.ood_ratio, choose a larger OOD set, or repeat it "
+            "(protocol.ood_repeat=true, as ZS-NTTA's noisy streams do)"
         )
     if n == 0:
         raise ValueError(f"ood: ratio {ood['ratio']:g} mixes no image into {n_id} images")
-    rng = np.random.default_rng(stable_seed("ood", ood["dataset"], ood["seed"]) % 2**32)
-    rows = np.sort(rng.permutation(n_avail)[:n])
+    rows = ood_rows(n, n_avail, stable_seed("ood", ood["dataset"], ood["seed"]) % 2**32)
     id_ds = id_stream.dataset.select_columns(["image", "label"])
     ood_ds = ood_stream.dataset.select_columns(["image"]).select(rows.tolist())
     if ood_ds.features["image"] != id_ds.features["image"]:
@@ -189,6 +197,18 @@ def mix(id_stream: Any, ood_stream: Any, ood: dict[str, Any]) -> Any:
         },
         open_set=True,
     )
+
+
+def ood_rows(n: int, n_avail: int, seed: int) -> np.ndarray:
+    """The OOD set's rows mixed in, in order: ``n`` distinct rows drawn with ``seed`` when
+    the set has them; else (``repeat``) the whole set ``n // n_avail`` times, then
+    ``n % n_avail`` distinct rows drawn with ``seed``, as ZS-NTTA resamples its noisy
+    sets (``get_resampled_indices``)."""
+    rng = np.random.default_rng(seed)
+    if n <= n_avail:
+        return np.sort(rng.permutation(n_avail)[:n])
+    whole = np.tile(np.arange(n_avail), n // n_avail)
+    return np.concatenate([whole, np.sort(rng.permutation(n_avail)[: n % n_avail])])
 
 
 def ood_score(logits: Any, score: str = "msp") -> np.ndarray:

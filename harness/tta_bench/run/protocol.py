@@ -310,9 +310,12 @@ OVERRIDABLE = (
     "ood_ratio",
     "ood_seed",
     "ood_score",
+    "ood_repeat",
 )
 #: ``protocol.ood_<key>=`` overrides -> the key of ``Protocol.ood`` they set.
-OOD_OVERRIDES = {f"ood_{k}": k for k in ("dataset", "dataset_args", "ratio", "seed", "score")}
+OOD_OVERRIDES = {
+    f"ood_{k}": k for k in ("dataset", "dataset_args", "ratio", "seed", "score", "repeat")
+}
 
 
 #: The shift of a clean domain: the images as they are (an ad-hoc suite's default, when no

@@ -136,8 +136,9 @@ RATE_TOLERANCE = 1e-6
 
 def check_cells(cells: list[dict[str, Any]], source: str) -> None:
     """Cells a table may compute from: each (shift, severity, seed) once, and each scored
-    cell's accuracy, error and reference accuracy counts over its ``n`` images (accuracy +
-    error = 1; accuracy x n a whole number of images). ``ResultsFormatError`` names the
+    cell's accuracy, error and reference accuracy counts over its ``n`` images (an
+    open-set cell's: its ``n_known`` in-distribution images) (accuracy + error = 1;
+    accuracy x n a whole number of images). ``ResultsFormatError`` names the
     cell otherwise: an edited or merged-by-hand file is refused, never averaged."""
     seen: dict[tuple[Any, Any, Any], int] = {}
     for i, c in enumerate(cells):
@@ -152,9 +153,12 @@ def check_cells(cells: list[dict[str, Any]], source: str) -> None:
         err = c.get("error")
         if err is not None and abs(acc + err - 1.0) > RATE_TOLERANCE:
             raise ResultsFormatError(f"{where}: accuracy {acc} and error {err} do not add to 1")
+        # an open-set cell's rates count its in-distribution rows (``n_known``)
+        known = c.get("n_known") or n
         for name in ("accuracy", "reference_accuracy"):
             rate = c.get(name)
-            if rate is not None and abs(rate * n - round(rate * n)) > RATE_TOLERANCE * n:
+            if rate is not None and abs(rate * known - round(rate * known)) > RATE_TOLERANCE * n:
                 raise ResultsFormatError(
-                    f"{where}: {name} {rate} is no count of its {n} images ({rate * n:.4f})"
+                    f"{where}: {name} {rate} is no count of its {known} "
+                    f"{'in-distribution ' if known != n else ''}images ({rate * known:.4f})"
                 )
