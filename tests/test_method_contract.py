@@ -20,7 +20,7 @@ from tta_bench.registry import registry
 METHODS = registry("methods").names()
 #: The families this plugin's methods belong to (``family:`` in a method's catalogue
 #: entry): the leaderboard page filters by them.
-FAMILIES = ("reference", "TENT family", "CLIP batch", "episodic", "online")
+FAMILIES = ("reference", "TENT family", "CLIP batch", "episodic", "online", "open-set")
 
 
 #: View counts the contract is checked with: the properties hold for any count, and the

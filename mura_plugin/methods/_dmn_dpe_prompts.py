@@ -1,4 +1,4 @@
-"""Class heads with LLM-written class descriptions (shared by DMN and DPE only).
+"""Class heads with LLM-written class descriptions (shared by DMN, DPE and MCP).
 
 DMN's (``--text_prompt tip_cupl``) and DPE's (``clip_classifier``) official heads encode,
 per class, its templates *and* its CuPL descriptions (GPT-3 sentences shipped as

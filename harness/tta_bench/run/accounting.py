@@ -121,13 +121,40 @@ class BatchMeasurement:
         )
 
 
+class _CountingFlops:
+    """``FlopCounterMode`` with torch's fused attention fast path off while it counts: the
+    fast path (``nn.MultiheadAttention`` without gradients) is one fused kernel the counter
+    does not see, so a method that never computes gradients (zero-shot, the caches) had no
+    attention FLOPs counted while a gradient method had them; counted, every method runs
+    the same (unfused) attention. The setting is restored on exit."""
+
+    def __init__(self) -> None:
+        from torch.utils.flop_counter import FlopCounterMode
+
+        self.mode = FlopCounterMode(display=False)
+        self.fastpath = True
+
+    def __enter__(self) -> Any:
+        self.fastpath = torch.backends.mha.get_fastpath_enabled()
+        torch.backends.mha.set_fastpath_enabled(False)
+        self.mode.__enter__()
+        return self.mode
+
+    def __exit__(self, *exc: Any) -> None:
+        try:
+            self.mode.__exit__(*exc)
+        finally:
+            torch.backends.mha.set_fastpath_enabled(self.fastpath)
+
+    def get_total_flops(self) -> int:
+        return self.mode.get_total_flops()
+
+
 def _flop_counter(counting: bool) -> Any:
     """A FLOP counter when ``counting``, else a no-op context (``get_total_flops`` absent)."""
     if not counting:
         return contextlib.nullcontext()
-    from torch.utils.flop_counter import FlopCounterMode
-
-    return FlopCounterMode(display=False)
+    return _CountingFlops()
 
 
 @dataclass
