@@ -51,8 +51,15 @@ CONTINUAL_METHODS = ("zeroshot", "tent", "eta", "sar", "cotta", "mura", "lora", 
 #: The class-sorted stream (the reference harness's ``correlated``) and its methods.
 CORRELATED = ROOT / "results" / "digits-c-correlated"
 CORRELATED_METHODS = ("zeroshot", "tent", "cotta", "mura", "lora", *ONLINE_FAMILY)
+#: The open-set methods (each with its own OOD score) and the 2025 cache successors.
+OPEN_SET_FAMILY = ("ostta", "sotta", "unient", "stamp", "cliptta", "zsntta", "rosita")
+CACHE_2025 = ("mcp", "oga", "tca", "cosmic")
 #: The methods the open-set suite ``digits-open`` is reported for.
-OPEN_METHODS = ("zeroshot", "tent", "tda", "mura", "lora")
+OPEN_METHODS = ("zeroshot", "tent", "tda", "mura", "lora", *OPEN_SET_FAMILY, *CACHE_2025)
+#: ZS-NTTA's noisy stream on the digits and its methods (their baselines: zero-shot, Tent,
+#: TDA; SoTTA is among the open-set family).
+NOISY = ROOT / "results" / "digits-noisy"
+NOISY_METHODS = ("zeroshot", "tent", "tda", *OPEN_SET_FAMILY, *CACHE_2025)
 
 #: (file stem, method, overrides): MuRA's ablation around its defaults, with single-rank
 #: LoRA at matched placement (deepest block), views, loss, optimiser and steps as reference.
@@ -251,6 +258,17 @@ def report(wall: dict[str, float]) -> str:
             "positive) / FPR95 of the maximum softmax probability telling known from unknown "
             "digits. Per-shift tables: `results/digits-open/leaderboard.md`.",
             "",
+            *own_score_section(OPEN),
+        ]
+    noisy = sorted(NOISY.glob("*.json"))
+    if noisy:
+        lines += [
+            "## Noisy stream (`digits-noisy`: ZS-NTTA's protocol on the digits)",
+            "",
+            catalog.description("suites", "digits-noisy"),
+            "",
+            tables(noisy, "zeroshot"),
+            *own_score_section(NOISY),
         ]
     full = sorted(FULL.glob("*.json"))
     if full:
@@ -259,6 +277,62 @@ def report(wall: dict[str, float]) -> str:
         lines += ["## Wall time of each run (as its results file records it)", ""]
         lines += [f"- `{k}`: {v:.0f} s" for k, v in wall.items()]
     return "\n".join(lines).rstrip() + "\n"
+
+
+def own_score_section(folder: Path) -> list[str]:
+    """The open-set methods' own OOD scores beside the protocol's maximum softmax: per
+    method the mean over its cells of AUROC and FPR95 from either score, the own-minus-msp
+    AUROC difference with its Bonferroni-adjusted interval over the 7 methods (paired t over
+    the 3 seeds' suite means; an interval excluding 0 is marked), and ZS-NTTA's accuracies
+    where the method decides."""
+    from tta_bench.report import stats
+
+    rows = []
+    for path in sorted(folder.glob("*.json")):
+        record = json.loads(path.read_text(encoding="utf-8"))
+        cells = [c for c in record["cells"] if c.get("auroc_own") is not None]
+        if not cells:
+            continue
+        per_seed: dict[int, list[float]] = {}
+        for c in cells:
+            per_seed.setdefault(c["seed"], []).append(c["auroc_own"] - c["auroc"])
+        diffs = [sum(v) / len(v) for _, v in sorted(per_seed.items())]
+        est = stats.describe(diffs, confidence=1 - 0.05 / len(OPEN_SET_FAMILY))
+        interval = f"{100 * est.mean:+.1f}"
+        if max(abs(d) for d in diffs) < 1e-4:  # the msp itself (float rounding apart)
+            interval = "0 (the same score)"
+        elif est.ci_low is not None and est.ci_high is not None:
+            interval += f" [{100 * est.ci_low:+.1f}, {100 * est.ci_high:+.1f}]"
+            interval += " *" if est.ci_low > 0 or est.ci_high < 0 else ""
+
+        def mean(key: str, cells: list[dict] = cells) -> str:
+            values = [c[key] for c in cells if c.get(key) is not None]
+            return f"{100 * sum(values) / len(values):.1f}" if values else "-"
+
+        rows.append(
+            f"| {samples_label(record)} | {mean('auroc')} | {mean('auroc_own')} | {interval} "
+            f"| {mean('fpr95')} | {mean('fpr95_own')} | {mean('acc_id')} | {mean('acc_ood')} "
+            f"| {mean('acc_h')} |"
+        )
+    if not rows:
+        return []
+    return [
+        "Each open-set method's own OOD score (`Method.own_ood_score`) beside the maximum "
+        "softmax probability (msp), over all its cells (%); own - msp: the AUROC difference "
+        "with its Bonferroni-adjusted interval over the family of 7 (99.3%; a paired t over "
+        "the 3 seeds' means; * the interval excludes 0); ACC-ID / ACC-OOD / ACC-H: ZS-NTTA's "
+        "accuracies, for the methods that decide in or out themselves.",
+        "",
+        "| method | AUROC msp | AUROC own | own - msp | FPR95 msp | FPR95 own | ACC-ID "
+        "| ACC-OOD | ACC-H |",
+        "|---|---|---|---|---|---|---|---|---|",
+        *rows,
+        "",
+    ]
+
+
+def samples_label(record: dict) -> str:
+    return str(record.get("method_preset") or record["method"])
 
 
 def mura_variants_section() -> list[str]:
@@ -387,6 +461,10 @@ def plan(full: list[str]) -> list[tuple[str, str, Path, list[str], str]]:
     out += [
         (f"digits-open/{m}", m, OPEN / f"{m}.json", [SEEDS], "digits-open") for m in OPEN_METHODS
     ]
+    out += [
+        (f"digits-noisy/{m}", m, NOISY / f"{m}.json", [SEEDS], "digits-noisy")
+        for m in NOISY_METHODS
+    ]
     return out
 
 
@@ -435,6 +513,7 @@ def main() -> int:
         (CONTINUAL, "digits-c-continual"),
         (CORRELATED, "digits-c-correlated"),
         (OPEN, "digits-open"),
+        (NOISY, "digits-noisy"),
     ):
         if any(folder.glob("*.json")):
             subprocess.run(
