@@ -246,6 +246,21 @@ def report(wall: dict[str, float]) -> str:
             "",
             tables(continual, "zeroshot"),
         ]
+    lines += open_sections()
+    full = sorted(FULL.glob("*.json"))
+    if full:
+        lines += ["## All severities (`digits-c-full`, seed 0)", "", tables(full, "zeroshot")]
+    if wall:
+        lines += ["## Wall time of each run (as its results file records it)", ""]
+        lines += [f"- `{k}`: {v:.0f} s" for k, v in wall.items()]
+    return "\n".join(lines).rstrip() + "\n"
+
+
+def open_sections() -> list[str]:
+    """The REPORT's open-set sections: ``digits-open`` and the noisy ``digits-noisy``."""
+    from tta_bench import catalog
+
+    lines: list[str] = []
     open_set = sorted(OPEN.glob("*.json"))
     if open_set:
         lines += [
@@ -270,13 +285,7 @@ def report(wall: dict[str, float]) -> str:
             tables(noisy, "zeroshot"),
             *own_score_section(NOISY),
         ]
-    full = sorted(FULL.glob("*.json"))
-    if full:
-        lines += ["## All severities (`digits-c-full`, seed 0)", "", tables(full, "zeroshot")]
-    if wall:
-        lines += ["## Wall time of each run (as its results file records it)", ""]
-        lines += [f"- `{k}`: {v:.0f} s" for k, v in wall.items()]
-    return "\n".join(lines).rstrip() + "\n"
+    return lines
 
 
 def own_score_section(folder: Path) -> list[str]:

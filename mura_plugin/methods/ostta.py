@@ -10,7 +10,8 @@ SVHN-C as the unknown classes, which stands in for it here.
 Official code: https://github.com/gaozhengqing/UniEnt, read at commit
 af7faa8c674b61f0ce3741a6e265fd202d8a6656 (not the OSTTA authors'; MIT; cifar/ostta.py:
 OSTTA, forward_and_adapt, softmax_entropy, softmax_mean_entropy, collect_params,
-configure_model; cifar/main.py: arguments, optimiser, the continual CIFAR-10-C + SVHN-C loop; cifar/run.sh: the runs).
+configure_model; cifar/main.py: arguments, optimiser, the continual CIFAR-10-C + SVHN-C
+loop; cifar/run.sh: the runs).
 Also read, for its CLIP port: MarcLafon/cliptta, commit
 f4221f4f2b3bfbd220f8836411bbd3774758933d (ttavlm/methods/ostta.py, ttavlm/configuration.py,
 ttavlm/methods/__init__.py).
