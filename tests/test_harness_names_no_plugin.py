@@ -20,9 +20,10 @@ from tta_bench.registry import registry
 HARNESS = Path(tta_bench.__file__).resolve().parent
 #: Names that are also plain words or formats the harness must be free to write: "zero"
 #: (a zero mean), "simple" (tabulate's table format), "parquet" (a file format that HF
-#: datasets store), "grayscale" (an image mode the decoder handles). Each is still a
-#: plugin name, so it is listed here with its reason.
-PLAIN_WORDS = {"zero", "simple", "parquet", "grayscale", "memo"}  # memo: copy.deepcopy's
+#: datasets store), "grayscale" (an image mode the decoder handles), "memo" (copy.deepcopy's
+#: argument), "stamp" (a time stamp). Each is still a plugin name, so it is listed here with
+#: its reason.
+PLAIN_WORDS = {"zero", "simple", "parquet", "grayscale", "memo", "stamp"}
 
 
 def _plugin_names() -> set[str]:
