@@ -295,6 +295,7 @@ def own_score_section(folder: Path) -> list[str]:
     the 3 seeds' suite means; an interval excluding 0 is marked), and ZS-NTTA's accuracies
     where the method decides."""
     from tta_bench.report import stats
+    from tta_bench.run.samples import method_label
 
     rows = []
     for path in sorted(folder.glob("*.json")):
@@ -319,7 +320,7 @@ def own_score_section(folder: Path) -> list[str]:
             return f"{100 * sum(values) / len(values):.1f}" if values else "-"
 
         rows.append(
-            f"| {samples_label(record)} | {mean('auroc')} | {mean('auroc_own')} | {interval} "
+            f"| {method_label(record)} | {mean('auroc')} | {mean('auroc_own')} | {interval} "
             f"| {mean('fpr95')} | {mean('fpr95_own')} | {mean('acc_id')} | {mean('acc_ood')} "
             f"| {mean('acc_h')} |"
         )
@@ -338,10 +339,6 @@ def own_score_section(folder: Path) -> list[str]:
         *rows,
         "",
     ]
-
-
-def samples_label(record: dict) -> str:
-    return str(record.get("method_preset") or record["method"])
 
 
 def mura_variants_section() -> list[str]:

@@ -103,6 +103,7 @@ import torch
 import torch.nn.functional as F
 
 from mura_plugin.losses import view_entropy
+from mura_plugin.methods._aux_model import aux_classifier
 from mura_plugin.methods._cache import EntropyCache
 from mura_plugin.methods._text_heads import TEXT_HEADS, OwnHead, check_text_head, class_head
 from mura_plugin.methods._view_budget import encode_flat, encode_in_chunks
@@ -117,7 +118,7 @@ from tta_bench.model import ZeroShotClassifier
 __all__ = [
     "COSMIC",
     "COSMICConfig",
-    "aux_classifier",
+    "aux_encoder",
     "build_cliques",
     "clique_scores",
     "confident_views",
@@ -257,29 +258,16 @@ def clique_scores(
     return scores
 
 
-def aux_classifier(
+def aux_encoder(
     model: ZeroShotClassifier, name: str | None, args: dict[str, Any], device: Any
 ) -> tuple[ZeroShotClassifier | None, dict[str, Any]]:
     """The auxiliary encoder ``name`` built as RLCF builds its ``teacher``
-    (``registry("models").get(name)(**args)``, a ``ZeroShotClassifier`` over the run's
-    classes and templates on ``device``) and what the results record of it; None: the
-    run's own model (nothing built)."""
+    (``_aux_model.aux_classifier`` over the run's classes and templates) and what the
+    results record of it; None: the run's own model (nothing built)."""
     if name is None:
         info = {"aux_model": None, "aux_model_name": model.model_name}
         return None, {**info, "aux_weights": model.weights, "aux_weights_sha256": None}
-    from tta_bench.registry import registry
-
-    bundle = registry("models").get(name)(**dict(args))
-    bundle.clip.to(device)
-    aux = ZeroShotClassifier(
-        bundle,
-        model.classnames,
-        model.templates,
-        model.dataset,
-        text_chunk_size=model.text_chunk_size,
-        text_cache=model.text_cache,
-    ).to(device)
-    aux.requires_grad_(False)
+    aux, bundle = aux_classifier(model, name, args, model.templates, device)
     info = {"aux_model": name, "aux_model_name": bundle.name, "aux_weights": bundle.weights}
     return aux, {**info, "aux_weights_sha256": bundle.weights_sha256}
 
@@ -358,7 +346,7 @@ class COSMIC(OwnHead, Method):
         self.head = cosmic_head(
             self.model, cfg.text_head, official_templates(dataset), cfg.prompts
         ).float()
-        self.aux, self._aux_info = aux_classifier(
+        self.aux, self._aux_info = aux_encoder(
             self.model, cfg.aux_model, cfg.aux_model_args, self.device
         )
         self.reset()

@@ -101,6 +101,7 @@ import torch
 import torch.nn.functional as F
 
 from mura_plugin.losses import view_entropy
+from mura_plugin.methods._aux_model import aux_classifier
 from mura_plugin.methods._text_heads import class_head
 from mura_plugin.methods.tpt import TPT, TPTConfig
 from tta_bench.bounds import bounded
@@ -212,19 +213,9 @@ class RLCF(TPT):
                 "teacher_weights_sha256": None,  # the student's: recorded with the model
             }
         else:
-            from tta_bench.registry import registry
-
-            bundle = registry("models").get(cfg.teacher)(**dict(cfg.teacher_args))
-            bundle.clip.to(self.device)
-            self.teacher = ZeroShotClassifier(
-                bundle,
-                model.classnames,
-                templates,
-                model.dataset,
-                text_chunk_size=model.text_chunk_size,
-                text_cache=model.text_cache,
-            ).to(self.device)
-            self.teacher.requires_grad_(False)
+            self.teacher, bundle = aux_classifier(
+                model, cfg.teacher, cfg.teacher_args, templates, self.device
+            )
             self.teacher_text = self.teacher.class_embeddings.detach().float()
             self._teacher_info = {
                 "teacher": cfg.teacher,

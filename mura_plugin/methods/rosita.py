@@ -72,7 +72,7 @@ Measured effect: not measured (docs/methods.md#rosita).
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar, NamedTuple
+from typing import Any, ClassVar
 
 import torch
 import torch.nn.functional as F
@@ -80,6 +80,7 @@ from torch import nn
 
 from mura_plugin.augment import random_resized_crops
 from mura_plugin.methods._norm import vision_layer_norm_parameters
+from mura_plugin.methods._score_split import THRESHOLD_GRID, Split, score_threshold
 from mura_plugin.methods._text_heads import SINGLE_PROMPT, TEXT_HEADS, class_head
 from tta_bench.bounds import bounded, one_of
 from tta_bench.method import OPTIMIZERS, PRECISIONS, GradientMethod
@@ -93,9 +94,6 @@ __all__ = [
     "reduce_loss",
     "score_threshold",
 ]
-
-#: The official threshold grid ``np.arange(0, 1, 0.01)`` (its values are ``i * 0.01``).
-THRESHOLD_GRID = torch.arange(100, dtype=torch.float64) * 0.01
 
 
 @dataclass
@@ -113,39 +111,6 @@ class ROSITAConfig:
     weight_decay: float = bounded(0.0, ge=0)
     text_head: str = one_of("protocol", TEXT_HEADS)  # official: "a photo of a {}."
     precision: str = one_of("fp32", PRECISIONS)  # the official adaptation runs float32
-
-
-class Split(NamedTuple):
-    """The threshold ``tau`` of a score queue and the mean scores below / at-or-above it."""
-
-    tau: float
-    mu0: float
-    mu1: float
-
-
-def score_threshold(scores: torch.Tensor, grid: torch.Tensor = THRESHOLD_GRID) -> Split:
-    """The official threshold of the score queue ``scores [N]``: the grid value minimising
-    ``w0 var0 + w1 var1`` of the split ``scores >= tau`` (population variances, weights
-    the shares; splits with an empty side excluded; the first minimum), with the means of
-    both sides; ``(0, 0, 1)`` when every split is excluded (the official fallback)."""
-    x = scores.detach().to(torch.float64).reshape(1, -1)
-    if x.shape[1] == 0:
-        return Split(0.0, 0.0, 1.0)
-    g = grid.to(torch.float64).reshape(-1, 1)
-    upper = (x >= g).to(torch.float64)  # [G, N]
-    n = float(x.shape[1])
-    n1 = upper.sum(dim=1)
-    n0 = n - n1
-    valid = (n1 > 0) & (n0 > 0)
-    mean1 = (upper * x).sum(dim=1) / n1.clamp_min(1)
-    mean0 = ((1 - upper) * x).sum(dim=1) / n0.clamp_min(1)
-    var1 = (upper * (x - mean1[:, None]) ** 2).sum(dim=1) / n1.clamp_min(1)
-    var0 = ((1 - upper) * (x - mean0[:, None]) ** 2).sum(dim=1) / n0.clamp_min(1)
-    criterion = torch.where(valid, n0 / n * var0 + n1 / n * var1, torch.inf)
-    best = int(torch.argmin(criterion))
-    if not bool(valid[best]):
-        return Split(float(grid[best]), 0.0, 1.0)
-    return Split(float(grid[best]), float(mean0[best]), float(mean1[best]))
 
 
 def _float32(split: Split) -> Split:

@@ -94,6 +94,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from mura_plugin.methods._score_split import THRESHOLD_GRID, score_threshold
 from mura_plugin.methods._text_heads import SINGLE_PROMPT, TEXT_HEADS, OwnHead, class_head
 from tta_bench.bounds import bounded, one_of
 from tta_bench.method import PRECISIONS, Method, autocast_context, effective_precision
@@ -114,8 +115,6 @@ NOISE_TYPES = ("gaussian", "uniform", "salt_and_pepper", "poisson")
 THRESHOLDS = ("adaptive", "fixed")
 #: What the detector reads: the raw projected image features (official) or normalised ones.
 DETECTOR_FEATURES = ("raw", "normalized")
-#: The official candidate thresholds, ``np.arange(0, 1, 0.01)``.
-THRESHOLD_GRID = np.arange(0, 1, 0.01)
 
 
 @dataclass
@@ -142,18 +141,10 @@ def otsu_threshold(scores: Any) -> float:
     ``compute_os_variance`` search: for each ``th`` of ``THRESHOLD_GRID`` the scores
     ``>= th`` form the upper class; the criterion is ``w0 var0 + w1 var1`` (class shares,
     population variances), a split leaving a class empty is skipped; the first minimiser is
-    returned, 0.0 when no split is valid (the official ``argmin`` of all-infinite values)."""
-    s = np.asarray(scores, dtype=np.float64).reshape(-1)
-    best, chosen = math.inf, 0.0
-    for th in THRESHOLD_GRID:
-        upper = s >= th
-        share = np.count_nonzero(upper) / s.size
-        if share == 0 or share == 1:
-            continue
-        value = (1 - share) * np.var(s[~upper]) + share * np.var(s[upper])
-        if value < best:
-            best, chosen = value, float(th)
-    return chosen
+    returned, 0.0 when no split is valid (the official ``argmin`` of all-infinite values).
+    ROSITA's official code carries the same search: ``_score_split.score_threshold``."""
+    s = torch.as_tensor(np.asarray(scores, dtype=np.float64))
+    return score_threshold(s).tau
 
 
 def pseudo_labels(noisy: torch.Tensor, injected: torch.Tensor) -> torch.Tensor:

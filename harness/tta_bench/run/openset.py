@@ -292,11 +292,7 @@ def own_metrics(labels: Any, own: Any) -> dict[str, float]:
     ``[N]`` (higher = more in-distribution) on a cell with labels ``labels`` (-1: OOD)."""
     is_id = _is_id(labels)
     s = np.asarray(own, dtype=np.float64).reshape(-1)
-    return {
-        "auroc_own": _auroc(is_id, s),
-        "aupr_own": _aupr(is_id, s),
-        "fpr95_own": _fpr95(is_id, s),
-    }
+    return {name: fn(is_id, s) for name, fn in zip(OWN_METRICS, (_auroc, _aupr, _fpr95))}
 
 
 def decision_metrics(logits: Any, labels: Any, decision: Any) -> dict[str, float]:
@@ -314,7 +310,7 @@ def decision_metrics(logits: Any, labels: Any, decision: Any) -> dict[str, float
     acc_id = float(np.mean(keep[is_id] & (pred[is_id] == y[is_id])))
     acc_ood = float(np.mean(~keep[~is_id]))
     h = 0.0 if acc_id + acc_ood == 0 else 2 * acc_id * acc_ood / (acc_id + acc_ood)
-    return {"acc_id": acc_id, "acc_ood": acc_ood, "acc_h": float(h)}
+    return dict(zip(DECISION_METRICS, (acc_id, acc_ood, float(h))))
 
 
 def take_own(method: Any, n: int) -> tuple[Any, Any, str | None]:

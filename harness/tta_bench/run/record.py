@@ -53,6 +53,7 @@ def new_record(spec: Any, bundle: Any, device: torch.device, *, from_registry: b
     (``from_registry``: the model came from its registered factory, so its plugin origin
     is recorded)."""
     protocol = spec.protocol
+    method_cls = registry("methods").get(spec.method)
     plugins = [provenance("methods", spec.method), provenance("datasets", protocol.dataset)]
     if from_registry:
         plugins.insert(1, provenance("models", spec.model))
@@ -72,9 +73,9 @@ def new_record(spec: Any, bundle: Any, device: torch.device, *, from_registry: b
         "method_preset": getattr(spec, "method_preset", None),
         # whether its outputs are logits of a probability model (Method.scores_are_logits):
         # tables print no NLL/ECE for a method whose outputs are scores; absent: True
-        "scores_are_logits": bool(registry("methods").get(spec.method).scores_are_logits),
+        "scores_are_logits": bool(method_cls.scores_are_logits),
         # the method's own OOD score (Method.own_ood_score), scored as auroc_own, ...
-        **_own_ood_score(registry("methods").get(spec.method)),
+        **_own_ood_score(method_cls),
         "method_config": config_dict(spec.method_config),
         **(
             {

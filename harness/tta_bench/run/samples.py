@@ -272,9 +272,7 @@ def read_cell(folder: Path, shift: str, severity: int, seed: int) -> Any:
 
 def references(table: Any) -> np.ndarray | None:
     """The frozen model's predictions of a cell's rows, or None when not logged."""
-    if "reference" not in table.column_names:
-        return None
-    return table.column("reference").to_numpy().astype(np.int64)
+    return column_or_none(table, "reference", np.int64)
 
 
 def column_or_none(table: Any, name: str, dtype: Any) -> np.ndarray | None:
