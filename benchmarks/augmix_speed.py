@@ -42,8 +42,8 @@ Thread setting (printed): 1 CPU thread (``torch.set_num_threads(1)`` and 1 inter
 thread); the official side's PIL operations and numpy draws are single-threaded, its
 ``ToTensor``/``Normalize`` and mixing run in torch with that setting. The official loaders
 run this in ``DataLoader`` workers (several processes); per-core throughput leaves that out
-on both sides. Allocator (printed): a CPU run's policy (``tta_bench.run.allocator``), for
-both sides in this process.
+on both sides. Allocator: glibc's, as the process has it (the harness sets no policy), for both
+sides in this process.
 """
 
 from __future__ import annotations
@@ -145,9 +145,9 @@ def span(values: list[float], fmt: str = ".1f") -> str:
 
 
 def set_threads() -> str:
-    from tta_bench.run.allocator import reuse_large_blocks
+    from tta_bench import buffers
 
-    print(f"allocator: {reuse_large_blocks()}")  # as in a CPU run
+    print(buffers.describe())
     torch.set_num_threads(1)
     with contextlib.suppress(RuntimeError):  # already set (parallel work has started)
         torch.set_num_interop_threads(1)

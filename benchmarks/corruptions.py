@@ -18,10 +18,11 @@ Thread setting (printed): both sides run with ``--threads`` CPU threads (default
 limit for the reference (numpy, scipy, scikit-image, OpenCV, Pillow), so the comparison is
 per core. The reference is timed on the first ``--ref-images`` images of the batch.
 
-Allocator: both sides run in one process under a run's allocator policy
-(``tta_bench.run.allocator.reuse_large_blocks``, printed: batch-sized blocks are reused from
-the heap instead of mapped afresh; ``TTA_BENCH_MALLOC=system`` measures glibc's default).
-Each size ends with the time of a fresh output batch written once, the floor under any
+Allocator: both sides run in one process with the C library's allocator as the process
+has it (glibc's default unless the environment sets ``MALLOC_*``; the harness sets no
+policy): our kernels take their batch-sized outputs and scratch from
+``tta_bench.buffers`` (recycled from one call to the next). Each size ends with the time
+of a fresh output batch written once, the floor under any
 batched kernel that returns a new batch (the reference's per-image arrays are small enough
 for the allocator to reuse either way).
 """
@@ -34,8 +35,6 @@ import time
 
 import numpy as np
 import torch
-
-from tta_bench.run.allocator import reuse_large_blocks
 
 try:
     from tta_bench.run.inputs import uint8_entry
@@ -133,8 +132,9 @@ def main() -> None:
     args = parser.parse_args()
     cuda = torch.cuda.is_available()
     print(set_threads(args.threads))
-    # the allocator policy of a run (batch-sized blocks reused), for both sides
-    print(f"allocator: {reuse_large_blocks()}")
+    from tta_bench import buffers
+
+    print(buffers.describe())
     print(
         f"batch {args.batch} (ours: whole batch); reference: first {args.ref_images} images "
         f"one by one; {args.repeats} pairs each, back to back; severity 3; CUDA {cuda}"

@@ -196,14 +196,12 @@ def memory_cell(
     MuRA's (``waited_mb``: what its copies took there, 0 when none waited). ``warm``: one
     step on one other image first, then ``reset()``, so that first-call state (kernel
     caches, the first backward's buffers) is in the base, not in the step's growth: only
-    meaningful where freed blocks go back to the system. The process takes
-    a run's allocator policy (``reuse_large_blocks``) unless its environment sets glibc's
-    (``RETURN_FREED``)."""
+    meaningful where freed blocks go back to the system. The process keeps
+    glibc's allocator as its environment sets it (``RETURN_FREED`` or the default)."""
     import dataclasses
+    import os
 
-    from tta_bench.run.allocator import reuse_large_blocks
-
-    policy = reuse_large_blocks()["policy"]
+    policy = "return-freed" if "MALLOC_MMAP_THRESHOLD_" in os.environ else "system"
     model, _ = vit_setting(torch.device("cpu"), classes)
     cls = registry("methods").get(name)
     cfg = dataclasses.replace(cls.Config(), **MEMORY_METHODS.get(name, {}))
@@ -444,9 +442,9 @@ def main() -> None:
     args = parser.parse_args()
     if args.view_memory_mb is not None and not args.view_memory_mb > 0:
         parser.error(f"--view-memory-mb must be > 0, got {args.view_memory_mb}")
-    from tta_bench.run.allocator import reuse_large_blocks
+    from tta_bench import buffers
 
-    print(f"allocator: {reuse_large_blocks()}")  # as in a run
+    print(buffers.describe())
     if args.flops:
         print(f"torch threads: {torch.get_num_threads()}")
         flops_table(args.repeats)

@@ -33,7 +33,6 @@ import torch
 from tta_bench.method import NoConfig
 from tta_bench.registry import registry
 from tta_bench.run import runner
-from tta_bench.run.allocator import reuse_large_blocks
 from tta_bench.run.protocol import load_protocol
 from tta_bench.run.spec import RunSpec
 
@@ -138,7 +137,7 @@ def main() -> None:
     args = ap.parse_args()
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
-        f"cuda {torch.cuda.is_available()}, allocator {reuse_large_blocks()}"  # as in a run
+        f"cuda {torch.cuda.is_available()}, allocator: glibc's as the process has it"
     )
     rows = [
         measure(

@@ -238,9 +238,9 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     from tabulate import tabulate
 
-    from tta_bench.run.allocator import reuse_large_blocks
+    from tta_bench import buffers
 
-    print(f"allocator: {reuse_large_blocks()}")  # a run's policy, for both sides
+    print(buffers.describe())
 
     from tta_bench.paths import cache_dir
 

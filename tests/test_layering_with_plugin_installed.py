@@ -48,6 +48,7 @@ def test_importing_the_harness_loads_neither_plugin_nor_torch():
 PLUGIN_API = {
     "tta_bench",
     "tta_bench.bounds",
+    "tta_bench.buffers",
     "tta_bench.catalog",
     "tta_bench.config",
     "tta_bench.data",

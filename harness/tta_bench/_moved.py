@@ -20,7 +20,6 @@ MOVED = {
         f"tta_bench.{old}": f"tta_bench.run.{new}"
         for old, new in {
             "accounting": "accounting",
-            "allocator": "allocator",
             "cost": "cost",
             "images": "images",
             "inputs": "inputs",

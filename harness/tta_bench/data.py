@@ -158,9 +158,11 @@ def to_float_images(images: torch.Tensor, out: torch.Tensor | None = None) -> to
     thus gets the same values as the whole batch's conversion."""
     import torch
 
+    from tta_bench.buffers import batch_buffer
+
     b, h, w, c = images.shape
-    if out is None:
-        out = torch.empty((b, c, h, w), device=images.device, dtype=torch.float32)
+    if out is None:  # recycled from batch to batch when large (tta_bench.buffers)
+        out = batch_buffer((b, c, h, w), torch.float32, images.device)
     elif out.shape != (b, c, h, w) or out.dtype != torch.float32:
         raise ValueError(
             f"to_float_images: out must be float32 of shape {(b, c, h, w)}, "

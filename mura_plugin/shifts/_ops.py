@@ -24,6 +24,8 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
+from tta_bench.buffers import batch_buffer
+
 if TYPE_CHECKING:
     from tta_bench.rng import SampleGenerator
 
@@ -220,9 +222,9 @@ def _apply_plans(
     x = images.reshape(-1, h, w)
     n_img = x.shape[0]
     wp = w + 2 * pw.pad
-    out = torch.empty(x.shape, device=x.device, dtype=x.dtype)
+    out = batch_buffer(x.shape, x.dtype, x.device)
     step = min(n_img, max(1, STACK_ELEMENTS // (h * wp)))
-    buf = torch.empty((step, h, wp), device=x.device, dtype=x.dtype)
+    buf = batch_buffer((step, h, wp), x.dtype, x.device)
     buf[..., : pw.pad] = 0.0
     buf[..., w + pw.pad :] = 0.0
     for s in range(0, n_img, step):
@@ -354,7 +356,7 @@ def fft_correlate(
         def pad(x: torch.Tensor) -> torch.Tensor:
             return F.pad(x, (rx, rx, ry, ry), mode=mode)
 
-    out = torch.empty(images.shape, device=images.device, dtype=images.dtype)
+    out = batch_buffer(images.shape, images.dtype, images.device)
     step = max(1, STACK_ELEMENTS // (2 * c * fh * (fw // 2 + 1)))
     for s in range(0, b, step):
         e = min(b, s + step)
@@ -460,10 +462,10 @@ def shifted_taps(
     which = torch.arange(b).view(b, 1).expand(b, n)
     sy, sx = top - dy, lft - dx
     wts = weights.to(images.device, images.dtype).reshape(-1, 1, n).expand(b, 1, n)
-    out = torch.empty(b, 1, c * h * w, device=images.device, dtype=images.dtype)
+    out = batch_buffer((b, 1, c * h * w), images.dtype, images.device)
     per = n * c * h * w
     step = max(1, STACK_ELEMENTS // per)
-    stack = images.new_empty(min(step, b) * n, c, h, w)
+    stack = batch_buffer((min(step, b) * n, c, h, w), images.dtype, images.device)
     for s in range(0, b, step):
         e = min(b, s + step)
         win = gather_windows(
@@ -491,7 +493,7 @@ def draw_batch(
     if kind not in fills:
         raise ValueError(f"draw_batch: unknown kind {kind!r}; expected one of {sorted(fills)}")
     fill = fills[kind]
-    out = torch.empty(len(generator), *shape, dtype=dtype)
+    out = batch_buffer((len(generator), *shape), dtype)
     for row, g in zip(out, generator.generators):
         fill(row, generator=g)
     return out
@@ -516,7 +518,7 @@ def in_image_steps(kernel: Callable[..., torch.Tensor]) -> Callable[..., torch.T
         step = max(1, STACK_ELEMENTS // max(1, images[0].numel()))
         if step >= b:
             return kernel(images, severity, generator=generator, **kwargs)
-        out = torch.empty(images.shape, dtype=images.dtype, device=images.device)
+        out = batch_buffer(images.shape, images.dtype, images.device)
         for s in range(0, b, step):
             e = min(b, s + step)
             part = None if generator is None else generator.subset(s, e)

@@ -10,6 +10,8 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
+from tta_bench.buffers import batch_buffer
+
 
 def _sum3(x: torch.Tensor, dim: int, weights: tuple[float, float, float]) -> torch.Tensor:
     """``w0 * x[i] + w1 * x[i + 1] + w2 * x[i + 2]`` along ``dim`` (output 2 shorter)."""
@@ -30,7 +32,7 @@ def _mask(op, a: torch.Tensor, b: torch.Tensor | float) -> torch.Tensor:
     """``op(a, b)`` (a torch comparison) as a 0/1 tensor of ``a``'s (numeric) dtype: on CPU,
     comparisons into numeric outputs and arithmetic on them run several times faster than
     with bool tensors (and ``torch.where`` is slower still)."""
-    return op(a, b, out=torch.empty(a.shape, dtype=a.dtype, device=a.device))
+    return op(a, b, out=batch_buffer(a.shape, a.dtype, a.device))
 
 
 def _dilate3(x: torch.Tensor) -> torch.Tensor:

@@ -25,6 +25,7 @@ from mura_plugin.shifts._ops import (
 )
 from mura_plugin.shifts._ops import gaussian_filter as _gaussian_filter
 from mura_plugin.shifts._params import check_images, severity_param, severity_table, spatial_scale
+from tta_bench.buffers import batch_buffer
 from tta_bench.rng import SampleGenerator
 
 __all__ = [
@@ -124,7 +125,7 @@ def glass_blur(
     x = gaussian_filter(images, sigma).mul_(255.0).floor_().div_(255.0)
     # One 31-bit draw per pixel and iteration from the sample's generator picks the
     # displacement (see ``_glass_tables``).
-    draws = torch.empty(b, iterations, h * w, dtype=torch.int32)
+    draws = batch_buffer((b, iterations, h * w), torch.int32)
     for row, g in zip(draws.unbind(0), generator.generators, strict=True):
         row.random_(generator=g)
     offsets, border, base = _glass_tables(delta, h, w, images.device)

@@ -7,12 +7,14 @@ import math
 import warnings
 from collections.abc import Callable
 from functools import lru_cache
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 
 from mura_plugin.shifts._ops import in_image_steps, rgb_to_gray
 from mura_plugin.shifts._params import check_images, severity_param, severity_table
+from tta_bench.buffers import batch_buffer
 from tta_bench.data import to_float_images
 from tta_bench.rng import SampleGenerator
 
@@ -213,7 +215,7 @@ def _per_pixel_from_uint8(
     kernels give each pixel the same value whatever the step, so the output is the whole
     batch's."""
     b, h, w, ch = images.shape
-    out = torch.empty((b, ch, h, w), device=images.device, dtype=torch.float32)
+    out = batch_buffer((b, ch, h, w), torch.float32, images.device)
     step = _images_per_step(images)
     for s in range(0, b, step):
         x = to_float_images(images[s : s + step], out=out[s : s + step])
@@ -280,7 +282,7 @@ def jpeg_compression(
     # nothing and the result is written with plain contiguous passes. ``out`` is returned
     # in that memory format (same shape and values; ``.contiguous()`` gives NCHW strides).
     b, c, h, w = images.shape
-    out = torch.empty(images.shape, dtype=images.dtype, memory_format=torch.channels_last)
+    out = batch_buffer(images.shape, images.dtype, memory_format=torch.channels_last)
     # 8-bit quantisation: ``255 x`` in HWC order as a batched product with ``255 I`` (a
     # GEMM transposes far faster than a strided elementwise copy), then ``+ 2^23`` rounds it
     # (half to even, as ``round``) to an integer held in the low mantissa byte; clipping to
@@ -290,7 +292,7 @@ def jpeg_compression(
     planes = images.detach().cpu().float().reshape(b, c, h * w).transpose(1, 2)
     hwc = torch.bmm(planes, _scaled_eye(c).expand(b, c, c)).view(b, h, w, c)
     hwc.clamp_(0.0, 255.0).add_(_ROUND_BIAS)
-    _jpeg_roundtrip(hwc.view(torch.int32).to(torch.uint8), quality, out)
+    _to_unit(_jpeg_roundtrip(hwc.view(torch.int32).to(torch.uint8), quality), out)
     return out.to(images.device)
 
 
@@ -306,29 +308,44 @@ def _jpeg_from_uint8(
     _check_uint8("jpeg_compression", images)
     quality = int(severity_param("jpeg_compression", JPEG_COMPRESSION, table, severity))
     b, h, w, c = images.shape
-    out = torch.empty((b, c, h, w), memory_format=torch.channels_last)
-    _jpeg_roundtrip(images.detach().cpu().contiguous(), quality, out)
+    out = batch_buffer((b, c, h, w), memory_format=torch.channels_last)
+    _to_unit(_jpeg_roundtrip(images.detach().cpu().contiguous(), quality), out)
     return out.to(images.device)
 
 
 jpeg_compression.from_uint8 = _jpeg_from_uint8  # type: ignore[attr-defined]
 
 
-def _jpeg_roundtrip(hwc_u8: torch.Tensor, quality: int, out: torch.Tensor) -> None:
-    """Encode the uint8 ``[n, H, W, C]`` images at ``quality``, decode them and write
-    ``decoded / 255`` into ``out`` (``[n, C, H, W]``, channels-last memory)."""
-    from torchvision.io import decode_jpeg, encode_jpeg
-
+def _jpeg_roundtrip(hwc_u8: torch.Tensor, quality: int) -> torch.Tensor:
+    """Encode the uint8 ``[n, H, W, C]`` images at ``quality`` and decode them: uint8
+    ``[n, H, W, C]``."""
+    encode_jpeg, decode_jpeg = _codec()
     # torchvision 0.29 deprecates its codecs in favour of torchcodec; they are still the
     # libjpeg the fidelity tests pin, so the notice is silenced here rather than per run.
     with warnings.catch_warnings():
         warnings.simplefilter("ignore", DeprecationWarning)
         encoded = encode_jpeg(list(hwc_u8.permute(0, 3, 1, 2)), quality=quality)
         decoded = decode_jpeg(encoded)
-    # Decoded images are HWC underneath, as ``out``: stacked, then a plain conversion copy
-    # and an in-place float division (uint8 operands in arithmetic take a slow, unvectorised
-    # path; a fused divide is ~4x slower).
-    hwc = torch.stack([img.permute(1, 2, 0) for img in decoded])
+    # Decoded images are HWC underneath, as ``out``: stacked, then (``_to_unit``) a plain
+    # conversion copy and an in-place float division.
+    return torch.stack([img.permute(1, 2, 0) for img in decoded])
+
+
+@lru_cache(maxsize=1)
+def _codec() -> tuple[Any, Any]:
+    """torchvision's ``(encode_jpeg, decode_jpeg)``, imported once: the import statement
+    run inside a kernel call leaves an exception's traceback holding the calling frames
+    (and the kernel's output buffer) until Python's collector runs, which kept the buffer
+    from being recycled (``tta_bench.buffers``)."""
+    from torchvision.io import decode_jpeg, encode_jpeg
+
+    return encode_jpeg, decode_jpeg
+
+
+def _to_unit(hwc: torch.Tensor, out: torch.Tensor) -> None:
+    """``hwc / 255`` (uint8 ``[n, H, W, C]``) into ``out`` (``[n, C, H, W]``, channels-last
+    memory): a plain conversion copy and an in-place division (uint8 operands in
+    arithmetic take a slow, unvectorised path; a fused divide is ~4x slower)."""
     out.copy_(hwc.permute(0, 3, 1, 2)).div_(255.0)
 
 
@@ -435,7 +452,7 @@ def pixelate(
     # Pillow's horizontal pass first, on the transposed 8-bit image (columns become rows,
     # so every window term is a block copy of rows), written into the output's memory:
     # the down-sampled image is small, and the upsampling then overwrites it.
-    out = torch.empty((b, ch, h, w), device=images.device, dtype=torch.float32)
+    out = batch_buffer((b, ch, h, w), torch.float32, images.device)
     u8t = out.view(b * ch, w, h)
     torch.mul(images.detach().reshape(b * ch, h, w).transpose(1, 2), 255.0, out=u8t)
     u8t.round_().clamp_(0, 255)
@@ -458,7 +475,7 @@ def _pixelate_from_uint8(
     _check_uint8("pixelate", images)
     c = severity_param("pixelate", PIXELATE, table, severity)
     b, h, w, ch = images.shape
-    out = torch.empty((b, ch, h, w), device=images.device, dtype=torch.float32)
+    out = batch_buffer((b, ch, h, w), torch.float32, images.device)
     step = _images_per_step(images)
     for s in range(0, b, step):
         part = images[s : s + step].detach()

@@ -13,6 +13,7 @@ import torch
 
 from mura_plugin.shifts._ops import draw_batch, in_image_steps
 from mura_plugin.shifts._params import check_images, severity_param, severity_table
+from tta_bench.buffers import batch_buffer
 from tta_bench.rng import SampleGenerator
 
 __all__ = ["gaussian_noise", "shot_noise", "impulse_noise", "speckle_noise"]
@@ -197,7 +198,7 @@ def _poisson_marked(
     the float second stage repeats the reference order of operations exactly."""
 
     def buffer(dtype: torch.dtype) -> torch.Tensor:
-        return torch.empty(rates.shape, dtype=dtype, device=rates.device)
+        return batch_buffer(rates.shape, dtype, rates.device)
 
     delta, _, _ = _poisson_tables(rate_max, rates.device)
     offsets = _poisson_offsets(rate_max, rates.device)
@@ -239,7 +240,7 @@ def shot_noise(
     # Two 31-bit uniforms per value (int32 ``random_`` is uniform on [0, 2^31)): a sample's
     # ``2 * per`` draws fill its row of ``draws [B, 2, per]`` in one call (the same values
     # as two calls of ``per``).
-    draws = torch.empty(b, 2, per, dtype=torch.int32)
+    draws = batch_buffer((b, 2, per), torch.int32)
     for row, g in zip(draws, generator.generators):
         row.random_(generator=g)
     a = draws.to(images.device)

@@ -35,6 +35,7 @@ from mura_plugin.shifts._spatter_ops import (  # noqa: F401 - tests read them he
     _mask,
 )
 from mura_plugin.shifts.blur import motion_filter
+from tta_bench.buffers import batch_buffer
 from tta_bench.rng import SampleGenerator
 
 __all__ = ["fog", "snow", "frost", "spatter", "plasma_fractal", "frost_texture"]
@@ -157,7 +158,7 @@ def plasma_fractal(
     slots = _plasma_slots(generator, mapsize, decay)
     _, slot = _plasma_plan(mapsize)
     picked = slots.index_select(0, slot[:h, :w].reshape(-1))
-    out = torch.empty(len(generator), h * w)
+    out = batch_buffer((len(generator), h * w))
     return out.copy_(picked.t()).view(-1, h, w)  # a 2-D transpose: torch's blocked copy
 
 

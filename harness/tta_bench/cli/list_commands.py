@@ -183,16 +183,13 @@ def _family(method: str) -> str:
 
 
 def _malloc_line() -> str:
-    """What a run does with glibc's thresholds (``tta_bench.run.allocator``), in words."""
-    from tta_bench.run.allocator import OPT_OUT_ENV, reuse_large_blocks
+    """Where batch-sized CPU tensors come from (``tta_bench.buffers``), in words."""
+    from tta_bench import buffers
 
-    state = reuse_large_blocks()
-    if state["policy"] == "reuse":
-        return (
-            f"blocks up to {state['mmap_threshold'] >> 20} MiB reused from the heap, "
-            f"{state['trim_threshold'] >> 20} MiB kept ({OPT_OUT_ENV}=system: glibc's default)"
-        )
-    return f"the C library's default ({state['reason']})"
+    return (
+        "the C library's, unchanged; shift kernels recycle their batch buffers "
+        f"(up to {buffers.MAX_BYTES >> 20} MiB kept)"
+    )
 
 
 def _cache_lines() -> list[tuple[str, str]]:

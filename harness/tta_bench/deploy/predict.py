@@ -80,7 +80,6 @@ from tta_bench.deploy.plan import (
     plan_batches,
 )
 from tta_bench.paths import AtomicLog, atomic_write_text
-from tta_bench.run.allocator import reuse_large_blocks
 from tta_bench.run.images import ImageDecodeError, ImageTooLargeError, decode_rgb
 
 __all__ = [
@@ -467,10 +466,7 @@ def run_job(job: PredictJob, *, adapter: Any = None) -> dict[str, Any]:
     """Run ``job`` (resuming it) and return its summary (also in ``summary.json``).
     ``adapter``: a prebuilt ``Adapter`` instead of the one the job's config describes
     (its method, model and text head are then the adapter's)."""
-    running = _Job(job, adapter)
-    if running.adapter.device.type == "cpu":  # batch-sized blocks stay, as in a CPU run
-        reuse_large_blocks()
-    return running.run()
+    return _Job(job, adapter).run()
 
 
 def job_exit_status(summary: dict[str, Any]) -> int:

@@ -268,7 +268,7 @@ def decode(
         with FileLock(str(path) + ".lock"):
             found = _read_entry(stream, size, path)  # another process may have built it
             if found is None:
-                _check_budget(decoded_bytes(stream, size), f"decoding {stream.name!r}")
+                check_budget(decoded_bytes(stream, size), f"decoding {stream.name!r}")
                 found = _decode_into_cache(stream, size, path, progress, workers)
     _check_bad(stream, found.bad, on_bad_image)
     return found
@@ -445,10 +445,16 @@ def cache_budget_bytes() -> int:
 
 
 def cache_entries() -> list[dict[str, Any]]:
-    """The decoded cache's entries: ``{path, name, bytes, images}``, largest first."""
-    folder = cache_dir() / "decoded"
+    """The cache's entries, decoded splits and shifted domains (``tta_bench.run.shifted``):
+    ``{path, kind, name, bytes, images}``, largest first."""
     out = []
-    for npy in sorted(folder.glob("*.npy")) if folder.exists() else []:
+    files = [
+        npy
+        for sub in ("decoded", "shifted")
+        if (cache_dir() / sub).exists()
+        for npy in sorted((cache_dir() / sub).glob("*.npy"))
+    ]
+    for npy in files:
         meta: dict[str, Any] = {}
         with contextlib.suppress(OSError, ValueError):
             meta = json.loads(npy.with_suffix(".json").read_text())
@@ -458,6 +464,7 @@ def cache_entries() -> list[dict[str, Any]]:
         out.append(
             {
                 "path": str(npy),
+                "kind": npy.parent.name,  # decoded | shifted
                 "name": meta.get("name", "?"),
                 "bytes": size,
                 "images": meta.get("n"),
@@ -483,7 +490,7 @@ def clear_cache(names: list[str] | None = None) -> list[dict[str, Any]]:
     return removed
 
 
-def _check_budget(needed: int, what: str) -> None:
+def check_budget(needed: int, what: str) -> None:
     budget, used = cache_budget_bytes(), cache_used_bytes()
     if used + needed > budget:
         raise CacheBudgetError(

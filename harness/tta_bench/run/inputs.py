@@ -27,6 +27,7 @@ from tta_bench.run.cache import decoded_bytes
 from tta_bench.run.composite import Kernel, apply_shift, shift_kernel, uint8_entry
 from tta_bench.run.loader import StreamBatches, make_loader, resolve_settings
 from tta_bench.run.protocol import Protocol
+from tta_bench.run.shifted import ShiftedCache
 from tta_bench.run.sources import open_source
 from tta_bench.run.stream import Batch, Domain, Stream
 
@@ -65,6 +66,8 @@ class RunInputs:
     labels: dict[Domain, np.ndarray]
     kernels: dict[str, Kernel]
     loader_settings: Any
+    image_size: int = 0
+    shifted: ShiftedCache | None = None
     bad_images: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     _bases: dict[tuple[str, ...], ZeroShotClassifier] = field(default_factory=dict)
     _pool: GeneratorPool = field(default_factory=GeneratorPool)
@@ -125,6 +128,8 @@ class RunInputs:
             labels={d: s.labels for d, s in streams.items()},
             kernels=kernels,
             loader_settings=resolve_settings(loader, device, decoding=decoding),
+            image_size=size,
+            shifted=ShiftedCache(cache, device, protocol.severity_table) if kernels else None,
         )
         for src in sources:
             if src.bad:
@@ -198,12 +203,43 @@ class RunInputs:
                 batch = _subbatch(batch, kept)
             if len(batch) == 0:
                 return x, y, batch
+        if self.kernels:
+            with timer.phase("shift"):
+                cached = self._cached(batch, stream, seed)
+            if cached is not None:
+                return cached, y, batch
+        with timer.phase("data"):
             if not (self.kernels and self._takes_uint8(batch, stream)):
                 x = to_float_images(x)
         with timer.phase("shift"):
             if self.kernels:
                 x = self._shift(x, batch, stream, seed)
         return x, y, batch
+
+    def _cached(self, batch: Batch, stream: Stream, seed: int) -> torch.Tensor | None:
+        """The batch's corrupted images from the shifted-image cache
+        (``tta_bench.run.shifted``; a mixed batch domain by domain), or None when a domain
+        of it is not cached."""
+        if self.shifted is None or not self.shifted.enabled:
+            return None
+        dom = batch.single_domain()
+        if dom is not None:
+            return self.shifted.take(self, stream, dom, batch.indices, seed)
+        parts = []
+        for d in np.unique(batch.domains).tolist():
+            rows = np.flatnonzero(batch.domains == d)
+            got = self.shifted.take(self, stream, d, batch.indices[rows], seed)
+            if got is None:
+                return None
+            parts.append((rows, got))
+        out = torch.empty((len(batch), *parts[0][1].shape[1:]), device=self.device)
+        for rows, got in parts:
+            out[torch.from_numpy(rows).to(self.device)] = got
+        return out
+
+    def takes_uint8(self, shift: str) -> bool:
+        """Whether ``shift``'s kernel takes 8-bit images (its ``from_uint8`` entry)."""
+        return uint8_entry(self.kernels[shift]) is not None
 
     def _report_bad(self, bad: list[dict[str, Any]]) -> None:
         """Fail the run naming them (``on_bad_image=fail``), or record each skipped image
@@ -224,7 +260,7 @@ class RunInputs:
         """Whether ``batch`` goes to its kernel as uint8 (one domain, a kernel with a
         ``from_uint8`` entry); mixed batches are converted once for all their kernels."""
         dom = batch.single_domain()
-        return dom is not None and uint8_entry(self.kernels[stream.domains[dom][0]]) is not None
+        return dom is not None and self.takes_uint8(stream.domains[dom][0])
 
     def _shift(self, x: torch.Tensor, batch: Batch, stream: Stream, seed: int) -> torch.Tensor:
         """Corrupt ``x`` on its device, seeded per sample by ``(seed, shift, severity,

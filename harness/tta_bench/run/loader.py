@@ -26,7 +26,6 @@ import numpy as np
 import torch
 
 from tta_bench.rng import stable_seed
-from tta_bench.run.allocator import bound_in_worker
 from tta_bench.run.stream import Batch
 
 
@@ -148,7 +147,6 @@ class StreamBatches(torch.utils.data.Dataset):
 
 
 def _worker_init(seed: int, worker_id: int) -> None:
-    bound_in_worker()  # a decoding worker keeps glibc's own bounds, not the run's
     s = stable_seed("loader-worker", seed, worker_id)
     torch.manual_seed(s)
     np.random.seed(s % 2**32)

@@ -14,13 +14,13 @@ from typing import Any
 
 import torch
 
+from tta_bench import buffers
 from tta_bench._version import SCHEMA_VERSION
 from tta_bench.include import provenance as included_provenance
 from tta_bench.method import config_dict, effective_precision
 from tta_bench.model import state_sha256
 from tta_bench.registry import provenance, registry
 from tta_bench.run import results
-from tta_bench.run.allocator import current_policy
 from tta_bench.run.resume import method_config_hash
 
 
@@ -105,8 +105,9 @@ def new_record(spec: Any, bundle: Any, device: torch.device, *, from_registry: b
             "packages": results.package_versions(),
             "device": results.device_info(device),
             "torch_threads": torch.get_num_threads(),
-            # where batch-sized CPU blocks come from (timings, not values, depend on it)
-            "malloc": current_policy(),
+            # where batch-sized CPU blocks come from (timings, not values, depend on it):
+            # glibc's allocator as the process had it, and the recycled batch buffers
+            "malloc": {"policy": "system", "recycled_buffers_max_bytes": buffers.MAX_BYTES},
             "torch": torch.__version__,
             "precision": precision_record(spec.method_config, device),
             "plugins": plugins,

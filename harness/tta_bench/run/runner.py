@@ -27,7 +27,6 @@ from tta_bench.registry import registry
 from tta_bench.rng import stable_seed
 from tta_bench.run import openset, results, resume, samples, shard
 from tta_bench.run.accounting import CellBook, CostMeter, log_batch, non_finite
-from tta_bench.run.allocator import reuse_large_blocks
 from tta_bench.run.cost import PeakMemory
 from tta_bench.run.features import FeatureStore
 from tta_bench.run.inputs import RunInputs
@@ -82,8 +81,6 @@ class Evaluation:
         self.output = Path(output)
         self.protocol = spec.protocol
         self.device = resolve_device(spec.device)
-        if self.device.type == "cpu":  # batch-sized blocks stay: no page faults per batch
-            reuse_large_blocks()
         self.bundle = bundle
         self.observer = observer
         self.max_batches = max_batches
@@ -256,6 +253,8 @@ class Evaluation:
             "loader": self.inputs.loader_settings.as_dict(),
             "sources": [getattr(s, "kind", "?") for s in self.inputs.sources],
         }
+        if self.inputs.shifted is not None:  # batches served from the shifted-image cache
+            record["loop"]["shift_cache"] = self.inputs.shifted.stats()
         record["skipped_images"] = self.inputs.bad_images
         record["finished"] = results.now_iso()
         return writer.file.write(record)
