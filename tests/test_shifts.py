@@ -181,7 +181,10 @@ def test_uint8_entries_equal_the_kernel(name, images_per_step, monkeypatch):
             assert torch.equal(got, want)
 
 
-STEPPED = ["shot_noise", "glass_blur", "motion_blur", "contrast", "spatter"]
+STEPPED = [
+    "shot_noise", "glass_blur", "motion_blur", "contrast", "spatter",
+    "zoom_blur", "snow", "frost", "elastic_transform",
+]  # fmt: skip
 
 
 def test_stepped_kernels_are_the_ones_declared():

@@ -307,6 +307,26 @@ def _kernel_spectrum(kernels: torch.Tensor, fh: int, fw: int, dtype: torch.dtype
     return torch.fft.rfft2(kpad)
 
 
+#: The complex dtype of a real dtype's spectrum.
+_COMPLEX = {torch.float32: torch.complex64, torch.float64: torch.complex128}
+
+
+def _rfft2(x: torch.Tensor, size: tuple[int, int]) -> torch.Tensor:
+    """``torch.fft.rfft2(x, s=size)``, written into a recycled buffer (``batch_buffer``)."""
+    if x.dtype not in _COMPLEX:
+        return torch.fft.rfft2(x, s=size)
+    spec = batch_buffer((*x.shape[:-2], size[0], size[1] // 2 + 1), _COMPLEX[x.dtype], x.device)
+    return torch.fft.rfft2(x, s=size, out=spec)
+
+
+def _irfft2(spec: torch.Tensor, size: tuple[int, int], dtype: torch.dtype) -> torch.Tensor:
+    """``torch.fft.irfft2(spec, s=size)`` of real ``dtype``, into a recycled buffer."""
+    if dtype not in _COMPLEX or spec.dtype != _COMPLEX[dtype]:
+        return torch.fft.irfft2(spec, s=size)
+    out = batch_buffer((*spec.shape[:-2], *size), dtype, spec.device)
+    return torch.fft.irfft2(spec, s=size, out=out)
+
+
 def fft_correlate(
     images: torch.Tensor,
     kernels: torch.Tensor,
@@ -360,9 +380,9 @@ def fft_correlate(
     step = max(1, STACK_ELEMENTS // (2 * c * fh * (fw // 2 + 1)))
     for s in range(0, b, step):
         e = min(b, s + step)
-        spec = torch.fft.rfft2(pad(images[s:e]), s=(fh, fw))
+        spec = _rfft2(pad(images[s:e]), (fh, fw))
         spec.mul_((spectrum(kernels[s:e]) if per_kernel else spec_k)[:, None])
-        res = torch.fft.irfft2(spec, s=(fh, fw))[:, :, ry : ry + h, rx : rx + w]
+        res = _irfft2(spec, (fh, fw), images.dtype)[:, :, ry : ry + h, rx : rx + w]
         if clamp is None:
             out[s:e] = res
         else:

@@ -257,6 +257,7 @@ def _zoom_grid(
     return torch.cat(grids, 0)[None].to(device, dtype)
 
 
+@in_image_steps
 def zoom_blur(
     images: torch.Tensor, severity: int, *, generator: SampleGenerator, table: str = "cifar"
 ) -> torch.Tensor:
@@ -277,7 +278,7 @@ def _zoom_average(images: torch.Tensor, factors: tuple[float, ...]) -> torch.Ten
     """
     b, c, h, w = images.shape
     grid = _zoom_grid(h, w, factors, images.device, images.dtype)
-    out = images.clone(memory_format=torch.contiguous_format)
+    out = batch_buffer(images.shape, images.dtype, images.device).copy_(images)
     flat = out.view(1, b * c, h, w)
     acc = out.view(b * c, h, w)
     n = len(factors)

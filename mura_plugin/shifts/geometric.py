@@ -9,7 +9,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from mura_plugin.shifts._ops import draw_batch, gaussian_filter
+from mura_plugin.shifts._ops import draw_batch, gaussian_filter, in_image_steps
 from mura_plugin.shifts._params import check_images, severity_param, severity_table, spatial_scale
 from tta_bench.rng import SampleGenerator
 
@@ -83,6 +83,7 @@ def _elastic_theta(pts_noise: torch.Tensor, jitter: float, h: int, w: int) -> to
     return (to_norm @ inv @ from_norm)[:, :2]
 
 
+@in_image_steps
 def elastic_transform(
     images: torch.Tensor, severity: int, *, generator: SampleGenerator, table: str = "cifar"
 ) -> torch.Tensor:

@@ -35,7 +35,8 @@ def gaussian_noise(
     """Add N(0, c^2) noise per value and clip to [0, 1]."""
     check_images("gaussian_noise", images)
     c = severity_param("gaussian_noise", GAUSSIAN_NOISE, table, severity)
-    return torch.add(images, _normal_noise(images, generator), alpha=c).clamp_(0.0, 1.0)
+    out = batch_buffer(images.shape, images.dtype, images.device)
+    return torch.add(images, _normal_noise(images, generator), alpha=c, out=out).clamp_(0, 1)
 
 
 def _normal_noise(images: torch.Tensor, generator: SampleGenerator) -> torch.Tensor:
@@ -261,7 +262,8 @@ def impulse_noise(
     u = draw_batch(generator, "uniform", *images.shape[1:]).to(images.device)
     # Hit values become the salt mask (1 or 0), the others keep x; written over the draws,
     # so the output is the only batch-sized float tensor (the masks are bytes).
-    hit, salt = torch.lt(u, c), torch.lt(u, c / 2)
+    hit = torch.lt(u, c, out=batch_buffer(u.shape, torch.bool, u.device))
+    salt = torch.lt(u, c / 2, out=batch_buffer(u.shape, torch.bool, u.device))
     return torch.where(hit, salt, images, out=u)
 
 
@@ -272,4 +274,6 @@ def speckle_noise(
     check_images("speckle_noise", images)
     c = severity_param("speckle_noise", SPECKLE_NOISE, table, severity)
     z = _normal_noise(images, generator)
-    return torch.addcmul(images, images, z, value=c).clamp_(0.0, 1.0)
+    return torch.addcmul(
+        images, images, z, value=c, out=batch_buffer(images.shape, images.dtype, images.device)
+    ).clamp_(0.0, 1.0)

@@ -165,7 +165,12 @@ def plasma_fractal(
 def fog_blend(images: torch.Tensor, pattern: torch.Tensor, strength: float) -> torch.Tensor:
     """Add ``strength * pattern [B, H, W]`` and rescale by ``max / (max + strength)``."""
     max_val = images.amax(dim=(1, 2, 3), keepdim=True)
-    x = torch.add(images, pattern.unsqueeze(1).to(images), alpha=strength)
+    x = torch.add(
+        images,
+        pattern.unsqueeze(1).to(images),
+        alpha=strength,
+        out=batch_buffer(images.shape, images.dtype, images.device),
+    )
     # One per-sample factor: no full-size division.
     return x.mul_(max_val / (max_val + strength)).clamp_(0.0, 1.0)
 
@@ -184,6 +189,7 @@ def fog(
 
 
 # -- snow ------------------------------------------------------------------------------------
+@in_image_steps
 def snow(
     images: torch.Tensor, severity: int, *, generator: SampleGenerator, table: str = "cifar"
 ) -> torch.Tensor:
@@ -288,6 +294,7 @@ def _frost_stack(
     return tex.to(device, dtype).contiguous()
 
 
+@in_image_steps
 def frost(
     images: torch.Tensor, severity: int, *, generator: SampleGenerator, table: str = "cifar"
 ) -> torch.Tensor:
