@@ -389,8 +389,13 @@ def same_shape_rate(calls: list[tuple[Any, Any, Any]], repeats: int) -> tuple[fl
     def make(a: Any) -> Any:
         if isinstance(a, tuple) and len(a) == 4 and a[0] == "tensor":
             _, shape, stride, dtype = a
-            t = torch.empty_strided(shape, stride, dtype=dtype)
-            return t.normal_(generator=gen) if dtype.is_floating_point else t.zero_()
+            # one storage of the size the strides reach (expanded operands share values)
+            size = 1 + sum((n - 1) * st for n, st in zip(shape, stride)) if all(shape) else 0
+            if dtype.is_floating_point:
+                base = torch.randn(size, generator=gen).to(dtype)
+            else:
+                base = torch.zeros(size, dtype=dtype)
+            return base.as_strided(shape, stride)
         return a
 
     ready = [

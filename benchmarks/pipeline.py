@@ -12,8 +12,15 @@ its range over the pairs, not asserted. Usage::
 
     python benchmarks/pipeline.py [--repeats 5] [--vit-repeats 3]
 
-Models: the default tiny model on the default suite (every corruption: the shift kernels
-are part of the workload), the tiny model on one cheap shift (``contrast``, severities 1-5:
+The runs use a fresh cache folder (``TTA_BENCH_CACHE``, removed at the end): the untimed
+first run of each figure decodes the split and, on the CPU under ``cache=auto`` (a run's
+default), corrupts each domain once into the shifted-image cache
+(``tta_bench.run.shifted``); the timed runs read the corrupted batches from it, as every
+later run of the suite does. ``shift_cache=never`` runs the shift kernels in the loop instead.
+
+Models: the default tiny model on the default suite (every corruption; once with the
+shifted-image cache, once with ``shift_cache=never``, where the kernels are part of the loop),
+the tiny model on one cheap shift (``contrast``, severities 1-5:
 the harness overhead alone), and an open_clip ViT-B-32 with random weights at 224 px
 (batch 64) over 1,800 images (``contrast`` at severities 1-5: five cells of the 360 digits
 test images upscaled to 224 px).
@@ -57,7 +64,12 @@ def model_only_seconds(model: torch.nn.Module, batches: list[torch.Tensor]) -> f
 
 
 def measure(
-    label: str, model: str, model_args: dict[str, Any], repeats: int, **protocol: Any
+    label: str,
+    model: str,
+    model_args: dict[str, Any],
+    repeats: int,
+    shift_cache: str = "auto",
+    **protocol: Any,
 ) -> dict[str, Any]:
     """``repeats`` pairs of (harness run, model-only pass over the same tensors), after one
     warm-up pair; the ratio is the median of the pairs' ratios (each pair runs back to
@@ -74,6 +86,7 @@ def measure(
         progress=False,
         reference=False,
         resume=False,
+        shift_cache=shift_cache,
     )
     registry("methods").get("zeroshot")  # fail early on a missing plugin
     # One model for every pair, and a first pair thrown away: freshly built weights run
@@ -123,7 +136,8 @@ def measure(
         f"{label:<44} {images:>6} img  harness {out['harness_img_s']:9.1f} img/s  "
         f"model-only {out['model_img_s']:9.1f} img/s  ratio {out['ratio']:.3f} "
         f"(range {ratios[0]:.3f}-{ratios[-1]:.3f} over {repeats})  "
-        f"(shift kernels {100 * shift_share:.0f}% of the loop)",
+        f"(shift phase {100 * shift_share:.0f}% of the loop; shifted-image cache "
+        f"{record['loop'].get('shift_cache')})",
         flush=True,
     )
     return out
@@ -135,6 +149,10 @@ def main() -> None:
     ap.add_argument("--vit-repeats", type=int, default=3, help="pairs for ViT-B-32 (~1 min each)")
     ap.add_argument("--skip-vit", action="store_true")
     args = ap.parse_args()
+    import os
+
+    cache = tempfile.TemporaryDirectory(prefix="tta-bench-pipeline-")
+    os.environ["TTA_BENCH_CACHE"] = cache.name
     print(
         f"torch {torch.__version__}, {torch.get_num_threads()} threads, "
         f"cuda {torch.cuda.is_available()}, allocator: glibc's as the process has it"
@@ -142,6 +160,13 @@ def main() -> None:
     rows = [
         measure(
             "tiny-clip-digits, default suite (all shifts)", "tiny-clip-digits", {}, args.repeats
+        ),
+        measure(
+            "tiny-clip-digits, default suite, shift_cache=never",
+            "tiny-clip-digits",
+            {},
+            args.repeats,
+            shift_cache="never",
         ),
         measure(
             "tiny-clip-digits, contrast only, sev 1-5",
@@ -166,7 +191,7 @@ def main() -> None:
         )
     print("\nratio = harness end-to-end throughput / model-only throughput on the same tensors")
     for r in rows:
-        target = 0.95 if "ViT" in r["label"] else 0.85
+        target = 0.95 if "ViT" in r["label"] else 0.90
         verdict = "meets" if r["ratio"] >= target else "BELOW"
         print(f"  {r['label']:<44} {r['ratio']:.3f}  ({verdict} target {target})")
 

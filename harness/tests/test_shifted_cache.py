@@ -44,7 +44,7 @@ def _scores(record: dict) -> list:
 )
 def test_same_tensors_off_cold_and_warm(protocol, tmp_path, fresh_cache):
     kwargs = {"method": "norm_tent", "seeds": (0, 1), "protocol": protocol}
-    off, rec_off = _stream(tmp_path, "off", cache="never", **kwargs)
+    off, rec_off = _stream(tmp_path, "off", shift_cache="never", **kwargs)
     assert not (fresh_cache / "shifted").exists()  # cache=never writes nothing
     cold, rec_cold = _stream(tmp_path, "cold", **kwargs)
     warm, rec_warm = _stream(tmp_path, "warm", **kwargs)
@@ -86,7 +86,7 @@ def test_damaged_entry_is_built_again(tmp_path, fresh_cache):
 
 def test_auto_respects_the_budget(tmp_path, fresh_cache, monkeypatch):
     monkeypatch.setenv("TTA_BENCH_CACHE_BUDGET_GB", "0")
-    reference, record = _stream(tmp_path, "a", cache="never")
+    reference, record = _stream(tmp_path, "a", shift_cache="never")
     got, record = _stream(tmp_path, "b")
     assert got == reference
     assert record["loop"]["shift_cache"]["built"] == 0  # nothing fits: corrupted in the loop

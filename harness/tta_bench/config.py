@@ -138,6 +138,11 @@ class RunConfig:
     #: ``protocol.orders``: each image is encoded once and every order replays the features)
     #: or never. Results are identical either way.
     feature_cache: str = one_of("auto", ("auto", "never"))
+    #: Shifted-image cache (``tta_bench.run.shifted``): auto (on the CPU, each synthetic
+    #: domain's corrupted images are computed once, into the cache, then read by every
+    #: batch and every later run), always (on any device) or never (the shift kernels run
+    #: in the loop). Results are identical either way.
+    shift_cache: str = one_of("auto", ("auto", "always", "never"))
 
 
 def _simple_type(default: Any) -> Any:

@@ -25,7 +25,7 @@ from tta_bench.registry import registry
 from tta_bench.rng import GeneratorPool, SampleGenerator, stable_seed
 from tta_bench.run.cache import decoded_bytes
 from tta_bench.run.composite import Kernel, apply_shift, shift_kernel, uint8_entry
-from tta_bench.run.loader import StreamBatches, make_loader, resolve_settings
+from tta_bench.run.loader import InProcessBatches, StreamBatches, make_loader, resolve_settings
 from tta_bench.run.protocol import Protocol
 from tta_bench.run.shifted import ShiftedCache
 from tta_bench.run.sources import open_source
@@ -68,6 +68,8 @@ class RunInputs:
     loader_settings: Any
     image_size: int = 0
     shifted: ShiftedCache | None = None
+    #: The in-process loader's dataset (``labels_only`` reads), None with loader workers.
+    _in_process: StreamBatches | None = None
     bad_images: dict[str, list[dict[str, Any]]] = field(default_factory=dict)
     _bases: dict[tuple[str, ...], ZeroShotClassifier] = field(default_factory=dict)
     _pool: GeneratorPool = field(default_factory=GeneratorPool)
@@ -84,6 +86,7 @@ class RunInputs:
         loader: Any,
         progress: bool,
         on_bad_image: str,
+        shift_cache: str = "auto",
     ) -> RunInputs:
         size = bundle.preprocess.image_size
         domains = [(s, int(v)) for s in protocol.shifts for v in protocol.severities]
@@ -129,7 +132,7 @@ class RunInputs:
             kernels=kernels,
             loader_settings=resolve_settings(loader, device, decoding=decoding),
             image_size=size,
-            shifted=ShiftedCache(cache, device, protocol.severity_table) if kernels else None,
+            shifted=ShiftedCache(shift_cache, device, protocol.severity_table) if kernels else None,
         )
         for src in sources:
             if src.bad:
@@ -182,7 +185,34 @@ class RunInputs:
             [self.source_of[d] for d in dom],
             [self.labels[d] for d in dom],
         )
-        return make_loader(data, self.loader_settings, seed=seed)
+        loader = make_loader(data, self.loader_settings, seed=seed)
+        self._in_process = data if isinstance(loader, InProcessBatches) else None
+        return loader
+
+    def next_batch(
+        self, it: Any, batch: Batch, stream: Stream, seed: int, timer: Any
+    ) -> tuple[torch.Tensor, torch.Tensor, Batch]:
+        """``prepare(next(it), ...)``; a batch the shifted-image cache holds is gathered from
+        it, and an in-process loader then reads its labels only."""
+        data = self._in_process
+        if data is None or not (self.kernels and self.shifted and self.shifted.enabled):
+            return self.prepare(next(it), batch, stream, seed, timer)
+        with timer.phase("shift"):
+            cached = self._cached(batch, stream, seed)
+        if cached is None:
+            return self.prepare(next(it), batch, stream, seed, timer)
+        with timer.phase("data"):
+            data.labels_only = True
+            try:
+                item = next(it)
+            finally:
+                data.labels_only = False
+            if item["number"] != batch.number:
+                raise RuntimeError(
+                    f"loader out of stream order: {item['number']} != {batch.number}"
+                )
+            y = item["labels"].to(self.device)
+        return cached, y, batch
 
     def prepare(
         self, item: dict[str, Any], batch: Batch, stream: Stream, seed: int, timer: Any

@@ -105,6 +105,9 @@ class StreamBatches(torch.utils.data.Dataset):
         labels_of_domain: Sequence[np.ndarray],
     ):
         self.batches = list(batches)
+        #: Set by the main process around an in-process read of a batch whose images it
+        #: has already (the shifted-image cache): the item then holds no images.
+        self.labels_only = False
         self.sources = list(sources)
         self.source_of_domain = np.asarray(source_of_domain, dtype=np.int64)
         self.labels_of_domain = list(labels_of_domain)
@@ -115,7 +118,13 @@ class StreamBatches(torch.utils.data.Dataset):
     def __getitem__(self, k: int) -> dict[str, Any]:
         batch = self.batches[k]
         d = batch.single_domain()
-        if d is not None:
+        if self.labels_only:
+            labels = np.empty(len(batch), dtype=np.int64)
+            for dom in np.unique(batch.domains):
+                sel = batch.domains == dom
+                labels[sel] = self.labels_of_domain[dom][batch.indices[sel]]
+            images, kept, bad = None, np.arange(len(batch)), []
+        elif d is not None:
             got = self.sources[self.source_of_domain[d]].fetch(batch.indices)
             images, kept, bad = got.images, got.kept, got.bad
             labels = self.labels_of_domain[d][batch.indices[kept]]
@@ -138,7 +147,7 @@ class StreamBatches(torch.utils.data.Dataset):
                 sel = batch.domains[kept] == dom
                 labels[sel] = self.labels_of_domain[dom][batch.indices[kept][sel]]
         return {
-            "images": torch.from_numpy(images),
+            "images": None if images is None else torch.from_numpy(images),
             "labels": torch.from_numpy(np.asarray(labels, dtype=np.int64)),
             "kept": torch.from_numpy(np.asarray(kept, dtype=np.int64)),
             "bad": bad,

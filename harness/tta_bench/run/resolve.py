@@ -424,6 +424,7 @@ def _check_spec(spec: Any) -> None:
     components, model arguments, source images, the output path."""
     from tta_bench.run.cache import CACHE_POLICIES
     from tta_bench.run.features import FEATURE_CACHE_POLICIES
+    from tta_bench.run.shifted import POLICIES as SHIFT_CACHE_POLICIES
     from tta_bench.run.spec import resolve_device
 
     if not spec.seeds:
@@ -444,6 +445,11 @@ def _check_spec(spec: Any) -> None:
         raise UsageError(
             f"unknown feature_cache policy {spec.feature_cache!r}; available: "
             f"{', '.join(FEATURE_CACHE_POLICIES)}"
+        )
+    if spec.shift_cache not in SHIFT_CACHE_POLICIES:
+        raise UsageError(
+            f"unknown shift_cache policy {spec.shift_cache!r}; available: "
+            f"{', '.join(SHIFT_CACHE_POLICIES)}"
         )
     if spec.log_samples and int(spec.log_samples_top_k) < 1:
         raise UsageError(

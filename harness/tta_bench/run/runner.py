@@ -110,6 +110,7 @@ class Evaluation:
             loader=spec.loader,
             progress=spec.progress,
             on_bad_image=spec.on_bad_image,
+            shift_cache=spec.shift_cache,
         )
         self.method_cls = registry("methods").get(spec.method)
         record = new_record(spec, self.bundle, self.device, from_registry=from_registry)
@@ -306,7 +307,7 @@ class Evaluation:
             with self.meter.phase("data"):
                 return self.features.take(batch, stream, self.inputs.labels, self.device)
         noise = self.protocol.noise_seed(stream.seed)
-        return self.inputs.prepare(next(it), batch, stream, noise, self.meter)
+        return self.inputs.next_batch(it, batch, stream, noise, self.meter)
 
     def _run_batch(self, stream: Stream, batch: Batch, it: Any, state: _GroupState) -> None:
         """One batch: its inputs, the method's step (or, on the realtime track while the

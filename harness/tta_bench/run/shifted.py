@@ -27,11 +27,13 @@ change to any of them is a new entry; old ones are removed with ``tta-bench cach
 and count against the cache's disk budget (``TTA_BENCH_CACHE_BUDGET_GB``) like decoded
 splits.
 
-Under the run's cache policy: ``never`` corrupts every batch in the loop (nothing written);
+Under the run's ``shift_cache`` setting: ``never`` corrupts every batch in the loop (nothing
+written);
 ``auto`` (default) caches a domain on the CPU when its entry takes at most
 ``AUTO_BYTES`` and fits the budget; ``always`` caches every domain (on any device) and
 fails with the budget's error when it does not fit. Only splits read from a decoded array
-with no unreadable image are cached (a streamed split is corrupted in the loop).
+with no unreadable image are cached (a streamed split, ``cache=never`` among them, is
+corrupted in the loop).
 """
 
 from __future__ import annotations
@@ -46,13 +48,15 @@ from typing import Any
 import numpy as np
 import torch
 
-from tta_bench.buffers import batch_buffer
+from tta_bench.buffers import MIN_BYTES, batch_buffer
 from tta_bench.paths import atomic_path, atomic_write_text, cache_dir
 from tta_bench.rng import GeneratorPool, SampleGenerator
 from tta_bench.run.stream import subset
 
 #: Bumped when the entry's layout or the rules of this module change.
 VERSION = 1
+#: The run setting ``shift_cache``.
+POLICIES = ("auto", "always", "never")
 #: ``auto`` caches a domain whose entry takes at most this many bytes.
 AUTO_BYTES = 256 << 20
 #: Harness modules whose code a corrupted image depends on besides the kernel's package.
@@ -179,8 +183,11 @@ class ShiftedCache:
         pos = np.searchsorted(rows, index)
         if pos.max(initial=0) >= len(rows) or not np.array_equal(rows[pos], index):
             return None  # a row outside the entry (cannot happen for the stream's own rows)
-        out = batch_buffer((len(index), *arr.shape[1:]), torch.float32)
-        np.take(arr, pos, axis=0, out=out.numpy())
+        if len(index) * arr[0].nbytes < MIN_BYTES:  # fancy indexing: the fastest gather
+            out = torch.from_numpy(arr[pos])
+        else:  # a large batch: into a recycled buffer, no fresh pages to fault in
+            out = batch_buffer((len(index), *arr.shape[1:]), torch.float32)
+            np.take(arr, pos, axis=0, out=out.numpy())
         self.hits += 1
         return out.to(self.device)
 

@@ -54,6 +54,8 @@ class RunSpec:
     cache: str = "auto"
     #: Image-feature cache policy (``tta_bench.run.features``): auto | never.
     feature_cache: str = "auto"
+    #: Shifted-image cache policy (``tta_bench.run.shifted``): auto | always | never.
+    shift_cache: str = "auto"
     #: The named preset the method config came from (``method=<preset>``), if any.
     method_preset: str | None = None
     #: Experiment trackers that receive the run (``tta_bench.run.trackers``), checked: known
@@ -144,6 +146,7 @@ def spec_from_config(cfg: Any, method: str, model: str, preset: str | None = Non
         flops=bool(cfg.get("flops", False)),
         cache=str(cfg.get("cache", "auto")),
         feature_cache=str(cfg.get("feature_cache", "auto")),
+        shift_cache=str(cfg.get("shift_cache", "auto")),
         method_preset=preset,
         loggers=loggers,
         shard=part,
