@@ -32,7 +32,12 @@ by the runner per batch), so they are reproducible and cheap:
   values with PIL's formulas (per-band histograms, look-up tables, and PIL's affine sampler:
   pixel-centre coordinates, bilinear taps clamped to the image, black outside);
   ``tests/test_augment.py`` compares each one with PIL. Translations scale with the image
-  (the official ``IMAGE_SIZE / 3`` with IMAGE_SIZE = its 224 px input).
+  (the official ``IMAGE_SIZE / 3`` with IMAGE_SIZE = its 224 px input). On the CPU the
+  chains of a square image run through PIL itself (``mura_plugin.augmix._pil_chains``: one
+  C loop over 8-bit pixels per operation, faster than the batched tensor passes; tested equal
+  to them chain for chain), except autocontrast, which keeps the batched operation's
+  float64 table (PIL's Python-float table rounds the other way, rarely, on a value that is
+  an integer in exact arithmetic).
 """
 
 from __future__ import annotations

@@ -12,6 +12,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 __all__ = [
@@ -274,8 +275,24 @@ def _augmix_step(images: torch.Tensor, draws: AugMixDraws) -> torch.Tensor:
     """``apply_augmix`` of one step's images."""
     n = images.shape[0]
     dev = images.device
-    width, max_depth = draws.ops.shape[0], draws.ops.shape[2]
+    width = draws.ops.shape[0]
     x8 = (images.float() * 255).round().clamp(0, 255)
+    square = images.shape[-1] == images.shape[-2]  # PIL's ops read the side of a square
+    if dev.type == "cpu" and images.shape[1] in (1, 3) and square:
+        chains = _pil_chains(x8, draws)
+    else:
+        chains = _tensor_chains(x8, draws)
+    chains = chains.view(width, n, *images.shape[1:]) / 255
+    mix = torch.einsum("wn,wnchx->nchx", draws.weights.t().to(dev), chains)
+    m = draws.m.to(dev).view(-1, 1, 1, 1)
+    return (m * (x8 / 255) + (1 - m) * mix).to(images.dtype)
+
+
+def _tensor_chains(x8: torch.Tensor, draws: AugMixDraws) -> torch.Tensor:
+    """The chains ``[width * N, C, H, W]`` (8-bit values as floats) of ``x8``, each
+    operation applied to every chain that draws it at a step, batched on ``x8``'s device."""
+    dev = x8.device
+    width, max_depth = draws.ops.shape[0], draws.ops.shape[2]
     chains = x8.unsqueeze(0).repeat(width, 1, 1, 1, 1).flatten(0, 1)  # [width * N, ...]
     depth, ops = draws.depth.flatten(), draws.ops.flatten(0, 1)
     levels, negative = draws.levels.flatten(0, 1), draws.negative.flatten(0, 1)
@@ -287,10 +304,53 @@ def _augmix_step(images: torch.Tensor, draws: AugMixDraws) -> torch.Tensor:
                 chains[on] = op(
                     chains[on], levels[rows, step].to(dev), negative[rows, step].to(dev)
                 )
-    chains = chains.view(width, n, *images.shape[1:]) / 255
-    mix = torch.einsum("wn,wnchx->nchx", draws.weights.t().to(dev), chains)
-    m = draws.m.to(dev).view(-1, 1, 1, 1)
-    return (m * (x8 / 255) + (1 - m) * mix).to(images.dtype)
+    return chains
+
+
+def _pil_chains(x8: torch.Tensor, draws: AugMixDraws) -> torch.Tensor:
+    """``_tensor_chains`` on the CPU through PIL: each chain's operations are the official
+    PIL calls (``pil_reference_op``) on its 8-bit image, which the batched operations equal
+    value for value (tested per operation and per chain), in one C loop per operation
+    instead of many tensor passes; autocontrast keeps the batched operation's table
+    (``_autocontrast_pil``). Float ``[width * N, C, H, W]``, as ``_tensor_chains``."""
+    from PIL import Image
+
+    names = list(AUGMIX_OPS)
+    width, n = draws.ops.shape[:2]
+    hwc = x8.to(torch.uint8).permute(0, 2, 3, 1).contiguous().numpy()  # [N, H, W, C]
+    if hwc.shape[-1] == 1:
+        hwc = hwc[..., 0]
+    depth, ops = draws.depth.tolist(), draws.ops.tolist()
+    levels, negative = draws.levels.tolist(), draws.negative.tolist()
+    out = np.empty((width, n, *hwc.shape[1:]), dtype=np.uint8)
+    for i in range(n):
+        source = Image.fromarray(hwc[i])
+        for w in range(width):
+            chain = source
+            for step in range(depth[w][i]):
+                name = names[ops[w][i][step]]
+                if name == "autocontrast":
+                    chain = _autocontrast_pil(chain)
+                else:
+                    chain = pil_reference_op(name, chain, levels[w][i][step], negative[w][i][step])
+            out[w, i] = np.asarray(chain)
+    chains = torch.from_numpy(out).view(width * n, *hwc.shape[1:])
+    if chains.dim() == 3:
+        chains = chains.unsqueeze(-1)
+    return chains.permute(0, 3, 1, 2).float()
+
+
+def _autocontrast_pil(image: Any) -> Any:
+    """``_autocontrast`` of one PIL image (its float64 look-up table): PIL's own computes
+    ``ix * scale + offset`` with Python floats, which torch's vectorised arithmetic can
+    round the other way on a value that is an integer in exact arithmetic (one pixel
+    level, rarely); the committed results were computed with this table."""
+    from PIL import Image
+
+    arr = np.array(image)  # writable, for torch
+    x = torch.from_numpy(arr.reshape(*arr.shape[:2], -1)).permute(2, 0, 1)[None].float()
+    y = _autocontrast(x, x, x).to(torch.uint8)[0].permute(1, 2, 0).numpy()
+    return Image.fromarray(y[..., 0] if arr.ndim == 2 else y)
 
 
 def augmix(

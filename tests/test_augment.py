@@ -171,3 +171,19 @@ def test_make_views_layout():
     assert views.min() >= 0 and views.max() <= 1
     with pytest.raises(ValueError, match="need at least one view"):
         make_views(images, 0, torch.Generator(), include_original=False)
+
+
+@pytest.mark.parametrize(("size", "n", "channels"), [(32, 300, 3), (48, 40, 3), (32, 60, 1)])
+def test_pil_chains_equal_the_batched_chains(size, n, channels):
+    """The CPU path (each chain's operations through PIL) gives the batched operations'
+    chains value for value, including chains of several operations, low-contrast images
+    (autocontrast and equalize act), large levels and grayscale images."""
+    from mura_plugin import augmix as am
+
+    g = torch.Generator().manual_seed(size + channels)
+    images = torch.rand(n, channels, size, size, generator=g)
+    images[::3] = images[::3] * 0.2 + 0.4
+    x8 = (images * 255).round().clamp(0, 255)
+    for severity in (1.0, 10.0):
+        draws = am.augmix_draws(n, torch.Generator().manual_seed(size), severity=severity)
+        assert torch.equal(am._pil_chains(x8.clone(), draws), am._tensor_chains(x8.clone(), draws))

@@ -686,3 +686,31 @@ def test_cli_real_suite_without_weights_or_data_fails_fast(tmp_path, capsys):
     err = capsys.readouterr().err
     assert "model.pretrained=<tag>" in err and "model.allow_random=true" in err
     assert not out.exists()
+
+
+def test_digits_equal_scikit_learns_loader_and_split():
+    """The digits are read without importing scikit-learn's datasets and model selection
+    (a second per process): the same values as ``load_digits()``, and the stored split is
+    its stratified ``train_test_split``, so the images and labels of both splits are those
+    every committed result was computed on."""
+    from PIL import Image
+    from sklearn.datasets import load_digits
+    from sklearn.model_selection import train_test_split
+
+    from mura_plugin.datasets import digits as dg
+
+    bunch = load_digits()
+    flat, target = dg._load_digits()
+    assert np.array_equal(flat, bunch.data) and np.array_equal(target, bunch.target)
+    idx = np.arange(len(bunch.target))
+    train, test = train_test_split(
+        idx, test_size=dg.TEST_FRACTION, stratify=bunch.target, random_state=dg.SPLIT_SEED
+    )
+    assert dg._split()["test"] == sorted(test.tolist())
+    raw = (bunch.images / 16.0 * 255.0).round().clip(0, 255).astype(np.uint8)
+    for split, rows in (("train", np.sort(train)), ("test", np.sort(test))):
+        images, labels = dg.digits_arrays(split)
+        up = np.stack([np.asarray(Image.fromarray(raw[i]).resize((32, 32), Image.BICUBIC))
+                       for i in rows])  # fmt: skip
+        assert np.array_equal(images, np.repeat(up[..., None], 3, axis=-1))
+        assert np.array_equal(labels, bunch.target[rows])

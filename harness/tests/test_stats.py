@@ -230,3 +230,19 @@ def test_an_in_process_metric_may_not_shadow_a_builtin(clean_registries, monkeyp
 def test_a_metric_with_the_wrong_shape_is_refused_at_registration(clean_registries):
     with pytest.raises(RegistryError, match="invalid"):
         registry("metrics").add("bad", lambda: 0.0)
+
+
+def test_the_t_quantile_is_scipy_stats_own():
+    """``describe`` reads the quantile from ``scipy.special.stdtrit`` (no ``scipy.stats``
+    import per command): bit for bit the value of ``scipy.stats.t.ppf``, so the committed
+    intervals do not move."""
+    from scipy import stats as sps
+    from scipy.special import stdtrit
+
+    for q in (0.9, 0.95, 0.975, 0.995):
+        for df in (1, 2, 3, 4, 9, 29, 99, 999):
+            assert float(stdtrit(df, q)) == float(sps.t.ppf(q, df))
+    values = [0.465, 0.49, 0.51, 0.47]
+    est = stats.describe(values)
+    t = float(sps.t.ppf(0.975, 3))
+    assert est.ci_high == est.mean + t * est.std / math.sqrt(4)

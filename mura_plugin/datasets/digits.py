@@ -26,16 +26,11 @@ def digits_arrays(split: str) -> tuple[np.ndarray, np.ndarray]:
     if split not in SPLITS:
         raise ValueError(f"unknown digits split {split!r}; available: {', '.join(SPLITS)}")
     from PIL import Image
-    from sklearn.datasets import load_digits
-    from sklearn.model_selection import train_test_split
 
-    bunch = load_digits()
-    raw = (bunch.images / 16.0 * 255.0).round().clip(0, 255).astype(np.uint8)
-    idx = np.arange(len(raw))
-    train_idx, test_idx = train_test_split(
-        idx, test_size=TEST_FRACTION, stratify=bunch.target, random_state=SPLIT_SEED
-    )
-    chosen = np.sort(train_idx if split == "train" else test_idx)
+    flat, target = _load_digits()
+    raw = (flat.reshape(-1, 8, 8) / 16.0 * 255.0).round().clip(0, 255).astype(np.uint8)
+    test_idx = np.asarray(_split()["test"], dtype=np.int64)
+    chosen = test_idx if split == "test" else np.setdiff1d(np.arange(len(raw)), test_idx)
     up = np.stack(
         [
             np.asarray(Image.fromarray(raw[i]).resize((IMAGE_SIZE, IMAGE_SIZE), Image.BICUBIC))
@@ -43,7 +38,35 @@ def digits_arrays(split: str) -> tuple[np.ndarray, np.ndarray]:
         ]
     )
     rgb = np.repeat(up[..., None], 3, axis=-1)
-    return rgb, bunch.target[chosen].astype(np.int64)
+    return rgb, target[chosen].astype(np.int64)
+
+
+def _load_digits() -> tuple[np.ndarray, np.ndarray]:
+    """``(data [1797, 64] float64, target [1797] int64)``: the values of scikit-learn's
+    ``load_digits()``, read from the same bundled file the same way (``np.loadtxt`` of
+    ``datasets/data/digits.csv.gz``) without importing ``sklearn.datasets`` (about a second
+    per process; tested equal)."""
+    import gzip
+    import importlib.util
+    from pathlib import Path
+
+    spec = importlib.util.find_spec("sklearn")
+    if spec is None or not spec.submodule_search_locations:
+        raise ImportError("the digits dataset ships with scikit-learn: pip install scikit-learn")
+    path = Path(list(spec.submodule_search_locations)[0]) / "datasets" / "data" / "digits.csv.gz"
+    with gzip.open(path, mode="rt", encoding="utf-8") as f:
+        data = np.loadtxt(f, delimiter=",")
+    return data[:, :-1], data[:, -1].astype(int)
+
+
+@lru_cache(maxsize=1)
+def _split() -> dict:
+    """The stored split (``digits_split.json``: scikit-learn's stratified
+    ``train_test_split`` with ``TEST_FRACTION`` and ``SPLIT_SEED``; tested against it)."""
+    import json
+    from pathlib import Path
+
+    return json.loads((Path(__file__).with_name("digits_split.json")).read_text())
 
 
 def _check_classes(classes: Sequence[int] | None) -> list[int] | None:
