@@ -19,7 +19,7 @@ ZERO and MuRA on ViT-B-32 (random weights) at 224 px with their default views (6
 original), batches of 1, 8, 32 and 64 random images (``--batches``), a ``--memory-classes``
 class head (10: TPT re-encodes its prompts per sample, and the head is not what grows).
 Each (method, batch) runs one ``step`` in a fresh process (no allocator reuse between
-cells, no warm-up; a run's allocator policy, ``tta_bench.run.allocator``); it prints the peak
+cells, no warm-up; glibc's allocator as the environment sets it); it prints the peak
 RSS growth of the step (MB), seconds per image (first-call set-up included), and the
 growth from batch 1. With ``--live`` each cell runs
 a second time with glibc told to return freed blocks at once
@@ -298,8 +298,8 @@ def memory_table(
           f"view_memory_mb {budget}")  # fmt: skip
     headers = ["method", "batch"]
     if not only_live:
-        print(f"'peak MB' with the allocator policy of a run: {', '.join(sorted(policies))} "
-              "(tta_bench.run.allocator)")  # fmt: skip
+        print(f"'peak MB' with glibc's allocator as the process had it: "
+              f"{', '.join(sorted(policies))}")  # fmt: skip
         headers += ["peak MB", "vs batch 1", "s/image"]
     if live:
         warmed = ", after a warm-up step" if warm else ""

@@ -31,8 +31,10 @@ import torch
 
 #: Smaller requests are ``torch.empty``: glibc's heap serves and reuses them.
 MIN_BYTES = 1 << 20
-#: The pool keeps at most this many bytes of tensors.
-MAX_BYTES = 256 << 20
+#: The pool keeps at most this many bytes of tensors: the 224 px kernels' buffers of a
+#: batch of 64 (``glass_blur`` alone holds several shapes); at 256 MiB they evicted each
+#: other (the 224 px corruption total 7.6x against 10.1x: docs/speed.md).
+MAX_BYTES = 512 << 20
 
 _lock = threading.Lock()
 _pool: OrderedDict[tuple[Any, ...], list[torch.Tensor]] = OrderedDict()
