@@ -31,9 +31,9 @@ import torch
 
 #: Smaller requests are ``torch.empty``: glibc's heap serves and reuses them.
 MIN_BYTES = 1 << 20
-#: The pool keeps at most this many bytes of tensors: the 224 px kernels' buffers of a
-#: batch of 64 (``glass_blur`` alone holds several shapes); at 256 MiB they evicted each
-#: other (the 224 px corruption total 7.6x against 10.1x: docs/speed.md).
+#: The pool keeps at most this many bytes of tensors: the buffers of 224 px shift kernels
+#: on a batch of 64 (one kernel may ask for several shapes); at 256 MiB they evicted each
+#: other (measured in docs/speed.md#corruption-kernels).
 MAX_BYTES = 512 << 20
 
 _lock = threading.Lock()
