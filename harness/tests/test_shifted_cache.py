@@ -13,7 +13,7 @@ import torch
 from tta_bench.run import cache as decoded
 from tta_bench.run import runner, shifted
 
-from .helpers import spec
+from .helpers import cli, spec
 
 
 def _stream(tmp_path, name: str, **fields) -> tuple[list, dict]:
@@ -73,6 +73,14 @@ def test_entry_follows_kernel_code_seed_and_severity(tmp_path, fresh_cache, monk
     monkeypatch.setattr(shifted, "code_hash", lambda m: "changed-" + m)
     _, edited = _stream(tmp_path, "d")
     assert edited["loop"]["shift_cache"]["built"] == first["loop"]["shift_cache"]["built"]
+
+
+def test_cache_command_lists_and_clears_shifted_entries(tmp_path, fresh_cache, capsys):
+    _stream(tmp_path, "a")
+    rc, out, _ = cli(capsys, "cache", "list", "--kind", "decoded")
+    assert rc == 0 and "shifted" in out and "| seed 0" in out
+    rc, out, _ = cli(capsys, "cache", "clear", "--kind", "decoded")
+    assert rc == 0 and not list((fresh_cache / "shifted").glob("*.npy"))
 
 
 def test_damaged_entry_is_built_again(tmp_path, fresh_cache):

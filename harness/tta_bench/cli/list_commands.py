@@ -303,10 +303,12 @@ def cmd_cache(args: argparse.Namespace) -> int:
         if decoded:
             entries = cache.cache_entries()
             rows = [
-                [e["name"], e["images"], f"{e['bytes'] / 2**20:.1f}", e["path"]] for e in entries
-            ]
-            print("decoded images:")
-            print(tabulate(rows, headers=["domain", "images", "MB", "file"]) if rows else "empty")
+                [e["name"], e["kind"], e["images"], f"{e['bytes'] / 2**20:.1f}", e["path"]]
+                for e in entries
+            ]  # decoded splits, and the shifted-image cache's corrupted domains
+            print("images (decoded splits and shifted domains):")
+            headers = ["domain", "kind", "images", "MB", "file"]
+            print(tabulate(rows, headers=headers) if rows else "empty")
             used, budget = cache.cache_used_bytes(), cache.cache_budget_bytes()
             print(f"{used / 2**30:.2f} GiB used of {budget / 2**30:.1f} GiB ({cache.BUDGET_ENV})")
         if heads:
@@ -332,7 +334,7 @@ def cmd_cache(args: argparse.Namespace) -> int:
     if decoded:
         removed = cache.clear_cache(args.names or None)
         freed = sum(e["bytes"] for e in removed)
-        print(f"removed {len(removed)} decoded-cache entries ({freed / 2**20:.1f} MB)")
+        print(f"removed {len(removed)} image-cache entries ({freed / 2**20:.1f} MB)")
     if heads and not args.names:
         removed = text_head.clear_text_heads()
         print(f"removed {len(removed)} text-head entries")
