@@ -387,7 +387,7 @@ def same_shape_rate(calls: list[tuple[Any, Any, Any]], repeats: int) -> tuple[fl
     gen = torch.Generator().manual_seed(0)
 
     def make(a: Any) -> Any:
-        if isinstance(a, tuple) and len(a) == 4 and a[0] == "tensor":
+        if _is_spec(a):
             _, shape, stride, dtype = a
             # one storage of the size the strides reach (expanded operands share values)
             size = 1 + sum((n - 1) * st for n, st in zip(shape, stride)) if all(shape) else 0

@@ -107,3 +107,14 @@ def test_no_process_wide_allocator_policy():
         if "mallopt" in p.read_text() or "MALLOC_MMAP" in p.read_text()
     ]
     assert offenders == []
+
+
+def test_buffer_like_is_a_recycled_empty_like():
+    t = torch.zeros(SHAPE, dtype=torch.float64)
+    a = buffers.buffer_like(t)
+    assert (a.shape, a.dtype, a.device) == (t.shape, t.dtype, t.device)
+    ptr = a.data_ptr()
+    del a
+    b = buffers.buffer_like(t)
+    assert b.data_ptr() == ptr
+    assert buffers.buffer_like(t, torch.bool).dtype == torch.bool

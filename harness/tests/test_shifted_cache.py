@@ -113,7 +113,7 @@ def test_code_hash_covers_the_kernel_package():
 
 def test_rows_outside_an_entry_fall_back(tmp_path, fresh_cache):
     """A batch asking for a row the entry does not hold is corrupted in the loop."""
-    cache = shifted.ShiftedCache("auto", torch.device("cpu"), None)
+    cache = shifted.ShiftedCache("auto", torch.device("cpu"))
     rows = np.array([1, 4, 9], dtype=np.int64)
     cache._entries[(0, 0)] = (rows, np.zeros((3, 3, 2, 2), np.float32))
     assert cache.take(None, None, 0, np.array([4, 1]), 0).shape == (2, 3, 2, 2)

@@ -80,7 +80,7 @@ def batch_buffer(
     global _held
     shape = tuple(int(s) for s in shape)
     device = torch.device(device)
-    nbytes = torch.Size(shape).numel() * torch.empty((), dtype=dtype).element_size()
+    nbytes = torch.Size(shape).numel() * dtype.itemsize
     usable = (
         device.type == "cpu" and nbytes >= MIN_BYTES and hasattr(torch._C, "_storage_Use_Count")
     )
@@ -106,6 +106,12 @@ def batch_buffer(
             _held += nbytes
             _evict()
         return out
+
+
+def buffer_like(t: torch.Tensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """``batch_buffer`` of ``t``'s shape and device (and dtype, unless given): the
+    recycled counterpart of ``torch.empty_like``."""
+    return batch_buffer(t.shape, t.dtype if dtype is None else dtype, t.device)
 
 
 def _evict() -> None:

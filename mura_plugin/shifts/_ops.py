@@ -24,7 +24,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 import torch.nn.functional as F
 
-from tta_bench.buffers import batch_buffer
+from tta_bench.buffers import batch_buffer, buffer_like
 
 if TYPE_CHECKING:
     from tta_bench.rng import SampleGenerator
@@ -222,7 +222,7 @@ def _apply_plans(
     x = images.reshape(-1, h, w)
     n_img = x.shape[0]
     wp = w + 2 * pw.pad
-    out = batch_buffer(x.shape, x.dtype, x.device)
+    out = buffer_like(x)
     step = min(n_img, max(1, STACK_ELEMENTS // (h * wp)))
     buf = batch_buffer((step, h, wp), x.dtype, x.device)
     buf[..., : pw.pad] = 0.0
@@ -376,7 +376,7 @@ def fft_correlate(
         def pad(x: torch.Tensor) -> torch.Tensor:
             return F.pad(x, (rx, rx, ry, ry), mode=mode)
 
-    out = batch_buffer(images.shape, images.dtype, images.device)
+    out = buffer_like(images)
     step = max(1, STACK_ELEMENTS // (2 * c * fh * (fw // 2 + 1)))
     for s in range(0, b, step):
         e = min(b, s + step)
@@ -538,7 +538,7 @@ def in_image_steps(kernel: Callable[..., torch.Tensor]) -> Callable[..., torch.T
         step = max(1, STACK_ELEMENTS // max(1, images[0].numel()))
         if step >= b:
             return kernel(images, severity, generator=generator, **kwargs)
-        out = batch_buffer(images.shape, images.dtype, images.device)
+        out = buffer_like(images)
         for s in range(0, b, step):
             e = min(b, s + step)
             part = None if generator is None else generator.subset(s, e)

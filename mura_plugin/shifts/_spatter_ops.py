@@ -10,7 +10,7 @@ from functools import lru_cache
 import torch
 import torch.nn.functional as F
 
-from tta_bench.buffers import batch_buffer
+from tta_bench.buffers import buffer_like
 
 
 def _sum3(x: torch.Tensor, dim: int, weights: tuple[float, float, float]) -> torch.Tensor:
@@ -32,7 +32,7 @@ def _mask(op, a: torch.Tensor, b: torch.Tensor | float) -> torch.Tensor:
     """``op(a, b)`` (a torch comparison) as a 0/1 tensor of ``a``'s (numeric) dtype: on CPU,
     comparisons into numeric outputs and arithmetic on them run several times faster than
     with bool tensors (and ``torch.where`` is slower still)."""
-    return op(a, b, out=batch_buffer(a.shape, a.dtype, a.device))
+    return op(a, b, out=buffer_like(a))
 
 
 def _dilate3(x: torch.Tensor) -> torch.Tensor:

@@ -25,7 +25,7 @@ from mura_plugin.shifts._ops import (
 )
 from mura_plugin.shifts._ops import gaussian_filter as _gaussian_filter
 from mura_plugin.shifts._params import check_images, severity_param, severity_table, spatial_scale
-from tta_bench.buffers import batch_buffer
+from tta_bench.buffers import batch_buffer, buffer_like
 from tta_bench.rng import SampleGenerator
 
 __all__ = [
@@ -278,7 +278,7 @@ def _zoom_average(images: torch.Tensor, factors: tuple[float, ...]) -> torch.Ten
     """
     b, c, h, w = images.shape
     grid = _zoom_grid(h, w, factors, images.device, images.dtype)
-    out = batch_buffer(images.shape, images.dtype, images.device).copy_(images)
+    out = buffer_like(images).copy_(images)
     flat = out.view(1, b * c, h, w)
     acc = out.view(b * c, h, w)
     n = len(factors)

@@ -13,7 +13,7 @@ import torch
 
 from mura_plugin.shifts._ops import draw_batch, in_image_steps
 from mura_plugin.shifts._params import check_images, severity_param, severity_table
-from tta_bench.buffers import batch_buffer
+from tta_bench.buffers import batch_buffer, buffer_like
 from tta_bench.rng import SampleGenerator
 
 __all__ = ["gaussian_noise", "shot_noise", "impulse_noise", "speckle_noise"]
@@ -35,7 +35,7 @@ def gaussian_noise(
     """Add N(0, c^2) noise per value and clip to [0, 1]."""
     check_images("gaussian_noise", images)
     c = severity_param("gaussian_noise", GAUSSIAN_NOISE, table, severity)
-    out = batch_buffer(images.shape, images.dtype, images.device)
+    out = buffer_like(images)
     return torch.add(images, _normal_noise(images, generator), alpha=c, out=out).clamp_(0, 1)
 
 
@@ -199,7 +199,7 @@ def _poisson_marked(
     the float second stage repeats the reference order of operations exactly."""
 
     def buffer(dtype: torch.dtype) -> torch.Tensor:
-        return batch_buffer(rates.shape, dtype, rates.device)
+        return buffer_like(rates, dtype)
 
     delta, _, _ = _poisson_tables(rate_max, rates.device)
     offsets = _poisson_offsets(rate_max, rates.device)
@@ -262,8 +262,8 @@ def impulse_noise(
     u = draw_batch(generator, "uniform", *images.shape[1:]).to(images.device)
     # Hit values become the salt mask (1 or 0), the others keep x; written over the draws,
     # so the output is the only batch-sized float tensor (the masks are bytes).
-    hit = torch.lt(u, c, out=batch_buffer(u.shape, torch.bool, u.device))
-    salt = torch.lt(u, c / 2, out=batch_buffer(u.shape, torch.bool, u.device))
+    hit = torch.lt(u, c, out=buffer_like(u, torch.bool))
+    salt = torch.lt(u, c / 2, out=buffer_like(u, torch.bool))
     return torch.where(hit, salt, images, out=u)
 
 
@@ -274,6 +274,4 @@ def speckle_noise(
     check_images("speckle_noise", images)
     c = severity_param("speckle_noise", SPECKLE_NOISE, table, severity)
     z = _normal_noise(images, generator)
-    return torch.addcmul(
-        images, images, z, value=c, out=batch_buffer(images.shape, images.dtype, images.device)
-    ).clamp_(0.0, 1.0)
+    return torch.addcmul(images, images, z, value=c, out=buffer_like(images)).clamp_(0.0, 1.0)

@@ -35,7 +35,7 @@ from mura_plugin.shifts._spatter_ops import (  # noqa: F401 - tests read them he
     _mask,
 )
 from mura_plugin.shifts.blur import motion_filter
-from tta_bench.buffers import batch_buffer
+from tta_bench.buffers import batch_buffer, buffer_like
 from tta_bench.rng import SampleGenerator
 
 __all__ = ["fog", "snow", "frost", "spatter", "plasma_fractal", "frost_texture"]
@@ -169,7 +169,7 @@ def fog_blend(images: torch.Tensor, pattern: torch.Tensor, strength: float) -> t
         images,
         pattern.unsqueeze(1).to(images),
         alpha=strength,
-        out=batch_buffer(images.shape, images.dtype, images.device),
+        out=buffer_like(images),
     )
     # One per-sample factor: no full-size division.
     return x.mul_(max_val / (max_val + strength)).clamp_(0.0, 1.0)

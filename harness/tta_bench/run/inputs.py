@@ -132,7 +132,7 @@ class RunInputs:
             kernels=kernels,
             loader_settings=resolve_settings(loader, device, decoding=decoding),
             image_size=size,
-            shifted=ShiftedCache(shift_cache, device, protocol.severity_table) if kernels else None,
+            shifted=ShiftedCache(shift_cache, device) if kernels else None,
         )
         for src in sources:
             if src.bad:
@@ -195,33 +195,38 @@ class RunInputs:
         """``prepare(next(it), ...)``; a batch the shifted-image cache holds is gathered from
         it, and an in-process loader then reads its labels only."""
         data = self._in_process
-        if data is None or not (self.kernels and self.shifted and self.shifted.enabled):
+        if data is None or self.shifted is None or not self.shifted.enabled:
             return self.prepare(next(it), batch, stream, seed, timer)
         with timer.phase("shift"):
             cached = self._cached(batch, stream, seed)
         if cached is None:
-            return self.prepare(next(it), batch, stream, seed, timer)
+            return self.prepare(next(it), batch, stream, seed, timer, try_cache=False)
         with timer.phase("data"):
             data.labels_only = True
             try:
                 item = next(it)
             finally:
                 data.labels_only = False
-            if item["number"] != batch.number:
-                raise RuntimeError(
-                    f"loader out of stream order: {item['number']} != {batch.number}"
-                )
+            _check_order(item, batch)
             y = item["labels"].to(self.device)
         return cached, y, batch
 
     def prepare(
-        self, item: dict[str, Any], batch: Batch, stream: Stream, seed: int, timer: Any
+        self,
+        item: dict[str, Any],
+        batch: Batch,
+        stream: Stream,
+        seed: int,
+        timer: Any,
+        *,
+        try_cache: bool = True,
     ) -> tuple[torch.Tensor, torch.Tensor, Batch]:
         """``(images [B, C, H, W] float on the device, labels [B], the batch's kept rows)``:
-        the loaded batch moved to the device (phase ``data``) and corrupted (``shift``).
-        Rows whose images could not be decoded (skipped) are left out of the batch."""
-        if item["number"] != batch.number:
-            raise RuntimeError(f"loader out of stream order: {item['number']} != {batch.number}")
+        the loaded batch moved to the device (phase ``data``) and corrupted (``shift``), or
+        its corrupted images read from the shifted-image cache (unless ``try_cache`` is
+        False: the caller asked it already). Rows whose images could not be decoded
+        (skipped) are left out of the batch."""
+        _check_order(item, batch)
         non_blocking = self.loader_settings.pin_memory
         with timer.phase("data"):
             x = item["images"].to(self.device, non_blocking=non_blocking)
@@ -233,7 +238,7 @@ class RunInputs:
                 batch = _subbatch(batch, kept)
             if len(batch) == 0:
                 return x, y, batch
-        if self.kernels:
+        if self.kernels and try_cache:
             with timer.phase("shift"):
                 cached = self._cached(batch, stream, seed)
             if cached is not None:
@@ -267,9 +272,20 @@ class RunInputs:
             out[torch.from_numpy(rows).to(self.device)] = got
         return out
 
-    def takes_uint8(self, shift: str) -> bool:
-        """Whether ``shift``'s kernel takes 8-bit images (its ``from_uint8`` entry)."""
-        return uint8_entry(self.kernels[shift]) is not None
+    def corrupt(
+        self, x: torch.Tensor, index: np.ndarray, shift: str, severity: int, seed: int
+    ) -> torch.Tensor:
+        """``shift`` at ``severity`` applied to ``x`` (float ``[B, C, H, W]``, or the
+        decoded uint8 ``[B, H, W, C]``: ``apply_shift`` converts it), sample ``i`` seeded
+        by ``(seed, shift, severity, index[i])``: the loop's step and the shifted-image
+        cache's."""
+        gen = SampleGenerator.for_samples(
+            index, seed, shift, severity, device=x.device, pool=self._pool
+        )
+        try:
+            return apply_shift(self.kernels[shift], x, severity, gen, self.protocol.severity_table)
+        finally:
+            gen.release()
 
     def _report_bad(self, bad: list[dict[str, Any]]) -> None:
         """Fail the run naming them (``on_bad_image=fail``), or record each skipped image
@@ -290,32 +306,26 @@ class RunInputs:
         """Whether ``batch`` goes to its kernel as uint8 (one domain, a kernel with a
         ``from_uint8`` entry); mixed batches are converted once for all their kernels."""
         dom = batch.single_domain()
-        return dom is not None and self.takes_uint8(stream.domains[dom][0])
+        return dom is not None and uint8_entry(self.kernels[stream.domains[dom][0]]) is not None
 
     def _shift(self, x: torch.Tensor, batch: Batch, stream: Stream, seed: int) -> torch.Tensor:
         """Corrupt ``x`` on its device, seeded per sample by ``(seed, shift, severity,
         index)``; a mixed batch is corrupted domain by domain."""
-        table, pool = self.protocol.severity_table, self._pool
         dom = batch.single_domain()
-        parts = [(dom, None)] if dom is not None else []
-        if dom is None:
-            for d in np.unique(batch.domains):
-                parts.append((int(d), np.flatnonzero(batch.domains == d)))
-        out = None if dom is not None else torch.empty_like(x)
-        for d, rows in parts:
-            shift, severity = stream.domains[d]
-            index = batch.indices if rows is None else batch.indices[rows]
-            gen = SampleGenerator.for_samples(
-                index, seed, shift, severity, device=x.device, pool=pool
-            )
-            try:
-                if rows is None:
-                    return apply_shift(self.kernels[shift], x, severity, gen, table)
-                sel = torch.from_numpy(rows).to(x.device)
-                out[sel] = apply_shift(self.kernels[shift], x[sel], severity, gen, table)
-            finally:
-                gen.release()
+        if dom is not None:
+            return self.corrupt(x, batch.indices, *stream.domains[dom], seed)
+        out = torch.empty_like(x)
+        for d in np.unique(batch.domains).tolist():
+            rows = np.flatnonzero(batch.domains == d)
+            sel = torch.from_numpy(rows).to(x.device)
+            out[sel] = self.corrupt(x[sel], batch.indices[rows], *stream.domains[d], seed)
         return out
+
+
+def _check_order(item: dict[str, Any], batch: Batch) -> None:
+    """A ``RuntimeError`` unless the loaded ``item`` is ``batch`` (stream order)."""
+    if item["number"] != batch.number:
+        raise RuntimeError(f"loader out of stream order: {item['number']} != {batch.number}")
 
 
 def open_set_streams(

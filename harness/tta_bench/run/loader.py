@@ -119,11 +119,8 @@ class StreamBatches(torch.utils.data.Dataset):
         batch = self.batches[k]
         d = batch.single_domain()
         if self.labels_only:
-            labels = np.empty(len(batch), dtype=np.int64)
-            for dom in np.unique(batch.domains):
-                sel = batch.domains == dom
-                labels[sel] = self.labels_of_domain[dom][batch.indices[sel]]
             images, kept, bad = None, np.arange(len(batch)), []
+            labels = self._labels(batch, kept)
         elif d is not None:
             got = self.sources[self.source_of_domain[d]].fetch(batch.indices)
             images, kept, bad = got.images, got.kept, got.bad
@@ -142,10 +139,7 @@ class StreamBatches(torch.utils.data.Dataset):
             where = {int(r): i for i, r in enumerate(kept)}
             for rows, imgs in parts:
                 images[[where[int(r)] for r in rows]] = imgs
-            labels = np.empty(len(kept), dtype=np.int64)
-            for dom in np.unique(batch.domains[kept]):
-                sel = batch.domains[kept] == dom
-                labels[sel] = self.labels_of_domain[dom][batch.indices[kept][sel]]
+            labels = self._labels(batch, kept)
         return {
             "images": None if images is None else torch.from_numpy(images),
             "labels": torch.from_numpy(np.asarray(labels, dtype=np.int64)),
@@ -153,6 +147,15 @@ class StreamBatches(torch.utils.data.Dataset):
             "bad": bad,
             "number": batch.number,
         }
+
+    def _labels(self, batch: Batch, kept: np.ndarray) -> np.ndarray:
+        """The labels of rows ``kept`` of ``batch``, domain by domain."""
+        domains, indices = batch.domains[kept], batch.indices[kept]
+        labels = np.empty(len(kept), dtype=np.int64)
+        for dom in np.unique(domains):
+            sel = domains == dom
+            labels[sel] = self.labels_of_domain[dom][indices[sel]]
+        return labels
 
 
 def _worker_init(seed: int, worker_id: int) -> None:

@@ -50,7 +50,7 @@ import torch
 
 from tta_bench.buffers import MIN_BYTES, batch_buffer
 from tta_bench.paths import atomic_path, atomic_write_text, cache_dir
-from tta_bench.rng import GeneratorPool, SampleGenerator
+from tta_bench.run import cache as decoded
 from tta_bench.run.stream import subset
 
 #: Bumped when the entry's layout or the rules of this module change.
@@ -150,13 +150,11 @@ class ShiftedCache:
     of one domain from its entry, building the entry on the domain's first batch, or
     returns None when the domain is not cached (the loop corrupts the batch)."""
 
-    def __init__(self, policy: str, device: torch.device, table: str | None):
+    def __init__(self, policy: str, device: torch.device):
         self.policy = policy
         self.device = device
-        self.table = table
         self.enabled = policy == "always" or (policy == "auto" and device.type == "cpu")
         self._entries: dict[tuple[int, int], tuple[np.ndarray, np.ndarray] | None] = {}
-        self._pool = GeneratorPool()
         #: Batches (or a mixed batch's domain parts) served from an entry; entries built.
         self.hits = 0
         self.built = 0
@@ -196,8 +194,6 @@ class ShiftedCache:
     ) -> tuple[np.ndarray, np.ndarray] | None:
         """The domain's ``(sorted rows, entry)``, built when missing; None when the domain
         is not cached under the policy."""
-        from tta_bench.run import cache as decoded
-
         shift, severity = stream.domains[domain]
         d = (shift, severity)
         source = inputs.sources[inputs.source_of[d]]
@@ -213,18 +209,18 @@ class ShiftedCache:
             return None
         split = decoded.cache_key(inputs.streams[d], size)
         kernel = inputs.kernels[shift]
-        key = entry_key(split, rows, kernel, shift, severity, seed, self.table, self.device)
+        table = inputs.protocol.severity_table
+        key = entry_key(split, rows, kernel, shift, severity, seed, table, self.device)
         path = entry_path(key)
         arr = read_entry(path, len(rows), shape)
         if arr is None:
-            arr = self._build(inputs, source, kernel, d, rows, seed, path, nbytes)
+            arr = self._build(inputs, source, d, rows, seed, path, nbytes)
         return None if arr is None else (rows, arr)
 
     def _build(
         self,
         inputs: Any,
         source: Any,
-        kernel: Any,
         domain: tuple[str, int],
         rows: np.ndarray,
         seed: int,
@@ -235,8 +231,6 @@ class ShiftedCache:
         waits, then reads it); None when ``auto`` finds the budget full or the split has
         unreadable images."""
         from filelock import FileLock
-
-        from tta_bench.run import cache as decoded
 
         shape = (3, inputs.image_size, inputs.image_size)
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -249,7 +243,7 @@ class ShiftedCache:
             if self.policy == "always":
                 decoded.check_budget(nbytes, f"caching the shifted images of {domain}")
             try:
-                self._write(inputs, source, kernel, domain, rows, seed, path)
+                self._write(inputs, source, domain, rows, seed, path)
             except _NotCached:
                 return None
             self.built += 1
@@ -259,7 +253,6 @@ class ShiftedCache:
         self,
         inputs: Any,
         source: Any,
-        kernel: Any,
         domain: tuple[str, int],
         rows: np.ndarray,
         seed: int,
@@ -267,9 +260,6 @@ class ShiftedCache:
     ) -> None:
         """Corrupt ``rows`` a protocol batch at a time, as the loop does, into ``path``
         (beside it, renamed when whole; its metadata first)."""
-        from tta_bench.data import to_float_images
-        from tta_bench.run.composite import apply_shift
-
         shift, severity = domain
         size = inputs.image_size
         step = max(1, inputs.protocol.batch_size)
@@ -283,15 +273,7 @@ class ShiftedCache:
                 if len(fetched.kept) != len(part):  # unreadable images: not cached
                     raise _NotCached
                 x = torch.from_numpy(fetched.images).to(self.device)
-                if not inputs.takes_uint8(shift):
-                    x = to_float_images(x)
-                gen = SampleGenerator.for_samples(
-                    part, seed, shift, severity, device=self.device, pool=self._pool
-                )
-                try:
-                    y = apply_shift(kernel, x, severity, gen, self.table)
-                finally:
-                    gen.release()
+                y = inputs.corrupt(x, part, shift, severity, seed)  # the loop's own step
                 out[s : s + len(part)] = y.detach().cpu().numpy()
             out.flush()
             del out
