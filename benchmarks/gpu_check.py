@@ -33,8 +33,9 @@ Checks (each gets a status; the command exits 1 unless every one passes):
 ``--quick`` cuts each check down (fewer severities and images, one template, smaller
 cells: about a third of the time). ``--tiny`` swaps in a tiny random CLIP at 32 px and 16
 classes, so ``--device cpu --quick --tiny`` is a CPU smoke test of this script's logic
-(tests/test_gpu_check.py). Everything runs under a temporary cache directory unless
-``--cache-dir`` names one, so a text head is always built once before it is read back.
+(tests/test_gpu_check.py); it hands the source-set methods 64 source images, not 2,000.
+Everything runs under a temporary cache directory unless ``--cache-dir`` names one, so a
+text head is always built once before it is read back.
 """
 
 from __future__ import annotations
@@ -121,6 +122,9 @@ class Settings:
     max_images: int
     text_subset: tuple[int, int]  # (classes, templates) compared against the CPU
     text_tol: float  # max |device - CPU| of the subset's unit-norm embeddings
+    #: Clean source images written for the methods that ask for some (EATA's Fisher, RMT's
+    #: warm-up): None, as many as the most demanding default asks (2,000); a number caps it
+    source_images: int | None = None
 
 
 FULL = Settings(
@@ -150,7 +154,9 @@ TINY = replace(
     max_images=4,
     text_subset=(4, 3),
 )
-TINY_QUICK = replace(TINY, severities=(5,), templates=("a photo of a {}.", "art of the {}."))
+TINY_QUICK = replace(
+    TINY, severities=(5,), templates=("a photo of a {}.", "art of the {}."), source_images=64
+)
 
 
 def settings_for(quick: bool, tiny: bool) -> Settings:

@@ -204,6 +204,8 @@ def check_methods(
 ) -> dict[str, Any]:
     data = write_dataset(workdir / "data" / "stream.parquet", settings, settings.max_images, 1)
     n_source = source_images_needed(names)
+    if settings.source_images is not None:
+        n_source = min(n_source, settings.source_images)
     source = (
         write_dataset(workdir / "source" / "train.parquet", settings, n_source, 2)
         if n_source

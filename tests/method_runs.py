@@ -71,6 +71,31 @@ def digits_c_spec(method: str, seeds: list[int], protocol: dict[str, Any], **fie
     )
 
 
+#: What the contract and adapter tests change in a method's defaults: the properties they
+#: check hold for any view count, source-set size or iteration count, and the official ones
+#: (63 views, 2,000 source images for EATA's Fisher and RMT's warm-up and replay, WATT-P's
+#: 50 meta-iterations) make one setup or step seconds long on a CPU. ``None`` in the
+#: default (WATT's per-mode official count) is replaced too.
+CHEAP = {"views": 3, "n_views": 3, "augmentations": 3, "source_size": 128, "fisher_size": 128,
+         "meta_iterations": 2}  # fmt: skip
+
+
+def cheap_overrides(method_cls: Any) -> dict[str, int]:
+    """The fields of ``method_cls``'s default config that ``CHEAP`` lowers: those of its
+    integer fields above the cheap value, or unset (None)."""
+    import dataclasses
+
+    cfg = method_cls.Config()
+    if not dataclasses.is_dataclass(cfg):
+        return {}
+    names = {f.name for f in dataclasses.fields(cfg)}
+    return {
+        k: v for k, v in CHEAP.items()
+        if k in names and (getattr(cfg, k) is None
+                           or (isinstance(getattr(cfg, k), int) and getattr(cfg, k) > v))
+    }  # fmt: skip
+
+
 #: Fewer views than the official 63 keep the method tests fast; each method's test of its
 #: defaults checks those separately.
 FAST = {"views": 7}

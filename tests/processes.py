@@ -1,6 +1,7 @@
 """What tests share for running code in a new process: ``python_ok``, a snippet in a fresh
 interpreter that must succeed; ``serve_cli``, ``tta-bench serve`` in a subprocess with the
-address its first line announces."""
+address its first line announces; and the one they share for not starting one:
+``run_on_one_thread``, ``tta-bench run`` in this process as a one-CPU job would run it."""
 
 from __future__ import annotations
 
@@ -9,6 +10,22 @@ import re
 import subprocess
 import sys
 from collections.abc import Iterator
+
+
+def run_on_one_thread(*args: str) -> None:
+    """``tta-bench run ARGS`` (the CLI's own ``main``) in this process on one torch thread,
+    as a sweep job or an array task with one CPU runs it, asserted to exit 0: the reference
+    their results must equal bit for bit, without another interpreter's start-up."""
+    import torch
+
+    from tta_bench.cli import main
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        assert main(["run", *args]) == 0
+    finally:
+        torch.set_num_threads(threads)
 
 
 def python_ok(code: str) -> subprocess.CompletedProcess[str]:

@@ -4,11 +4,13 @@ standalone ``Adapter`` around a model, on the real default model and digits imag
 from __future__ import annotations
 
 import copy
+import dataclasses
 import json
 
 import numpy as np
 import pytest
 import torch
+from method_runs import cheap_overrides
 
 import tta_bench
 from tta_bench.cli import main
@@ -122,16 +124,21 @@ def _source_for(name: str, source_images):
 
 
 def _adapter(name, bundle, source_images, **kw) -> Adapter:
+    """The adapter of ``name`` with its cheap config (``method_runs.cheap_overrides``)."""
     source = _source_for(name, source_images)
+    cheap = cheap_overrides(registry("methods").get(name))
     return Adapter.from_bundle(
-        bundle, dataset="digits", method=name, device="cpu", source_images=source, **kw
-    )
+        bundle, dataset="digits", method=name, device="cpu", source_images=source,
+        overrides=cheap, **kw,
+    )  # fmt: skip
 
 
 def _runner_method(name: str, classifier, source_images, seed: int = 0):
-    """The method as the runner builds it: a copy of the classifier, seeded setup."""
+    """The method as the runner builds it (with the adapter's cheap config): a copy of the
+    classifier, seeded setup."""
     cls = registry("methods").get(name)
-    method = cls(copy.deepcopy(classifier), cls.Config())
+    config = dataclasses.replace(cls.Config(), **cheap_overrides(cls))
+    method = cls(copy.deepcopy(classifier), config)
     n = method.source_images_needed()
     if n:
         images, labels = source_images

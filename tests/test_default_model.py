@@ -120,3 +120,33 @@ def test_recipe_fingerprint_tracks_every_field():
     assert base.fingerprint() == TinyClipRecipe().fingerprint()
     assert base.fingerprint() != TinyClipRecipe(epochs=base.epochs + 1).fingerprint()
     assert base.fingerprint() != TinyClipRecipe(seed=1).fingerprint()
+
+
+def test_a_copied_classifier_owns_every_tensor_and_shares_only_the_tokenizer(
+    classifier, test_images
+):
+    """What every method instance is built on (the runner, the adapters, ``tta-bench
+    check``, the tests): ``copy.deepcopy`` of the classifier. Its tensors and module tree
+    are its own; the stateless tokenizer is shared, since copying its BPE tables cost
+    about a second per instance; a tensor the caller's memo maps stays shared."""
+    import copy
+
+    x = test_images[0][:4]
+    with torch.no_grad():
+        before = classifier(x)
+    twin = copy.deepcopy(classifier)
+    assert twin.tokenizer is classifier.tokenizer
+    assert twin.clip is not classifier.clip and twin.visual is not classifier.visual
+    ours, theirs = classifier.state_dict(), twin.state_dict()
+    assert list(ours) == list(theirs)
+    for key, value in ours.items():
+        assert theirs[key].data_ptr() != value.data_ptr(), key
+        assert torch.equal(theirs[key], value), key
+    with torch.no_grad():
+        assert torch.equal(twin(x), before)
+        next(twin.visual.parameters()).add_(1.0)  # the copy adapts; the original does not
+        assert not torch.equal(twin(x), before) and torch.equal(classifier(x), before)
+    assert torch.equal(twin.tokenizer(["a photo of 3"]), classifier.tokenizer(["a photo of 3"]))
+    frozen = classifier.class_embeddings
+    third = copy.deepcopy(classifier, memo={id(frozen): frozen})
+    assert third.class_embeddings is frozen and third.tokenizer is classifier.tokenizer

@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from method_runs import build_with_source
+from method_runs import build_with_source, cheap_overrides
 
 from tta_bench import catalog
 from tta_bench.method import GradientMethod, Method
@@ -23,24 +23,16 @@ METHODS = registry("methods").names()
 FAMILIES = ("reference", "TENT family", "CLIP batch", "episodic", "online", "open-set")
 
 
-#: View counts the contract is checked with: the properties hold for any count, and the
-#: official 63 views (AugMix on some sets) make a multi-view step seconds long on a CPU.
-CHEAP = {"views": 3, "n_views": 3}
-
-
 def _cheap_config(method_cls):
-    """The method's default config with at most 3 augmented views (``CHEAP``)."""
+    """The method's default config made cheap (``method_runs.cheap_overrides``)."""
     import dataclasses
 
     cfg = method_cls.Config()
-    if not dataclasses.is_dataclass(cfg):
-        return cfg
-    fields = {f.name for f in dataclasses.fields(cfg)}
-    change = {
-        k: v for k, v in CHEAP.items()
-        if k in fields and isinstance(getattr(cfg, k), int) and getattr(cfg, k) > v
-    }  # fmt: skip
-    return dataclasses.replace(cfg, **change)
+    return (
+        dataclasses.replace(cfg, **cheap_overrides(method_cls))
+        if dataclasses.is_dataclass(cfg)
+        else cfg
+    )
 
 
 def _digits_source(n: int, labels: bool = False):

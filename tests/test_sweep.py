@@ -9,6 +9,7 @@ import subprocess
 import sys
 
 import pytest
+from processes import run_on_one_thread
 
 from tta_bench.run import results
 from tta_bench.run.rescore import rescore
@@ -128,9 +129,8 @@ def test_a_sharded_sweep_merges_its_parts_into_the_whole_cell(tmp_path):
     parts = sorted((tmp_path / "s" / "runs").glob("*_shard*of3.json"))
     assert len(parts) == 3
     merged = results.load_results(next((tmp_path / "s").glob("*.json")))
-    whole = _sweep("--dir", str(tmp_path / "w"), *grid)
-    assert whole.returncode == 0
-    unsharded = results.load_results(next((tmp_path / "w").glob("*.json")))
+    run_on_one_thread(*grid, "progress=false", "--quiet", "--output", str(tmp_path / "w.json"))
+    unsharded = results.load_results(tmp_path / "w.json")
     keys = ("n", "accuracy", "nll", "ece", "batches")
     assert [{k: c[k] for k in keys} for c in merged["cells"]] == [
         {k: c[k] for k in keys} for c in unsharded["cells"]

@@ -9,6 +9,7 @@ ensemble), and the logit scale. It takes images as float tensors in [0, 1] at
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
@@ -92,6 +93,18 @@ class ZeroShotClassifier(nn.Module):
             p.requires_grad_(False)
         with torch.no_grad():
             self.register_buffer("class_embeddings", self.build_class_embeddings())
+
+    def __deepcopy__(self, memo: dict[int, object]) -> ZeroShotClassifier:
+        """A deep copy (new module tree, tensors and text head) that shares the tokenizer:
+        it is stateless (its cache memoises a pure function), and copying its BPE tables
+        alone takes about a second. Every copy of a classifier goes through here (the
+        runner's method instances, the adapters, ``tta-bench check``, user code); what the
+        caller's ``memo`` maps already (the adapters' shared frozen tensors) stays shared."""
+        memo.setdefault(id(self.tokenizer), self.tokenizer)
+        new = type(self).__new__(type(self))
+        memo[id(self)] = new
+        new.__setstate__(copy.deepcopy(self.__dict__, memo))  # nn.Module's own restore
+        return new
 
     @property
     def visual(self) -> nn.Module:

@@ -41,10 +41,7 @@ def _fresh(
     adapts (else on ``classifier`` itself), given source images when it asks for them."""
     import torch
 
-    if method_cls.adapts:
-        model = copy.deepcopy(classifier, memo={id(classifier.tokenizer): classifier.tokenizer})
-    else:
-        model = classifier
+    model = copy.deepcopy(classifier) if method_cls.adapts else classifier
     method = method_cls(model, copy.deepcopy(config))
     n = method.source_images_needed()
     if n and source is not None:
@@ -220,10 +217,7 @@ class _MethodProbe:
         import torch
 
         method_cls, classifier = self.method_cls, self.classifier
-        if method_cls.adapts:
-            base = copy.deepcopy(classifier, memo={id(classifier.tokenizer): classifier.tokenizer})
-        else:
-            base = classifier
+        base = copy.deepcopy(classifier) if method_cls.adapts else classifier
         before = {k: v.detach().clone() for k, v in base.state_dict().items()}
         self._two_steps(_fresh(method_cls, base, self.config, self.source))
         if method_cls.adapts:

@@ -7,7 +7,8 @@ which tensors of the classifier it changes: the base parameters it declares trai
 (Tent's LayerNorm affines) or leaves requiring grad, and any base parameter or buffer whose
 value moves during ``setup()`` and two adaptation steps. Every other tensor is shared: each
 instance's method is built over a ``copy.deepcopy`` of the classifier whose memo maps every
-shared tensor (and the stateless tokenizer) to itself, then ``setup()``. An instance
+shared tensor to itself (every classifier copy shares the stateless tokenizer), then
+``setup()``. An instance
 therefore owns only its module structure, its copies of the adapted tensors, and the
 method's own state (adapters, router, optimiser, snapshot, caches); ``owned_bytes()``
 measures it. Shared tensors keep ``requires_grad=False``, so concurrent instances in
@@ -150,7 +151,6 @@ class SharedBackbone:
         self.adapted: list[str] = self._probe()
         shared = [(n, t) for n, t in _named_tensors(model) if n not in set(self.adapted)]
         self._memo: dict[int, Any] = {id(t): t for _, t in shared}
-        self._memo[id(model.tokenizer)] = model.tokenizer  # stateless; deepcopy takes ~1 s
         self._shared_storages = {_storage_key(t) for _, t in shared if t.numel()}
         every = {_storage_key(t): t.untyped_storage().nbytes() for _, t in _named_tensors(model)}
         #: Bytes of the classifier's tensors: what a whole-model copy per adapter would cost.
@@ -207,9 +207,7 @@ class SharedBackbone:
 
     def _probe(self) -> list[str]:
         """Names of the classifier's tensors the method changes (see the module docstring)."""
-        probe_model = copy.deepcopy(
-            self.model, memo={id(self.model.tokenizer): self.model.tokenizer}
-        )
+        probe_model = copy.deepcopy(self.model)
         before = _named_tensors(probe_model)
         method = self._build(probe_model)
         trainable = {id(p) for p in method.trainable_parameters()}

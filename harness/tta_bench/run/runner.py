@@ -159,11 +159,8 @@ class Evaluation:
         """A new method instance on its own copy of ``base`` (shared when it never adapts),
         given its source images when it asks for them, set up."""
         seed_torch(stable_seed(self.spec.method, "setup", seed) % 2**63, self.device)
-        if self.method_cls.adapts:
-            # The tokenizer is stateless and its BPE tables make deepcopy take ~1 s: share it.
-            model = copy.deepcopy(base, memo={id(base.tokenizer): base.tokenizer})
-        else:
-            model = base  # the contract: a method with adapts=False never changes the model
+        # A method with adapts=False never changes the model (the contract): no copy.
+        model = copy.deepcopy(base) if self.method_cls.adapts else base
         method = self.method_cls(model, self.spec.config_for(base.dataset))
         method.stream_length = stream_length
         needed = method.source_images_needed()
