@@ -1,7 +1,8 @@
 """What tests share for running code in a new process: ``python_ok``, a snippet in a fresh
 interpreter that must succeed; ``serve_cli``, ``tta-bench serve`` in a subprocess with the
-address its first line announces; and the one they share for not starting one:
-``run_on_one_thread``, ``tta-bench run`` in this process as a one-CPU job would run it."""
+address its first line announces; and what they share for not starting one:
+``run_on_one_thread`` and ``sweep_on_one_thread``, ``tta-bench run`` and ``tta-bench
+sweep`` (Hydra's basic launcher) in this process as a one-CPU job would run them."""
 
 from __future__ import annotations
 
@@ -26,6 +27,35 @@ def run_on_one_thread(*args: str) -> None:
         assert main(["run", *args]) == 0
     finally:
         torch.set_num_threads(threads)
+
+
+def sweep_on_one_thread(*args: str) -> str:
+    """``tta-bench sweep ARGS`` in this process, on one torch thread, asserted to exit 0;
+    what it printed (its job lines and Hydra's log). Hydra's basic launcher runs every job
+    here, as a sweep's own process would; what Hydra's job logging changes (the root
+    logger's handlers and level) and the thread count a job sets are restored after it."""
+    import contextlib
+    import io
+    import logging
+
+    import torch
+
+    from tta_bench.cli import main
+
+    root = logging.getLogger()
+    handlers, level = root.handlers[:], root.level
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    printed = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(printed):
+            code = main(["sweep", *args])
+    finally:
+        torch.set_num_threads(threads)
+        root.handlers[:] = handlers
+        root.setLevel(level)
+    assert code == 0, printed.getvalue()[-3000:]
+    return printed.getvalue()
 
 
 def python_ok(code: str) -> subprocess.CompletedProcess[str]:

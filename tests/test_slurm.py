@@ -18,7 +18,7 @@ import time
 from pathlib import Path
 
 import pytest
-from processes import run_on_one_thread
+from processes import run_on_one_thread, sweep_on_one_thread
 
 from tta_bench.report import leaderboard as report
 from tta_bench.run import results
@@ -124,7 +124,7 @@ def test_an_array_sweep_ranks_as_the_same_sweep_run_locally(cluster, tmp_path):
     on = tmp_path / "slurm"
     _cli(cluster, "sweep", "--dir", str(on), *grid, *ON_SLURM)
     here = tmp_path / "local"
-    _cli(cluster, "sweep", "--dir", str(here), *grid)
+    sweep_on_one_thread("--dir", str(here), *grid)  # Hydra's basic launcher, in this process
     # one array: tent's 2 jobs alone, zeroshot's and tda's 4 light jobs packed into 1 task
     tasks = _array_tasks(on)
     arrays = {t.split("_")[0] for t in tasks}
