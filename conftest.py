@@ -2,6 +2,11 @@
 
 * torch gets at most two threads, shared out among pytest-xdist's workers (one each for two
   workers on two cores): oversubscribed cores make every torch process many times slower.
+* Bytecode is written even where ``PYTHONDONTWRITEBYTECODE`` is set (as on some CI and
+  sandbox machines): the suite starts dozens of interpreters (CLI runs, sweeps, SLURM
+  tasks) and each pytest-xdist worker rewrites every test module's asserts; without
+  ``__pycache__`` (git-ignored) each of them compiles the harness, the plugin and the tests
+  again (about 14 s of a worker's 29 s collection on 2026-12-07).
 * Tests marked ``slow`` (end-to-end runs in subprocesses, the SLURM cluster) are collected
   first. pytest-xdist's ``worksteal`` mode hands the first part of the list to one worker
   and lets idle workers take the tail of a busy one's queue, so the long tests start at
@@ -11,9 +16,13 @@
 from __future__ import annotations
 
 import os
+import sys
 
 import pytest
 import torch
+
+sys.dont_write_bytecode = False
+os.environ.pop("PYTHONDONTWRITEBYTECODE", None)  # the interpreters the tests start, too
 
 _WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
 torch.set_num_threads(max(1, min(2, torch.get_num_threads()) // _WORKERS))
