@@ -7,7 +7,8 @@ record; ``build_with_source``, a method handed the source images it asks for bef
 setup; ``digits_c_spec``, the ``RunSpec`` of a short digits-c run; ``FAST``, the few views
 the method tests use; and the checks several methods share: ``seeded_step``,
 ``assert_same_seeded_steps``, ``assert_batched_episodes_equal_sequential``,
-``assert_reset_then_reseed_reproduces`` and ``assert_params_at_snapshot``."""
+``assert_reset_then_reseed_reproduces`` and ``assert_params_at_snapshot``; ``CHEAP``,
+``cheap_overrides`` and ``cheap_config``, the contract and adapter tests' cheap settings."""
 
 from __future__ import annotations
 
@@ -94,6 +95,17 @@ def cheap_overrides(method_cls: Any) -> dict[str, int]:
         if k in names and (getattr(cfg, k) is None
                            or (isinstance(getattr(cfg, k), int) and getattr(cfg, k) > v))
     }  # fmt: skip
+
+
+def cheap_config(method_cls: Any) -> Any:
+    """``method_cls``'s default config with ``cheap_overrides`` applied (a config that is
+    not a dataclass as it is)."""
+    import dataclasses
+
+    cfg = method_cls.Config()
+    if not dataclasses.is_dataclass(cfg):
+        return cfg
+    return dataclasses.replace(cfg, **cheap_overrides(method_cls))
 
 
 #: Fewer views than the official 63 keep the method tests fast; each method's test of its

@@ -13,20 +13,28 @@ import sys
 from collections.abc import Iterator
 
 
-def run_on_one_thread(*args: str) -> None:
-    """``tta-bench run ARGS`` (the CLI's own ``main``) in this process on one torch thread,
-    as a sweep job or an array task with one CPU runs it, asserted to exit 0: the reference
-    their results must equal bit for bit, without another interpreter's start-up."""
+@contextlib.contextmanager
+def _one_torch_thread() -> Iterator[None]:
+    """torch on one thread inside, as a one-CPU job runs; the caller's count after (also
+    where a sweep job set its own)."""
     import torch
-
-    from tta_bench.cli import main
 
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
     try:
-        assert main(["run", *args]) == 0
+        yield
     finally:
         torch.set_num_threads(threads)
+
+
+def run_on_one_thread(*args: str) -> None:
+    """``tta-bench run ARGS`` (the CLI's own ``main``) in this process on one torch thread,
+    as a sweep job or an array task with one CPU runs it, asserted to exit 0: the reference
+    their results must equal bit for bit, without another interpreter's start-up."""
+    from tta_bench.cli import main
+
+    with _one_torch_thread():
+        assert main(["run", *args]) == 0
 
 
 def sweep_on_one_thread(*args: str) -> str:
@@ -34,24 +42,18 @@ def sweep_on_one_thread(*args: str) -> str:
     what it printed (its job lines and Hydra's log). Hydra's basic launcher runs every job
     here, as a sweep's own process would; what Hydra's job logging changes (the root
     logger's handlers and level) and the thread count a job sets are restored after it."""
-    import contextlib
     import io
     import logging
-
-    import torch
 
     from tta_bench.cli import main
 
     root = logging.getLogger()
     handlers, level = root.handlers[:], root.level
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
     printed = io.StringIO()
     try:
-        with contextlib.redirect_stdout(printed):
+        with _one_torch_thread(), contextlib.redirect_stdout(printed):
             code = main(["sweep", *args])
     finally:
-        torch.set_num_threads(threads)
         root.handlers[:] = handlers
         root.setLevel(level)
     assert code == 0, printed.getvalue()[-3000:]

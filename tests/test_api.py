@@ -4,13 +4,12 @@ standalone ``Adapter`` around a model, on the real default model and digits imag
 from __future__ import annotations
 
 import copy
-import dataclasses
 import json
 
 import numpy as np
 import pytest
 import torch
-from method_runs import cheap_overrides
+from method_runs import cheap_config, cheap_overrides
 
 import tta_bench
 from tta_bench.cli import main
@@ -137,7 +136,7 @@ def _runner_method(name: str, classifier, source_images, seed: int = 0):
     """The method as the runner builds it (with the adapter's cheap config): a copy of the
     classifier, seeded setup."""
     cls = registry("methods").get(name)
-    config = dataclasses.replace(cls.Config(), **cheap_overrides(cls))
+    config = cheap_config(cls)
     method = cls(copy.deepcopy(classifier), config)
     n = method.source_images_needed()
     if n:

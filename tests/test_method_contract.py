@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from method_runs import build_with_source, cheap_overrides
+from method_runs import build_with_source, cheap_config
 
 from tta_bench import catalog
 from tta_bench.method import GradientMethod, Method
@@ -21,18 +21,6 @@ METHODS = registry("methods").names()
 #: The families this plugin's methods belong to (``family:`` in a method's catalogue
 #: entry): the leaderboard page filters by them.
 FAMILIES = ("reference", "TENT family", "CLIP batch", "episodic", "online", "open-set")
-
-
-def _cheap_config(method_cls):
-    """The method's default config made cheap (``method_runs.cheap_overrides``)."""
-    import dataclasses
-
-    cfg = method_cls.Config()
-    return (
-        dataclasses.replace(cfg, **cheap_overrides(method_cls))
-        if dataclasses.is_dataclass(cfg)
-        else cfg
-    )
 
 
 def _digits_source(n: int, labels: bool = False):
@@ -48,7 +36,7 @@ def _digits_source(n: int, labels: bool = False):
 
 def _fresh(name: str, classifier) -> Method:
     method_cls = registry("methods").get(name)
-    return build_with_source(method_cls, classifier, _cheap_config(method_cls), _digits_source)
+    return build_with_source(method_cls, classifier, cheap_config(method_cls), _digits_source)
 
 
 @pytest.fixture(scope="module")

@@ -11,8 +11,8 @@ import shutil
 
 import pytest
 import torch
-from method_runs import build_with_source
-from test_method_contract import _cheap_config, _digits_source
+from method_runs import build_with_source, cheap_config
+from test_method_contract import _digits_source
 
 from tta_bench.cli import main
 from tta_bench.model import ZeroShotClassifier
@@ -188,7 +188,7 @@ def test_every_method_runs_under_a_sentence_head_or_declares_it_cannot(
         return
     check_method(name, method_cls, "cupl")
     classifier = _sentence_classifier(default_bundle, digits_stream, "cupl")
-    method = build_with_source(method_cls, classifier, _cheap_config(method_cls), _digits_source)
+    method = build_with_source(method_cls, classifier, cheap_config(method_cls), _digits_source)
     method.reseed(0)
     logits = method.step(test_images[0][:4])
     assert logits.shape == (4, len(digits_stream.classnames))

@@ -8,13 +8,12 @@ which tensors of the classifier it changes: the base parameters it declares trai
 value moves during ``setup()`` and two adaptation steps. Every other tensor is shared: each
 instance's method is built over a ``copy.deepcopy`` of the classifier whose memo maps every
 shared tensor to itself (every classifier copy shares the stateless tokenizer), then
-``setup()``. An instance
-therefore owns only its module structure, its copies of the adapted tensors, and the
-method's own state (adapters, router, optimiser, snapshot, caches); ``owned_bytes()``
-measures it. Shared tensors keep ``requires_grad=False``, so concurrent instances in
-different threads never write them: a method's ``reset()`` writes back only the buffers
-whose values moved, never a shared one, whose version counter a concurrent backward may
-have saved.
+``setup()``. An instance therefore owns only its module structure, its copies of the
+adapted tensors, and the method's own state (adapters, router, optimiser, snapshot,
+caches); ``owned_bytes()`` measures it. Shared tensors keep ``requires_grad=False``, so
+concurrent instances in different threads never write them: a method's ``reset()`` writes
+back only the buffers whose values moved, never a shared one, whose version counter a
+concurrent backward may have saved.
 
 ``setup()`` runs under a forked, seeded global RNG (the runner's seed
 ``stable_seed(method, "setup", seed)``; a lock serialises setups across threads, and the
