@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import subprocess
 import sys
@@ -173,6 +174,33 @@ def test_pass_counts_exclude_the_reference_forward(tmp_path):
         assert cell["reference_accuracy"] is not None
         assert cell["forward_passes_per_sample"] == 1.0
         assert cell["backward_passes_per_sample"] == 0.0
+
+
+@pytest.mark.parametrize("method", ["zeroshot", "tda"])
+def test_only_a_method_that_is_not_the_frozen_model_reruns_it_for_the_reference(tmp_path, method):
+    """The reference (the frozen model's predictions) costs a forward per batch, except for
+    the frozen model itself (``is_reference``): its own predictions are the reference, in
+    the cells and in the per-sample files alike."""
+    from method_runs import digits_c_spec
+
+    from tta_bench.run import samples
+    from tta_bench.run.runner import Evaluation
+
+    protocol = {"shifts": ["contrast"], "max_images": 48}
+    spec = digits_c_spec(method, [0], protocol, log_samples=samples.mode(True))
+    spec = dataclasses.replace(spec, reference=True)
+    out = tmp_path / "r.json"
+    ev = Evaluation(spec, out)
+    record = ev.run()
+    reran = ev.phase_seconds.get("reference", 0.0) > 0
+    assert reran == (method != "zeroshot"), ev.phase_seconds
+    cell = record["cells"][0]
+    table = samples.read_cell(samples.samples_dir(out), "contrast", cell["severity"], 0)
+    refs = samples.references(table)
+    assert refs is not None and len(refs) == cell["n"] == 48
+    if method == "zeroshot":
+        assert cell["reference_accuracy"] == cell["accuracy"]
+        assert (refs == table.column("prediction").to_numpy()).all()
 
 
 @pytest.mark.slow

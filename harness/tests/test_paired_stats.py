@@ -283,6 +283,27 @@ def _rewrite(path: Path, change) -> Path:
     return path
 
 
+def test_rows_pair_by_sample_in_any_order_and_a_sample_visited_twice_in_turn():
+    """Two runs' rows of one cell pair each sample with itself: in one stream order row by
+    row, in another order by dataset index, a sample the stream visits twice (``gradual``)
+    first visit with first visit; other samples are refused naming the cell."""
+
+    def rows(index, batch):
+        index = np.asarray(index)
+        return paired.CellRows(index, np.asarray(batch), index % 3, index % 5, None)
+
+    key = ("fog", 5, 0)
+    a = rows([5, 3, 5, 7], [0, 0, 1, 1])
+    oa, ob = paired._align(key, a, rows([5, 3, 5, 7], [0, 0, 1, 1]), "A vs B")
+    assert oa.tolist() == ob.tolist() == [0, 1, 2, 3]
+    oa, ob = paired._align(key, a, rows([3, 5, 7, 5], [0, 0, 1, 1]), "A vs B")
+    assert oa.tolist() == [0, 1, 2, 3] and ob.tolist() == [1, 0, 3, 2]
+    with pytest.raises(ValueError, match=r"cell \(fog, severity 5, seed 0\) holds other"):
+        paired._align(key, a, rows([5, 3, 6, 7], [0, 0, 1, 1]), "A vs B")
+    with pytest.raises(ValueError, match="1 samples have different batch numbers"):
+        paired._align(key, a, rows([5, 3, 5, 7], [0, 1, 1, 1]), "A vs B")
+
+
 def test_streams_that_differ_are_refused_naming_the_cell(runs, tmp_path):
     tent, zs = _copy(runs, tmp_path, "tent.json", "zs.json")
     key = results.cell_key(_load(zs)["cells"][0])

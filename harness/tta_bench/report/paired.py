@@ -172,14 +172,18 @@ def _align(key: CellKey, a: CellRows, b: CellRows, names: str) -> tuple[np.ndarr
     """Row orders of ``a`` (its stream order) and ``b`` that pair each sample of the cell
     with itself; a ``ValueError`` naming the cell when the two streams differ (samples,
     labels, batches)."""
-    oa, occ_a = _join_order(a.index)
-    ob, occ_b = _join_order(b.index)
     cell = f"cell ({key[0]}, severity {key[1]}, seed {key[2]})"
-    same = (
-        len(oa) == len(ob)
-        and np.array_equal(a.index[oa], b.index[ob])
-        and np.array_equal(occ_a, occ_b)
-    )
+    if np.array_equal(a.index, b.index):  # one stream order (the usual case): row i is row i
+        oa = ob = np.arange(len(a.index))
+        same = True
+    else:
+        oa, occ_a = _join_order(a.index)
+        ob, occ_b = _join_order(b.index)
+        same = (
+            len(oa) == len(ob)
+            and np.array_equal(a.index[oa], b.index[ob])
+            and np.array_equal(occ_a, occ_b)
+        )
     if not same:
         raise ValueError(
             f"{names}: {cell} holds other samples in the two runs ({len(oa)} vs {len(ob)} "

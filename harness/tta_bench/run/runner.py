@@ -344,7 +344,9 @@ class Evaluation:
                 if state.diverged is not None:  # later batches: the state is lost from here
                     state.diverged_at = batch.number
             ref = None
-            if state.diverged is None and (spec.reference or self._log is not None):
+            if state.diverged is None and self.method_cls.is_reference:
+                ref = logits.argmax(dim=1)  # the frozen model is its own reference: no rerun
+            elif state.diverged is None and (spec.reference or self._log is not None):
                 with meter.phase("reference"), torch.no_grad():
                     ref = state.base.logits_from_features(x) if replay else state.base(x)
                     ref = ref.argmax(dim=1)

@@ -259,7 +259,9 @@ def open_cell(folder: Path, shift: str, severity: int, seed: int) -> CellFile:
         raise ValueError(f"no per-sample file {str(path)!r} for cell ({shift}, {severity}, {seed})")
     try:
         raw = path.read_bytes()
-        return CellFile(path, pq.read_table(pa.BufferReader(raw)), data_digest(raw))
+        # ParquetFile.read: the same table as read_table (schema metadata included) at a
+        # third of its cost on a small file, which skips the dataset layer's set-up
+        return CellFile(path, pq.ParquetFile(pa.BufferReader(raw)).read(), data_digest(raw))
     except Exception as exc:  # pyarrow's own errors (truncated or not Parquet)
         raise ValueError(f"{path}: not a readable per-sample Parquet file ({exc})") from exc
 
