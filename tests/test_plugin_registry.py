@@ -34,6 +34,15 @@ CATALOGUES = {
 
 
 @pytest.mark.parametrize("dist", sorted(CATALOGUES))
+def test_the_catalogue_loader_reads_what_pyyamls_own_safe_loader_reads(dist):
+    """The catalogue is parsed with libyaml's safe loader where PyYAML has it (ten times
+    faster on the plugin's); it must build exactly the data of the pure-Python one."""
+    assert catalog.SAFE_LOADER is getattr(yaml, "CSafeLoader", yaml.SafeLoader)
+    text = CATALOGUES[dist].read_text(encoding="utf-8")
+    assert yaml.load(text, Loader=catalog.SAFE_LOADER) == yaml.load(text, Loader=yaml.SafeLoader)
+
+
+@pytest.mark.parametrize("dist", sorted(CATALOGUES))
 @pytest.mark.parametrize("kind", KINDS)
 def test_entry_points_and_catalogue_list_the_same_names(kind, dist):
     """Each distribution's entry points and its own registry.yaml name the same things."""
