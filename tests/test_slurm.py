@@ -8,6 +8,7 @@ neither is possible every test here is skipped with the reason."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -15,6 +16,7 @@ import shutil
 import subprocess
 import sys
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -88,24 +90,23 @@ def cluster(tmp_path_factory):
         subprocess.run(["bash", str(SCRIPT), "stop", str(folder)], timeout=60)
 
 
-def _cli_start(env: dict[str, str], *args: str) -> subprocess.Popen:
-    """``tta-bench ARGS`` started in a new interpreter on one thread; ``_cli_done`` waits for
-    it. The tests run their local reference meanwhile: the command mostly waits for the
-    scheduler and its tasks."""
+@contextlib.contextmanager
+def _cli_meanwhile(env: dict[str, str], *args: str, timeout: int = 300) -> Iterator[None]:
+    """``tta-bench ARGS`` in a new interpreter on one thread while the body runs (the test's
+    local reference: the command mostly waits on the scheduler and its tasks); then waits
+    for it and asserts that it succeeded. An error in the body kills it."""
     env = {**env, "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "tta_bench.cli", *args]
-    return subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)  # fmt: skip
-
-
-def _cli_done(proc: subprocess.Popen, timeout: int = 300) -> str:
     try:
+        yield
         out, _ = proc.communicate(timeout=timeout)
     finally:
         if proc.poll() is None:
             proc.kill()
+            proc.communicate()
     assert proc.returncode == 0, out[-6000:]
-    return out
 
 
 def _scores(record: dict) -> list[dict]:
@@ -134,10 +135,9 @@ def _job_logs(sweep_dir: Path) -> str:
 def test_an_array_sweep_ranks_as_the_same_sweep_run_locally(cluster, tmp_path):
     grid = ["method=zeroshot,tda,tent", "seeds=[0,1]", *SMALL]
     on = tmp_path / "slurm"
-    submitted = _cli_start(cluster, "sweep", "--dir", str(on), *grid, *ON_SLURM)
     here = tmp_path / "local"
-    sweep_on_one_thread("--dir", str(here), *grid)  # Hydra's basic launcher, in this process
-    _cli_done(submitted)
+    with _cli_meanwhile(cluster, "sweep", "--dir", str(on), *grid, *ON_SLURM):
+        sweep_on_one_thread("--dir", str(here), *grid)  # Hydra's basic launcher, in process
     # one array: tent's 2 jobs alone, zeroshot's and tda's 4 light jobs packed into 1 task
     tasks = _array_tasks(on)
     arrays = {t.split("_")[0] for t in tasks}
@@ -247,11 +247,10 @@ def test_one_episodic_cell_split_over_two_array_tasks_equals_the_whole(cluster, 
     sweep_dir = tmp_path / "sweep"
     # two parts, run side by side on the test cluster's two CPUs (any count merges alike:
     # harness/tests/test_derived_integrity.py checks the layouts in process)
-    submitted = _cli_start(cluster, "sweep", "--dir", str(sweep_dir), "--shards", "2", *grid,
-                           *ON_SLURM)  # fmt: skip
     whole = tmp_path / "whole.json"
-    run_on_one_thread(*grid, "progress=false", "--quiet", "--output", str(whole))
-    _cli_done(submitted)
+    with _cli_meanwhile(cluster, "sweep", "--dir", str(sweep_dir), "--shards", "2", *grid,
+                        *ON_SLURM):  # fmt: skip
+        run_on_one_thread(*grid, "progress=false", "--quiet", "--output", str(whole))
     assert len(_array_tasks(sweep_dir)) == 2
     parts = sorted((sweep_dir / "runs").glob("*_shard*of2.json"))
     assert len(parts) == 2 and all(results.load_results(p)["shard"]["count"] == 2 for p in parts)
