@@ -6,13 +6,12 @@
   sandbox machines): the suite starts dozens of interpreters (CLI runs, sweeps, SLURM
   tasks) and each pytest-xdist worker rewrites every test module's asserts; without
   ``__pycache__`` (git-ignored) each of them compiles the harness, the plugin and the tests
-  again (about 14 s of a worker's 29 s collection on 2026-12-07).
+  again.
 * The interpreters the tests start wait for work without spinning
   (``OMP_WAIT_POLICY=PASSIVE`` unless set): a torch process on two threads beside a busy
-  pytest-xdist worker otherwise spins its idle OpenMP thread on the core the worker needs
-  (2026-12-07, a 2-thread zero-shot run of the default suite beside a busy core: 25-29
-  CPU-seconds with OpenMP's default policy, 15-16 with passive waits; on idle cores 14-17 s
-  of wall time either way). It changes how threads wait, never what they compute.
+  pytest-xdist worker otherwise spins its idle OpenMP thread on the core the worker needs.
+  It changes how threads wait, never what they compute.
+* The figures behind both: docs/speed.md, "What falls short", the test suite.
 * Tests marked ``slow`` (end-to-end runs in subprocesses, the SLURM cluster) are collected
   first. pytest-xdist's ``worksteal`` mode hands the first part of the list to one worker
   and lets idle workers take the tail of a busy one's queue, so the long tests start at

@@ -35,8 +35,8 @@ CATALOGUES = {
 
 @pytest.mark.parametrize("dist", sorted(CATALOGUES))
 def test_the_catalogue_loader_reads_what_pyyamls_own_safe_loader_reads(dist):
-    """The catalogue is parsed with libyaml's safe loader where PyYAML has it (ten times
-    faster on the plugin's); it must build exactly the data of the pure-Python one."""
+    """The catalogue is parsed with libyaml's safe loader where PyYAML has it (faster);
+    it must build exactly the data of the pure-Python one."""
     assert catalog.SAFE_LOADER is getattr(yaml, "CSafeLoader", yaml.SafeLoader)
     text = CATALOGUES[dist].read_text(encoding="utf-8")
     assert yaml.load(text, Loader=catalog.SAFE_LOADER) == yaml.load(text, Loader=yaml.SafeLoader)

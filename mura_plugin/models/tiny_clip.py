@@ -91,8 +91,8 @@ class TinyClipRecipe:
 @functools.cache
 def tokenizer():
     """open_clip's tokenizer at the tiny model's context length. It is stateless (its cache
-    memoises a pure function), so one per process serves every bundle built: building its
-    BPE tables takes about 0.2 s, which each model build used to pay."""
+    memoises a pure function), so one per process serves every bundle built instead of a
+    build of its BPE tables per model build."""
     from open_clip.tokenizer import SimpleTokenizer
 
     return SimpleTokenizer(context_length=CONTEXT_LENGTH)
