@@ -2,15 +2,32 @@
 interpreter that must succeed; ``serve_cli``, ``tta-bench serve`` in a subprocess with the
 address its first line announces; and what they share for not starting one:
 ``run_on_one_thread`` and ``sweep_on_one_thread``, ``tta-bench run`` and ``tta-bench
-sweep`` (Hydra's basic launcher) in this process as a one-CPU job would run them."""
+sweep`` (Hydra's basic launcher) in this process as a one-CPU job would run them; and
+``collections_of_new_objects_only``, for code that calls ``gc.collect()`` inside a test
+process."""
 
 from __future__ import annotations
 
 import contextlib
+import gc
 import re
 import subprocess
 import sys
 from collections.abc import Iterator
+
+
+@contextlib.contextmanager
+def collections_of_new_objects_only() -> Iterator[None]:
+    """Inside, the garbage collector leaves alone every object that existed before
+    (``gc.freeze``): code that frees each model with ``gc.collect()`` (the GPU check's
+    methods, the model families) then scans what it made, not the whole heap of a pytest
+    worker (torch, every collected test) at each call. What is collected inside, and
+    when, is otherwise unchanged; the older objects are scanned again after it."""
+    gc.freeze()
+    try:
+        yield
+    finally:
+        gc.unfreeze()
 
 
 @contextlib.contextmanager

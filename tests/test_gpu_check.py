@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from processes import collections_of_new_objects_only
 
 SCRIPT = Path(__file__).resolve().parents[1] / "benchmarks" / "gpu_check.py"
 
@@ -32,9 +33,10 @@ def test_cpu_smoke_runs_every_check_and_every_method(gpu_check, tmp_path, capsys
 
     out = tmp_path / "report.json"
     shifts = "gaussian_noise,shot_noise,jpeg_compression,snow,zoom_blur"
-    code = gpu_check.main(
-        ["--device", "cpu", "--quick", "--tiny", "--shifts", shifts, "--out", str(out)]
-    )
+    with collections_of_new_objects_only():  # it collects after every method
+        code = gpu_check.main(
+            ["--device", "cpu", "--quick", "--tiny", "--shifts", shifts, "--out", str(out)]
+        )
     printed = capsys.readouterr().out
     report = json.loads(out.read_text())
     assert code == 0, json.dumps(report["checks"], indent=1)[:4000]

@@ -18,6 +18,7 @@ import warnings
 
 import pytest
 import torch
+from processes import collections_of_new_objects_only
 
 from mura_plugin.models.openclip import check_args, openclip
 from tta_bench.model import ModelBundle, Preprocess, ZeroShotClassifier
@@ -88,6 +89,14 @@ def _siglip_bundle(arch: str) -> ModelBundle:
             weights="random-init",
         )
     return openclip(arch=arch, image_size=SIZE, allow_random=True)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _collections_of_this_module():
+    """The models each test frees (``gc.collect()``) are collected; the rest of the worker's
+    heap is not scanned again at each of those calls."""
+    with collections_of_new_objects_only():
+        yield
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -9,8 +9,11 @@ which are put on the search path. Overrides use Hydra's grammar
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import functools
 import inspect
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -186,12 +189,36 @@ def _register(method_names: list[str], model_names: list[str]) -> None:
     from hydra.core.config_store import ConfigStore
 
     cs = ConfigStore.instance()
-    cs.store(name="tta_bench_run", node=run_config())
+    _store(cs, None, "tta_bench_run", run_config())
     for name in method_names:
-        cs.store(group="method", name=name, node=registry("methods").get(name).Config)
+        _store(cs, "method", name, registry("methods").get(name).Config)
     for name in model_names:
         factory = registry("models").get(name)
-        cs.store(group="model", name=name, node=factory_config(name, factory))
+        _store(cs, "model", name, _factory_config(name, factory))
+
+
+#: (group, name) -> (the node this module stored there, the ConfigNode Hydra made of it)
+_STORED: dict[tuple[str | None, str], tuple[Any, Any]] = {}
+
+
+def _store(cs: Any, group: str | None, name: str, node: Any) -> None:
+    """``cs.store(group=group, name=name, node=node)`` unless the store already holds what
+    this module stored there from an equal node: Hydra turns every node it stores into an
+    OmegaConf config (milliseconds per method), and each run composes once."""
+    key = (group, name)
+    held = cs.repo.get(group, {}) if group else cs.repo
+    if key in _STORED:
+        before, stored = _STORED[key]
+        if held.get(f"{name}.yaml") is stored and (before is node or before == node):
+            return
+    cs.store(group=group, name=name, node=node)
+    _STORED[key] = (node, (cs.repo.get(group, {}) if group else cs.repo).get(f"{name}.yaml"))
+
+
+@functools.cache
+def _factory_config(name: str, factory: Any) -> type:
+    """``factory_config``, one dataclass per registered factory (what ``_store`` compares)."""
+    return factory_config(name, factory)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -275,10 +302,9 @@ def compose(overrides: list[str], method: str, model: str, preset: str | None = 
     """Compose the run config for ``method`` (with its ``preset``, when given) and
     ``model`` (both already validated)."""
     from hydra import compose as hydra_compose
-    from hydra import initialize
 
     _register([method], [model])
-    with initialize(config_path=None, version_base="1.3"):
+    with _hydra_without_config_dir():
         cfg = hydra_compose(
             config_name="tta_bench_run",
             overrides=[
@@ -289,6 +315,30 @@ def compose(overrides: list[str], method: str, model: str, preset: str | None = 
             ],
         )
     return cfg
+
+
+@contextlib.contextmanager
+def _hydra_without_config_dir() -> Iterator[None]:
+    """What ``hydra.initialize(config_path=None, version_base="1.3")`` sets up when called
+    from this module: Hydra's own configs, the search-path plugins' and the structured
+    ones, and no primary config directory; restored on exit. ``initialize`` reads the
+    whole call stack (``inspect.stack()``, every frame's source) only to find its caller's
+    file, whose directory it then does not use (``config_path=None``); that read grows with
+    the stack and the modules loaded (tests: ``harness/tests/test_config_compose.py``)."""
+    from hydra import version
+    from hydra._internal.hydra import Hydra
+    from hydra._internal.utils import create_config_search_path
+    from hydra.initialize import get_gh_backup, restore_gh_from_backup
+
+    backup = get_gh_backup()
+    version.setbase("1.3")
+    try:
+        Hydra.create_main_hydra2(
+            task_name="config", config_search_path=create_config_search_path(None)
+        )
+        yield
+    finally:
+        restore_gh_from_backup(backup)
 
 
 def method_config(cfg: DictConfig) -> Any:
