@@ -54,6 +54,25 @@ def test_the_default_model_is_the_shipped_file_and_records_its_hash(default_bund
     assert SHIPPED_WEIGHTS.stat().st_size < 8 << 20  # a few MB, not the 12 MB fp32 table
 
 
+def test_each_default_model_is_its_own_copy_of_the_shipped_values():
+    """The file is loaded once per process; each bundle gets tensors of its own with the
+    file's values, so a change to one model reaches no other."""
+    first, second = tiny_clip.tiny_clip_digits(), tiny_clip.tiny_clip_digits()
+    fresh, _ = tiny_clip.load_shipped(SHIPPED_WEIGHTS)
+    a, b, want = (m.state_dict() for m in (first.clip, second.clip, fresh))
+    assert list(a) == list(want) == list(b)
+    for key, value in want.items():
+        assert torch.equal(a[key], value) and torch.equal(b[key], value), key
+        assert a[key].data_ptr() != b[key].data_ptr(), key
+    assert not first.clip.training
+    flags = [p.requires_grad for p in fresh.parameters()]
+    assert [p.requires_grad for p in first.clip.parameters()] == flags
+    with torch.no_grad():
+        first.clip.token_embedding.weight.add_(1.0)
+    third = tiny_clip.tiny_clip_digits()
+    assert torch.equal(third.clip.token_embedding.weight, want["token_embedding.weight"])
+
+
 def test_loading_the_default_model_never_pretrains(monkeypatch):
     def refuse(*_a, **_k):
         raise AssertionError("the default model must load, not train")
