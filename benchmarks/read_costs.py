@@ -1,16 +1,22 @@
-"""What reading the shipped metadata and the committed per-sample files costs, with the reader
-the harness uses against the one it replaced:
+"""What reading the shipped metadata, data, weights and the committed per-sample files costs,
+with the reader the harness and the plugin use against the one they replaced:
 
 * **catalogue**: parsing the plugin's ``registry.yaml`` (every process that lists, resolves
   or runs anything reads it) with ``tta_bench.catalog.SAFE_LOADER`` (libyaml's safe loader
   where PyYAML has it) against PyYAML's pure-Python ``SafeLoader``;
 * **per-sample file**: one committed cell file of ``results/digits-c`` (bytes already in
   memory) read as ``tta_bench.run.samples.open_cell`` reads it, ``pq.ParquetFile(...).read()``,
-  against ``pq.read_table``, averaged over the first ``--files`` files.
+  against ``pq.read_table``, averaged over the first ``--files`` files;
+* **default dataset**: the digits test split's stream (``mura_plugin.datasets.digits``), its
+  HF dataset built once per process, against building it at every call (every image
+  encoded as PNG);
+* **default model**: the ``tiny-clip-digits`` bundle, a deep copy of the model loaded once
+  per process, against loading the shipped file into a newly built model at every call.
 
 Each measurement alternates the two readers ``--repeats`` times and prints the median and
 range of each and the ratio of the medians. Both readers are first checked to give the same
-data (the same dict; tables equal with their schema metadata).
+data (the same dict; tables equal with their schema metadata; the same images and labels;
+the same tensors).
 
 Usage::
 
@@ -27,10 +33,14 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
+import torch
 import yaml
 
+from mura_plugin.datasets import digits as dg
+from mura_plugin.models import tiny_clip
 from tta_bench import catalog
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -65,6 +75,24 @@ def main(argv: list[str] | None = None) -> int:
         new, old = pq.ParquetFile(pa.BufferReader(r)).read(), pq.read_table(pa.BufferReader(r))
         assert new.equals(old, check_metadata=True)
 
+    names = tuple(dg.digits(split="test").classnames)
+
+    def digits_each_call():  # what a call built before: the split's dataset, every time
+        return dg._dataset.__wrapped__("test", None, names)
+
+    def model_each_call():  # what a call did before: a new model, the file loaded into it
+        model, recipe = tiny_clip.load_shipped(tiny_clip.SHIPPED_WEIGHTS)
+        tokenizer = tiny_clip.ShippedTokenizer(set(tiny_clip.trained_token_ids()))
+        return model, recipe, tokenizer, tiny_clip.file_sha256(tiny_clip.SHIPPED_WEIGHTS)
+
+    new_ds, old_ds = dg.digits(split="test").dataset, digits_each_call()
+    assert new_ds["label"] == old_ds["label"]
+    assert all(np.array_equal(np.asarray(new_ds[i]["image"]), np.asarray(old_ds[i]["image"]))
+               for i in range(0, len(new_ds), 37))  # fmt: skip
+    new_sd = tiny_clip.tiny_clip_digits().clip.state_dict()
+    old_sd = model_each_call()[0].state_dict()
+    assert all(torch.equal(new_sd[k], v) for k, v in old_sd.items())
+
     pairs = {
         "catalogue (registry.yaml)": (
             lambda: yaml.load(text, Loader=catalog.SAFE_LOADER),
@@ -77,6 +105,20 @@ def main(argv: list[str] | None = None) -> int:
             lambda: [pq.ParquetFile(pa.BufferReader(r)).read() for r in raw],
             lambda: [pq.read_table(pa.BufferReader(r)) for r in raw],
             1.0 / len(raw),
+            1e3,
+            "ms",
+        ),
+        "digits test stream": (
+            lambda: dg.digits(split="test"),
+            digits_each_call,
+            1.0,
+            1e3,
+            "ms",
+        ),
+        "default model (tiny-clip-digits)": (
+            tiny_clip.tiny_clip_digits,
+            model_each_call,
+            1.0,
             1e3,
             "ms",
         ),
