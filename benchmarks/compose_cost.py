@@ -56,10 +56,8 @@ def _replaced(overrides: list[str], method: str, model: str) -> Any:
     cs.store(group="model", name=model, node=config.factory_config(model, factory))
     with initialize(config_path=None, version_base="1.3"):
         return hydra_compose(
-            config_name="tta_bench_run",
-            overrides=[*config._search_path_overrides(), *overrides, f"method={method}",
-                       f"model={model}"],
-        )  # fmt: skip
+            config_name="tta_bench_run", overrides=config.hydra_overrides(overrides, method, model)
+        )
 
 
 def _fmt(values: list[float]) -> str:

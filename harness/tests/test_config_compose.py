@@ -27,10 +27,8 @@ def _with_initialize(overrides: list[str], method: str, model: str):
     config._register([method], [model])
     with initialize(config_path=None, version_base="1.3"):
         return hydra_compose(
-            config_name="tta_bench_run",
-            overrides=[*config._search_path_overrides(), *overrides, f"method={method}",
-                       f"model={model}"],
-        )  # fmt: skip
+            config_name="tta_bench_run", overrides=config.hydra_overrides(overrides, method, model)
+        )
 
 
 @pytest.mark.parametrize(("overrides", "method", "model"), CASES)

@@ -39,9 +39,9 @@ _INCLUDE_STATE = [""]
 _EXTRA: list[dict[str, Any]] = []
 
 
-#: libyaml's safe loader where PyYAML was built with it: the plugin's catalogue (120 kB),
-#: which every process that resolves anything reads, parses about ten times faster
-#: (docs/speed.md; benchmarks/read_costs.py); both loaders build the same data from it
+#: libyaml's safe loader where PyYAML was built with it: the plugin's catalogue, which
+#: every process that resolves anything reads, parses faster (docs/speed.md;
+#: benchmarks/read_costs.py); both loaders build the same data from it
 #: (tests/test_plugin_registry.py).
 SAFE_LOADER: Any = getattr(yaml, "CSafeLoader", yaml.SafeLoader)
 

@@ -155,8 +155,10 @@ def _simple_type(default: Any) -> Any:
     return Any
 
 
+@functools.cache
 def factory_config(name: str, factory: Any) -> type:
-    """A dataclass of a factory's keyword-only parameters (those with defaults)."""
+    """A dataclass of a factory's keyword-only parameters (those with defaults), one per
+    registered factory (``_store`` compares it with what it stored)."""
     specs = []
     for p in inspect.signature(factory).parameters.values():
         if p.kind != p.KEYWORD_ONLY or p.name.startswith("_"):
@@ -194,7 +196,7 @@ def _register(method_names: list[str], model_names: list[str]) -> None:
         _store(cs, "method", name, registry("methods").get(name).Config)
     for name in model_names:
         factory = registry("models").get(name)
-        _store(cs, "model", name, _factory_config(name, factory))
+        _store(cs, "model", name, factory_config(name, factory))
 
 
 #: (group, name) -> (the node this module stored there, the ConfigNode Hydra made of it)
@@ -202,23 +204,18 @@ _STORED: dict[tuple[str | None, str], tuple[Any, Any]] = {}
 
 
 def _store(cs: Any, group: str | None, name: str, node: Any) -> None:
-    """``cs.store(group=group, name=name, node=node)`` unless the store already holds what
+    """``cs.store(group=group, name=name, node=node)`` unless the store still holds what
     this module stored there from an equal node: Hydra turns every node it stores into an
-    OmegaConf config (milliseconds per method), and each run composes once."""
-    key = (group, name)
-    held = cs.repo.get(group, {}) if group else cs.repo
-    if key in _STORED:
-        before, stored = _STORED[key]
-        if held.get(f"{name}.yaml") is stored and (before is node or before == node):
-            return
+    OmegaConf config, and each run composes once."""
+
+    def held() -> Any:
+        return (cs.repo.get(group, {}) if group else cs.repo).get(f"{name}.yaml")
+
+    before = _STORED.get((group, name))
+    if before is not None and held() is before[1] and (before[0] is node or before[0] == node):
+        return
     cs.store(group=group, name=name, node=node)
-    _STORED[key] = (node, (cs.repo.get(group, {}) if group else cs.repo).get(f"{name}.yaml"))
-
-
-@functools.cache
-def _factory_config(name: str, factory: Any) -> type:
-    """``factory_config``, one dataclass per registered factory (what ``_store`` compares)."""
-    return factory_config(name, factory)
+    _STORED[(group, name)] = (node, held())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -307,14 +304,17 @@ def compose(overrides: list[str], method: str, model: str, preset: str | None = 
     with _hydra_without_config_dir():
         cfg = hydra_compose(
             config_name="tta_bench_run",
-            overrides=[
-                *_search_path_overrides(),
-                *overrides,
-                f"method={preset or method}",
-                f"model={model}",
-            ],
+            overrides=hydra_overrides(overrides, method, model, preset),
         )
     return cfg
+
+
+def hydra_overrides(
+    overrides: list[str], method: str, model: str, preset: str | None = None
+) -> list[str]:
+    """The overrides ``compose`` hands Hydra: the plugins' config packages on the search
+    path, the run's own overrides, then the method (or its preset) and the model."""
+    return [*_search_path_overrides(), *overrides, f"method={preset or method}", f"model={model}"]
 
 
 @contextlib.contextmanager

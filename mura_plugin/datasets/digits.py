@@ -85,10 +85,10 @@ def _check_classes(classes: Sequence[int] | None) -> list[int] | None:
 @lru_cache(maxsize=8)
 def _dataset(split: str, chosen: tuple[int, ...] | None, classnames: tuple[str, ...]) -> Any:
     """The HF ``datasets.Dataset`` of a split (of the ``chosen`` digits, relabelled), built
-    once per process: building it encodes every image as PNG (0.1 to 0.3 s a split), and
-    every run, adapter and test of the default suite asks for it. The callers share it: what
-    the harness does with a stream's dataset (``select``, ``cast_column``, ``with_format``)
-    returns new ones and leaves it as it is."""
+    once per process: building it encodes every image as PNG, and the runs, adapters and
+    tests of the default suite ask for it again and again (docs/speed.md). The callers
+    share it: what the harness does with a stream's dataset (``select``, ``cast_column``,
+    ``with_format``) returns new ones and leaves it as it is."""
     import datasets
 
     images, labels = digits_arrays(split)

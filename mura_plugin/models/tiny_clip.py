@@ -297,9 +297,9 @@ def tiny_clip_digits() -> ModelBundle:
 def _shipped_model(path: str, sha256: str) -> tuple[torch.nn.Module, TinyClipRecipe]:
     """``load_shipped(path)`` once per process and file contents (``sha256``: a file
     rewritten in place is loaded again). Building the model draws a random initialisation
-    of every tensor before the file's values replace it (most of a load's 70 to 100 ms,
-    for the 49,408-row token table); every run, adapter and test builds the default model,
-    and each gets a deep copy of this one, the same values in tensors of its own."""
+    of every tensor (the 49,408-row token table most) before the file's values replace it,
+    most of a load's time (docs/speed.md); each bundle gets a deep copy of this one, the
+    same values in tensors of its own."""
     del sha256  # the cache key
     return load_shipped(path)
 
