@@ -190,20 +190,50 @@ def _release_when_requeued(env: dict[str, str], job: str) -> None:
     subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env, check=True)
 
 
-#: MuRA's cells of 60 images take about 1.5 s each here: long enough that a requeued task
-#: is killed (SIGTERM, which submitit ignores, then SIGKILL after the test cluster's
+#: The harness's own test plugin (``harness/tests/plugin``, found through ``PYTHONPATH``):
+#: its ``sleepy`` method is its frozen tiny classifier with a sleep per batch. The
+#: preemption test needs cells long enough to be interrupted; with a real method a cell
+#: lasts as long as its arithmetic, which the test would pay for three times (the
+#: interrupted tasks and the reference run), while requeueing and resuming are the same
+#: whatever the method computes.
+TEST_PLUGIN = ROOT / "harness" / "tests" / "plugin"
+TEST_PLUGINS = "tta-bench,tta-bench-testplugin"
+#: 6 cells (2 shifts x 3 severities) of 4 batches: 1.6 s of sleep a cell, so a requeued
+#: task is killed (SIGTERM, which submitit ignores, then SIGKILL after the test cluster's
 #: KillWait of 2 s) before it could finish its remaining cells.
-SHIFTS = ("contrast", "fog", "brightness", "snow", "frost", "pixelate")
+SLEEPY = ["method=sleepy", "seeds=[0]", "protocol.severities=[1,2,3]"]
+SLEEP = "method.seconds=0.4"
+
+
+@contextlib.contextmanager
+def _test_plugin_here(cache: Path) -> Iterator[None]:
+    """This process on the test plugin alone (as ``harness/tests/conftest.py`` sets up the
+    harness's tests), its cache under ``cache``; everything restored after."""
+    from tta_bench.registry import reset_registries
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(TEST_PLUGIN))
+        mp.setenv("TTA_BENCH_PLUGINS", TEST_PLUGINS)
+        mp.setenv("TTA_BENCH_CACHE", str(cache))
+        reset_registries()
+        try:
+            yield
+        finally:
+            mp.undo()
+            reset_registries()
 
 
 def test_a_preempted_and_a_requeued_task_lose_nothing(cluster, tmp_path):
-    grid = ["method=mura", "seeds=[0]", f"protocol.shifts=[{','.join(SHIFTS)}]",
-            "protocol.max_images=60", "protocol.batch_size=30"]  # fmt: skip
-    total = len(SHIFTS)
+    total = 6
     sweep_dir = tmp_path / "sweep"
-    env = {**cluster, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "tta_bench.cli", "sweep", "--dir", str(sweep_dir), *grid,
-           *ON_SLURM]  # fmt: skip
+    path = os.pathsep.join(p for p in (str(TEST_PLUGIN), cluster.get("PYTHONPATH")) if p)
+    env = {
+        **cluster,
+        **{"OMP_NUM_THREADS": "1", "PYTHONPATH": path, "TTA_BENCH_PLUGINS": TEST_PLUGINS},
+        "TTA_BENCH_CACHE": str(tmp_path / "cache"),
+    }
+    cmd = [sys.executable, "-m", "tta_bench.cli", "sweep", "--dir", str(sweep_dir), *SLEEPY,
+           SLEEP, *ON_SLURM]  # fmt: skip
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)  # fmt: skip
     interrupted_at = []
@@ -233,10 +263,12 @@ def test_a_preempted_and_a_requeued_task_lose_nothing(cluster, tmp_path):
     skipped = [int(s) for s in re.findall(r"\((\d+) skipped as finished\)", logs)]
     assert skipped and skipped[-1] >= interrupted_at[-1] >= 1, (skipped, interrupted_at)
     merged = results.load_results(next(sweep_dir.glob("*.json")))
-    assert len(merged["cells"]) == total
-    # the same run, uninterrupted, on this machine
+    assert merged["method"] == "sleepy" and len(merged["cells"]) == total
+    # the same run, uninterrupted, in this process (no sleep: it computes the same cells)
     alone = tmp_path / "alone.json"
-    run_on_one_thread(*grid, "progress=false", "--quiet", "--output", str(alone))
+    with _test_plugin_here(tmp_path / "cache"):
+        run_on_one_thread(*SLEEPY, "method.seconds=0", "progress=false", "--quiet",
+                          "--output", str(alone))  # fmt: skip
     assert _scores(merged) == _scores(results.load_results(alone))
 
 

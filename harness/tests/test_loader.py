@@ -131,3 +131,39 @@ def test_a_failed_run_leaves_no_loader_worker_behind(tmp_path):
             dataset_args={"split": "test", "per_class": 3, "corrupt": [4]},
         )
     assert multiprocessing.active_children() == [], "a loader worker outlived the failed run"
+
+
+class _SignalsSeen:
+    """One item per batch: what the process reading it does on SIGUSR2 and SIGINT."""
+
+    def __len__(self) -> int:
+        return 2
+
+    def __getitem__(self, k: int) -> dict:
+        import os
+        import signal
+
+        usr2, sigint = signal.getsignal(signal.SIGUSR2), signal.getsignal(signal.SIGINT)
+        return {"pid": os.getpid(), "usr2": getattr(usr2, "name", str(usr2)), "int": sigint}
+
+
+def test_a_worker_leaves_the_signals_handled_in_python_to_the_main_process():
+    """A scheduler signals every process of a job: SLURM's preemption signal (SIGUSR2, which
+    submitit handles in Python) ran submitit's checkpoint in a forked loader worker too,
+    over the main process's temporary file. A worker ignores what the main process
+    handles; Python's Ctrl-C handler stays."""
+    import os
+    import signal
+
+    def preempted(signum, frame):  # stands in for submitit's handler
+        raise AssertionError("a worker ran the main process's handler")
+
+    previous = signal.signal(signal.SIGUSR2, preempted)
+    try:
+        items = list(make_loader(_SignalsSeen(), LoaderSettings(1, False, 2, False), seed=0))
+        assert signal.getsignal(signal.SIGUSR2) is preempted  # the main process's, kept
+    finally:
+        signal.signal(signal.SIGUSR2, previous)
+    assert [item["pid"] != os.getpid() for item in items] == [True, True]
+    assert [item["usr2"] for item in items] == ["SIG_IGN", "SIG_IGN"]
+    assert all(item["int"] is signal.default_int_handler for item in items)

@@ -18,6 +18,7 @@ from __future__ import annotations
 import functools
 import os
 import random
+import signal
 from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
@@ -159,10 +160,27 @@ class StreamBatches(torch.utils.data.Dataset):
 
 
 def _worker_init(seed: int, worker_id: int) -> None:
+    _leave_signals_to_the_main_process()
     s = stable_seed("loader-worker", seed, worker_id)
     torch.manual_seed(s)
     np.random.seed(s % 2**32)
     random.seed(s)
+
+
+def _leave_signals_to_the_main_process() -> None:
+    """In a worker, ignore every signal the main process handles in Python (a forked worker
+    inherits those handlers). A scheduler signals every process of a job: under SLURM,
+    submitit's preemption handler (SIGUSR2: checkpoint, requeue, exit) ran in the worker
+    too, checkpointed a second time over the main process's temporary file and failed the
+    task instead of requeueing it. The main process handles the signal; its workers end
+    with it. Ctrl-C (Python's own SIGINT handler) is left as it is."""
+    for sig in signal.valid_signals():
+        try:
+            handler = signal.getsignal(sig)
+        except (OSError, ValueError):
+            continue
+        if callable(handler) and handler is not signal.default_int_handler:
+            signal.signal(sig, signal.SIG_IGN)
 
 
 def _identity(item: Any) -> Any:
