@@ -5,8 +5,6 @@ different runs, missing or repeated parts, and online protocols are refused."""
 from __future__ import annotations
 
 import json
-import subprocess
-import sys
 
 import numpy as np
 import pytest
@@ -119,20 +117,19 @@ def test_the_merge_refuses_what_is_not_one_whole_run(mura_parts, tmp_path):
         shard.merge_parts([*parts[:3], cut])
 
 
-def test_the_command_merges_and_exits_2_on_a_refusal(mura_parts, tmp_path):
+def test_the_command_merges_and_exits_2_on_a_refusal(mura_parts, tmp_path, capsys):
+    from tta_bench.cli import main
+
     _, whole, parts = mura_parts
     out = tmp_path / "m.json"
-    cmd = [sys.executable, "-m", "tta_bench.cli", "merge", *map(str, parts), "--output"]
-    done = subprocess.run([*cmd, str(out)], capture_output=True, text=True, timeout=120)
-    assert done.returncode == 0, done.stderr
-    assert "merged 4 parts" in done.stdout
+    cmd = ["merge", *map(str, parts), "--output", str(out)]
+    assert main(cmd) == 0, capsys.readouterr().err
+    assert "merged 4 parts" in capsys.readouterr().out
     assert _scores(results.load_results(out)) == _scores(whole)
-    again = subprocess.run([*cmd, str(out)], capture_output=True, text=True, timeout=120)
-    assert again.returncode == 2 and "exists" in again.stderr
-    short = [sys.executable, "-m", "tta_bench.cli", "merge", *map(str, parts[:2]), "-o",
-             str(tmp_path / "x.json")]  # fmt: skip
-    refused = subprocess.run(short, capture_output=True, text=True, timeout=120)
-    assert refused.returncode == 2 and "missing part(s) 2/4, 3/4 of 4" in refused.stderr
+    assert main(cmd) == 2 and "exists" in capsys.readouterr().err
+    short = ["merge", *map(str, parts[:2]), "-o", str(tmp_path / "x.json")]
+    assert main(short) == 2
+    assert "missing part(s) 2/4, 3/4 of 4" in capsys.readouterr().err
     assert not (tmp_path / "x.json").exists()
 
 
