@@ -22,7 +22,9 @@ def collections_of_new_objects_only() -> Iterator[None]:
     (``gc.freeze``): code that frees each model with ``gc.collect()`` (the GPU check's
     methods, the model families) then scans what it made, not the whole heap of a pytest
     worker (torch, every collected test) at each call. What is collected inside, and
-    when, is otherwise unchanged; the older objects are scanned again after it."""
+    when, is otherwise unchanged; the older objects are scanned again after it. Import
+    what the code inside will import before entering: modules imported inside are new
+    objects too (open_clip with timm and torchvision: hundreds of thousands)."""
     gc.freeze()
     try:
         yield

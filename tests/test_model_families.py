@@ -94,7 +94,11 @@ def _siglip_bundle(arch: str) -> ModelBundle:
 @pytest.fixture(scope="module", autouse=True)
 def _collections_of_this_module():
     """The models each test frees (``gc.collect()``) are collected; the rest of the worker's
-    heap is not scanned again at each of those calls."""
+    heap is not scanned again at each of those calls. open_clip (with timm and torchvision)
+    is imported first: imported later, its hundreds of thousands of objects would be new
+    to every one of those collections."""
+    import open_clip  # noqa: F401
+
     with collections_of_new_objects_only():
         yield
 
