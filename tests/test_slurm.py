@@ -229,7 +229,9 @@ def test_a_preempted_and_a_requeued_task_lose_nothing(cluster, tmp_path):
     path = os.pathsep.join(p for p in (str(TEST_PLUGIN), cluster.get("PYTHONPATH")) if p)
     env = {
         **cluster,
-        **{"OMP_NUM_THREADS": "1", "PYTHONPATH": path, "TTA_BENCH_PLUGINS": TEST_PLUGINS},
+        "OMP_NUM_THREADS": "1",
+        "PYTHONPATH": path,
+        "TTA_BENCH_PLUGINS": TEST_PLUGINS,
         "TTA_BENCH_CACHE": str(tmp_path / "cache"),
     }
     cmd = [sys.executable, "-m", "tta_bench.cli", "sweep", "--dir", str(sweep_dir), *SLEEPY,
