@@ -14,7 +14,7 @@ import torch
 from method_runs import build_with_source, cheap_config
 
 from tta_bench import catalog
-from tta_bench.method import GradientMethod, Method
+from tta_bench.method import Method
 from tta_bench.registry import registry
 
 METHODS = registry("methods").names()
@@ -48,101 +48,65 @@ def batches(test_images):
 
 
 @pytest.mark.parametrize("name", METHODS)
-def test_reset_then_step_equals_a_fresh_instance(name, classifier, batches):
+def test_seeds_reset_predict_and_what_a_step_may_change(name, classifier, batches):
+    """The lifecycle of two instances built alike, each property checked where the
+    histories already reach it (one pair of set-ups and six steps instead of one set-up
+    per property):
+
+    * two fresh instances under one seed give the same logits, bit for bit;
+    * ``predict`` (the realtime track's batches while a method is busy) gives finite logits
+      of every class, the same twice under one seed (the runner seeds every batch), and
+      leaves the state as it was: the next step equals the step of a twin that never
+      predicted, whether the method has a ``predict`` of its own or not;
+    * a step changes the declared trainable parameters only;
+    * ``reset()`` returns to the state after ``setup()``: the next step equals a fresh
+      instance's;
+    * the source classifier is never touched."""
     x, other = batches
-    fresh = _fresh(name, classifier)
-    fresh.reseed(7)
-    expected = fresh.step(x)
-
-    used = _fresh(name, classifier)
-    for seed in (1, 2):
-        used.reseed(seed)
-        used.step(other)
-    used.reset()
-    used.reseed(7)
-    got = used.step(x)
-    assert got.shape == (x.shape[0], classifier.num_classes)
-    torch.testing.assert_close(got, expected, rtol=0, atol=1e-5)
-
-
-@pytest.mark.parametrize("name", METHODS)
-def test_only_declared_parameters_change(name, classifier, batches):
-    x, other = batches
-    method = _fresh(name, classifier)
-    declared = {id(p) for p in method.trainable_parameters()}
-    before = {k: v.detach().clone() for k, v in method.model.state_dict().items()}
-    declared_names = {k for k, p in method.model.named_parameters() if id(p) in declared}
-    for seed in (1, 2):
-        method.reseed(seed)
-        method.step(other if seed == 1 else x)
-    after = method.model.state_dict()
-    for key, value in before.items():
-        if key in declared_names:
-            continue
-        assert torch.equal(value, after[key]), f"{name} changed undeclared state {key}"
-
-
-@pytest.mark.parametrize("name", METHODS)
-def test_the_source_model_is_never_touched(name, classifier, batches):
-    x, _ = batches
-    before = {k: v.clone() for k, v in classifier.state_dict().items()}
-    method = _fresh(name, classifier)
-    method.reseed(0)
-    method.step(x)
-    for key, value in classifier.state_dict().items():
-        assert torch.equal(before[key], value), key
-
-
-@pytest.mark.parametrize("name", METHODS)
-def test_same_seed_same_logits(name, classifier, batches):
-    x, _ = batches
-    outs = []
-    for _ in range(2):
-        method = _fresh(name, classifier)
-        method.reseed(3)
-        outs.append(method.step(x))
-    torch.testing.assert_close(outs[0], outs[1], rtol=0, atol=0)
-
-
-#: The methods whose ``predict`` reads more than the model's forward: a cache, a memory,
-#: a prompt or a head of their own (``test_predict_reads_the_state_and_changes_nothing``).
-OWN_PREDICT = [
-    n for n in METHODS
-    if registry("methods").get(n).predict not in (Method.predict, GradientMethod.predict)
-]  # fmt: skip
-
-
-@pytest.mark.parametrize("name", METHODS)
-def test_predict_gives_every_class_the_same_under_one_seed(name, classifier, batches):
-    """``predict`` (the realtime track's batches while a method is busy) gives finite logits
-    of every class, the same twice under one seed (the runner seeds every batch)."""
-    x, other = batches
-    method = _fresh(name, classifier)
-    method.reseed(1)
-    method.step(other)
-    method.reseed(5)
-    first = method.predict(x)
-    method.reseed(5)
-    again = method.predict(x)
-    assert first.shape == (x.shape[0], classifier.num_classes)
-    assert torch.isfinite(first).all()
-    torch.testing.assert_close(first, again, rtol=0, atol=0)
-
-
-@pytest.mark.parametrize("name", OWN_PREDICT)
-def test_predict_reads_the_state_and_changes_nothing(name, classifier, batches):
-    """A method's own ``predict`` leaves its state as it was: the next step equals the step
-    of a twin that never predicted."""
-    x, other = batches
+    source_before = {k: v.clone() for k, v in classifier.state_dict().items()}
     twin, method = _fresh(name, classifier), _fresh(name, classifier)
+    declared = {id(p) for p in method.trainable_parameters()}
+    declared_names = {k for k, p in method.model.named_parameters() if id(p) in declared}
+    before = {k: v.detach().clone() for k, v in method.model.state_dict().items()}
+
+    steps = []
+    for m in (twin, method):
+        m.reseed(7)
+        steps.append(m.step(x))
+    first = steps[0]
+    assert first.shape == (x.shape[0], classifier.num_classes)
+    torch.testing.assert_close(
+        steps[1], first, rtol=0, atol=0, msg=lambda m: f"{name}, same seed: {m}"
+    )
     for m in (twin, method):
         m.reseed(1)
         m.step(other)
+
     method.reseed(5)
-    method.predict(x)
+    predicted = method.predict(x)
+    method.reseed(5)
+    again = method.predict(x)
+    assert predicted.shape == (x.shape[0], classifier.num_classes)
+    assert torch.isfinite(predicted).all()
+    torch.testing.assert_close(predicted, again, rtol=0, atol=0)
     for m in (twin, method):
         m.reseed(2)
-    torch.testing.assert_close(method.step(x), twin.step(x), rtol=0, atol=0)
+    torch.testing.assert_close(method.step(x), twin.step(x), rtol=0, atol=0,
+                               msg=lambda m: f"{name}, predict changed the state: {m}")  # fmt: skip
+
+    after = method.model.state_dict()
+    for key, value in before.items():
+        if key not in declared_names:
+            assert torch.equal(value, after[key]), f"{name} changed undeclared state {key}"
+
+    method.reset()
+    method.reseed(7)
+    again_fresh = method.step(x)
+    torch.testing.assert_close(
+        again_fresh, first, rtol=0, atol=1e-5, msg=lambda m: f"{name}, reset(): {m}"
+    )
+    for key, value in classifier.state_dict().items():
+        assert torch.equal(source_before[key], value), key
 
 
 FEATURE_PATHS = [
