@@ -151,12 +151,24 @@ def _runner_method(name: str, classifier, source_images, seed: int = 0):
 UPDATE_AFTER_64 = ("rotta", "sotta")
 
 
-@pytest.mark.parametrize("name", METHODS)
-def test_adapter_adapts_as_the_method_does(
-    name, default_bundle, classifier, shifted, source_images
-):
+@pytest.fixture(scope="module", params=METHODS)
+def built(request, default_bundle, source_images):
+    """``(name, backbone, user_state)`` for each method: the shared backbone of its cheap
+    adapter, probed once for the tests of that method (pytest runs them one after the other),
+    and the user's model state from before it was built. Each test makes its own fresh
+    ``Adapter`` over it, as ``spawn()`` and ``tta-bench serve``'s sessions do."""
+    user_state = {k: v.clone() for k, v in default_bundle.clip.state_dict().items()}
+    return (
+        request.param,
+        _adapter(request.param, default_bundle, source_images).backbone,
+        user_state,
+    )
+
+
+def test_adapter_adapts_as_the_method_does(built, classifier, shifted, source_images):
     x, other = shifted
-    adapter = _adapter(name, default_bundle, source_images)
+    name, backbone, _ = built
+    adapter = Adapter.from_backbone(backbone)
     method = _runner_method(name, classifier, source_images)
     for seed, batch in ((3, other), (4, x)):  # two calls: the adaptation state carries over
         method.reseed(seed)
@@ -172,13 +184,10 @@ def test_adapter_adapts_as_the_method_does(
     )
 
 
-@pytest.mark.parametrize("name", METHODS)
-def test_reset_and_spawn_are_fresh_and_the_backbone_never_changes(
-    name, default_bundle, shifted, source_images
-):
+def test_reset_and_spawn_are_fresh_and_the_backbone_never_changes(built, default_bundle, shifted):
     x, other = shifted
-    user_state = {k: v.clone() for k, v in default_bundle.clip.state_dict().items()}
-    adapter = _adapter(name, default_bundle, source_images)
+    name, backbone, user_state = built
+    adapter = Adapter.from_backbone(backbone)
     shared = adapter.backbone.model
     shared_state = {k: v.clone() for k, v in shared.state_dict().items()}
     # Written at all, even with its own values, a shared tensor breaks a concurrent
