@@ -119,6 +119,7 @@ def test_multi_dataset_suite_sets_augmix_per_dataset(tmp_path, tmp_cache, monkey
     fx.tree(data / "imagenet-r", entry("datasets", "imagenet_r")["wnids"][:2], per_folder=1)
     args = ["protocol.shifts=[imagenet_r,dtd]", "model.arch=ViT-S-32", "model.image_size=32",
             "model.allow_random=true", "method.views=3", "seeds=[0]", "progress=false",
+            "protocol.max_images=1",
             "device=cpu"]  # fmt: skip
     _, spec = resolve_run("tpt", "vlm-15", "openclip", ["tta_vlm=true", *args], data_dir=str(data))
     assert spec.method_config.augmix is False
