@@ -72,7 +72,7 @@ def test_run_writes_the_results_schema(tmp_path, capsys):
 @pytest.mark.slow
 def test_same_seed_same_config_gives_identical_accuracies(tmp_path):
     accs = []
-    small = ["protocol.shifts=[gaussian_noise,contrast]", "protocol.max_images=32", "--quiet"]
+    small = ["protocol.shifts=[gaussian_noise,contrast]", "protocol.max_images=16", "--quiet"]
     for i in range(2):
         (tmp_path / str(i)).mkdir()
         _, record = _run(tmp_path / str(i), "--method", "mura", *small, "seeds=[0]")
