@@ -223,7 +223,33 @@ def _test_plugin_here(cache: Path) -> Iterator[None]:
             reset_registries()
 
 
-def test_a_preempted_and_a_requeued_task_lose_nothing(cluster, tmp_path):
+#: The episodic cell the last test splits over two array tasks.
+EPISODIC = ["method=mura", "seeds=[0]", "protocol.reset=episodic_batch",
+            "protocol.shifts=[contrast]", "protocol.max_images=40",
+            "protocol.batch_size=5"]  # fmt: skip
+
+
+@pytest.fixture(scope="module")
+def episodic_sweep(cluster, tmp_path_factory):
+    """``(sweep folder, process)``: the sweep of the episodic test, its cell in two parts,
+    started on the cluster when a test of this module first asks for it. The preemption
+    test does (it leaves its core idle while it waits on the scheduler and on its sleeping
+    tasks, which the two parts' tasks use); the episodic test waits for it and checks it."""
+    sweep_dir = tmp_path_factory.mktemp("episodic") / "sweep"
+    cmd = [sys.executable, "-m", "tta_bench.cli", "sweep", "--dir", str(sweep_dir),
+           "--shards", "2", *EPISODIC, *ON_SLURM]  # fmt: skip
+    env = {**cluster, "OMP_NUM_THREADS": "1"}
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                            text=True)  # fmt: skip
+    try:
+        yield sweep_dir, proc
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+            proc.communicate()
+
+
+def test_a_preempted_and_a_requeued_task_lose_nothing(cluster, episodic_sweep, tmp_path):
     total = 6
     sweep_dir = tmp_path / "sweep"
     path = os.pathsep.join(p for p in (str(TEST_PLUGIN), cluster.get("PYTHONPATH")) if p)
@@ -274,17 +300,14 @@ def test_a_preempted_and_a_requeued_task_lose_nothing(cluster, tmp_path):
     assert _scores(merged) == _scores(results.load_results(alone))
 
 
-def test_one_episodic_cell_split_over_two_array_tasks_equals_the_whole(cluster, tmp_path):
-    grid = ["method=mura", "seeds=[0]", "protocol.reset=episodic_batch",
-            "protocol.shifts=[contrast]", "protocol.max_images=40",
-            "protocol.batch_size=5"]  # fmt: skip
-    sweep_dir = tmp_path / "sweep"
+def test_one_episodic_cell_split_over_two_array_tasks_equals_the_whole(episodic_sweep, tmp_path):
     # two parts, run side by side on the test cluster's two CPUs (any count merges alike:
     # harness/tests/test_derived_integrity.py checks the layouts in process)
+    sweep_dir, proc = episodic_sweep
     whole = tmp_path / "whole.json"
-    with _cli_meanwhile(cluster, "sweep", "--dir", str(sweep_dir), "--shards", "2", *grid,
-                        *ON_SLURM):  # fmt: skip
-        run_on_one_thread(*grid, "progress=false", "--quiet", "--output", str(whole))
+    run_on_one_thread(*EPISODIC, "progress=false", "--quiet", "--output", str(whole))
+    out, _ = proc.communicate(timeout=300)
+    assert proc.returncode == 0, out[-6000:]
     assert len(_array_tasks(sweep_dir)) == 2
     parts = sorted((sweep_dir / "runs").glob("*_shard*of2.json"))
     assert len(parts) == 2 and all(results.load_results(p)["shard"]["count"] == 2 for p in parts)
