@@ -66,6 +66,29 @@ def _cli(root: Path, *args: str, cache: Path) -> subprocess.CompletedProcess:
     )
 
 
+def _here(root: Path, capsys, *args: str, cache: Path) -> tuple[int, str, str]:
+    """``tta-bench ARGS`` in this process as ``_cli`` runs it in a new one: ``root`` on
+    ``sys.path``, the registries scanned again (and again after), the cache under
+    ``cache``; the exit code, stdout and stderr."""
+    from tta_bench.cli import main
+    from tta_bench.registry import reset_registries
+
+    capsys.readouterr()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(root))
+        mp.setenv("TTA_BENCH_CACHE", str(cache))
+        mp.setenv("TQDM_DISABLE", "1")
+        mp.delenv("TTA_BENCH_PLUGINS", raising=False)
+        reset_registries()
+        try:
+            code = main(list(args))
+        finally:
+            mp.undo()
+            reset_registries()
+    captured = capsys.readouterr()
+    return code, captured.out, captured.err
+
+
 @pytest.fixture(scope="module")
 def example(tmp_path_factory):
     files = example_files(DOC.read_text(encoding="utf-8"))
@@ -81,8 +104,9 @@ def test_the_doc_gives_one_of_each_kind():
         assert groups.get(f"tta_bench.{kind}"), f"the example registers no {kind}"
 
 
-@pytest.mark.slow
-def test_the_example_runs_end_to_end(example, tmp_path):
+def test_the_example_runs_end_to_end(example, tmp_path, capsys):
+    """Listed by ``tta-bench ls`` in a new interpreter (the package on ``PYTHONPATH``), then
+    run and tabulated in this process."""
     root, groups, cache = example
     method = next(iter(groups["tta_bench.methods"]))
     metric = next(iter(groups["tta_bench.metrics"]))
@@ -92,11 +116,11 @@ def test_the_example_runs_end_to_end(example, tmp_path):
     catalogue = yaml.safe_load(next(root.rglob("registry.yaml")).read_text(encoding="utf-8"))
     suite = next(iter(catalogue["suites"]))
     out = tmp_path / "run.json"
-    run = _cli(
-        root, "run", "--suite", suite, "--method", method, "--output", str(out),
+    code, stdout, stderr = _here(
+        root, capsys, "run", "--suite", suite, "--method", method, "--output", str(out),
         "seeds=[0]", cache=cache,
     )  # fmt: skip
-    assert run.returncode == 0, run.stdout + run.stderr
+    assert code == 0, stdout + stderr
     record = json.loads(out.read_text(encoding="utf-8"))
     assert record["method"] == method and record["cells"]
     shifts = set(groups["tta_bench.shifts"])
@@ -108,9 +132,11 @@ def test_the_example_runs_end_to_end(example, tmp_path):
     label = shown.get("label", metric)
     mean = sum(c[metric] for c in record["cells"]) / len(record["cells"])
     value = f"{shown.get('scale', 1) * mean:.{shown.get('decimals', 3)}f}"
-    table = _cli(root, "table", "--format", "csv-formatted", str(out), cache=cache)
-    assert table.returncode == 0, table.stderr
-    summary = table.stdout.split("# Suite summary")[1].strip().splitlines()
+    code, stdout, stderr = _here(
+        root, capsys, "table", "--format", "csv-formatted", str(out), cache=cache
+    )
+    assert code == 0, stderr
+    summary = stdout.split("# Suite summary")[1].strip().splitlines()
     headers, row = list(csv.reader(summary[1:3]))
     assert row[headers.index(label)] == value
     assert f"mean_{metric}" in record["summary"]
