@@ -234,7 +234,9 @@ def episodic_sweep(cluster, tmp_path_factory):
     """``(sweep folder, process)``: the sweep of the episodic test, its cell in two parts,
     started on the cluster when a test of this module first asks for it. The preemption
     test does (it leaves its core idle while it waits on the scheduler and on its sleeping
-    tasks, which the two parts' tasks use); the episodic test waits for it and checks it."""
+    tasks, which the two parts' tasks use); the episodic test waits for it and checks it.
+    Where that test did not run (``-k``, or another worker took it), the sweep is waited for
+    at the module's end, so that none of its tasks outlives the tests."""
     sweep_dir = tmp_path_factory.mktemp("episodic") / "sweep"
     cmd = [sys.executable, "-m", "tta_bench.cli", "sweep", "--dir", str(sweep_dir),
            "--shards", "2", *EPISODIC, *ON_SLURM]  # fmt: skip
@@ -245,8 +247,11 @@ def episodic_sweep(cluster, tmp_path_factory):
         yield sweep_dir, proc
     finally:
         if proc.poll() is None:
-            proc.kill()
-            proc.communicate()
+            try:
+                proc.communicate(timeout=300)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
 
 
 def test_a_preempted_and_a_requeued_task_lose_nothing(cluster, episodic_sweep, tmp_path):
