@@ -154,9 +154,9 @@ UPDATE_AFTER_64 = ("rotta", "sotta")
 @pytest.fixture(scope="module", params=METHODS)
 def built(request, default_bundle, source_images):
     """``(name, backbone, user_state)`` for each method: the shared backbone of its cheap
-    adapter, probed once for the tests of that method (pytest runs them one after the other),
-    and the user's model state from before it was built. Each test makes its own fresh
-    ``Adapter`` over it, as ``spawn()`` and ``tta-bench serve``'s sessions do."""
+    adapter and the user's model state from before it was built. The test makes its own
+    fresh ``Adapter`` objects over it, as ``spawn()`` and ``tta-bench serve``'s sessions
+    do."""
     user_state = {k: v.clone() for k, v in default_bundle.clip.state_dict().items()}
     return (
         request.param,
@@ -165,10 +165,23 @@ def built(request, default_bundle, source_images):
     )
 
 
-def test_adapter_adapts_as_the_method_does(built, classifier, shifted, source_images):
+def test_adapter_adapts_as_the_method_does_and_resets_and_spawns_fresh(
+    built, default_bundle, classifier, shifted, source_images
+):
+    """Each step equals the runner's method's step; after three calls a spawned sibling
+    and a reset adapter give a fresh adapter's first logits; the user's model and the
+    shared backbone are never changed, nor written in place."""
     x, other = shifted
-    name, backbone, _ = built
+    name, backbone, user_state = built
     adapter = Adapter.from_backbone(backbone)
+    shared = adapter.backbone.model
+    shared_state = {k: v.clone() for k, v in shared.state_dict().items()}
+    # Written at all, even with its own values, a shared tensor breaks a concurrent
+    # adapter's backward in another thread (autograd checks the version counter).
+    adapted = set(adapter.backbone.adapted)
+    versions = {k: t._version for k, t in _named_tensors(shared) if k not in adapted}
+    fresh = Adapter.from_backbone(backbone)(x).logits  # another adapter's first call
+
     method = _runner_method(name, classifier, source_images)
     for seed, batch in ((3, other), (4, x)):  # two calls: the adaptation state carries over
         method.reseed(seed)
@@ -183,20 +196,6 @@ def test_adapter_adapts_as_the_method_does(built, classifier, shifted, source_im
         registry("methods").get(name).adapts and name not in UPDATE_AFTER_64
     )
 
-
-def test_reset_and_spawn_are_fresh_and_the_backbone_never_changes(built, default_bundle, shifted):
-    x, other = shifted
-    name, backbone, user_state = built
-    adapter = Adapter.from_backbone(backbone)
-    shared = adapter.backbone.model
-    shared_state = {k: v.clone() for k, v in shared.state_dict().items()}
-    # Written at all, even with its own values, a shared tensor breaks a concurrent
-    # adapter's backward in another thread (autograd checks the version counter).
-    adapted = set(adapter.backbone.adapted)
-    versions = {k: t._version for k, t in _named_tensors(shared) if k not in adapted}
-    fresh = adapter(x).logits
-    for _ in range(2):
-        adapter(other)
     sibling = adapter.spawn()  # spawned from an adapted adapter: still starts from setup
     torch.testing.assert_close(sibling(x).logits, fresh, rtol=0, atol=1e-6)
     adapter.reset()
