@@ -2,9 +2,10 @@
 interpreter that must succeed; ``serve_cli``, ``tta-bench serve`` in a subprocess with the
 address its first line announces; and what they share for not starting one:
 ``run_on_one_thread`` and ``sweep_on_one_thread``, ``tta-bench run`` and ``tta-bench
-sweep`` (Hydra's basic launcher) in this process as a one-CPU job would run them; and
-``collections_of_new_objects_only``, for code that calls ``gc.collect()`` inside a test
-process."""
+sweep`` (Hydra's basic launcher) in this process as a one-CPU job would run them;
+``on_sys_path``, this process with a package folder first on ``sys.path``, as a new
+interpreter with it on ``PYTHONPATH``; and ``collections_of_new_objects_only``, for code
+that calls ``gc.collect()`` inside a test process."""
 
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ import re
 import subprocess
 import sys
 from collections.abc import Iterator
+from pathlib import Path
 
 
 @contextlib.contextmanager
@@ -30,6 +32,31 @@ def collections_of_new_objects_only() -> Iterator[None]:
         yield
     finally:
         gc.unfreeze()
+
+
+@contextlib.contextmanager
+def on_sys_path(folder: Path, env: dict[str, str | None]) -> Iterator[None]:
+    """This process with ``folder`` first on ``sys.path`` and ``env`` set (``None``: unset),
+    the registries scanned again on entry and on exit: what an interpreter started with
+    ``folder`` on ``PYTHONPATH`` and that environment finds (the plugins under it and their
+    entry points). ``sys.path``, the environment and the registries are restored after."""
+    import pytest
+
+    from tta_bench.registry import reset_registries
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.syspath_prepend(str(folder))
+        for key, value in env.items():
+            if value is None:
+                mp.delenv(key, raising=False)
+            else:
+                mp.setenv(key, value)
+        reset_registries()
+        try:
+            yield
+        finally:
+            mp.undo()
+            reset_registries()
 
 
 @contextlib.contextmanager

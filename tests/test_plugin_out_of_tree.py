@@ -11,7 +11,7 @@ import sys
 import textwrap
 from pathlib import Path
 
-import pytest
+from processes import on_sys_path
 
 PLUGIN = textwrap.dedent(
     '''
@@ -81,7 +81,6 @@ def test_out_of_tree_method_and_shift_run_end_to_end(tmp_path, capsys):
     method; ``tta-bench run`` (in this process, the package on ``sys.path`` and the
     registries scanned again) runs it on the shift."""
     from tta_bench.cli import main
-    from tta_bench.registry import reset_registries
 
     _install(tmp_path)
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([str(tmp_path), *sys.path]))
@@ -95,14 +94,8 @@ def test_out_of_tree_method_and_shift_run_end_to_end(tmp_path, capsys):
     ).stdout
     assert "flip_vote" in ls and "flipvote-plugin" in ls
     args = ["run", "--method", "flip_vote", "--suite", "digits-invert", "--quiet"]
-    with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(tmp_path))
-        reset_registries()
-        try:
-            code = main([*args, "--output", str(out), "seeds=[0]"])
-        finally:
-            mp.undo()
-            reset_registries()
+    with on_sys_path(tmp_path, {}):
+        code = main([*args, "--output", str(out), "seeds=[0]"])
     captured = capsys.readouterr()
     assert code == 0, captured.err
     assert "invert" in captured.out

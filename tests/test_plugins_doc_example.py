@@ -16,6 +16,7 @@ from pathlib import Path
 import pytest
 import tomllib
 import yaml
+from processes import on_sys_path
 
 ROOT = Path(__file__).resolve().parents[1]
 DOC = ROOT / "docs" / "plugins.md"
@@ -71,20 +72,11 @@ def _here(root: Path, capsys, *args: str, cache: Path) -> tuple[int, str, str]:
     ``sys.path``, the registries scanned again (and again after), the cache under
     ``cache``; the exit code, stdout and stderr."""
     from tta_bench.cli import main
-    from tta_bench.registry import reset_registries
 
     capsys.readouterr()
-    with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(root))
-        mp.setenv("TTA_BENCH_CACHE", str(cache))
-        mp.setenv("TQDM_DISABLE", "1")
-        mp.delenv("TTA_BENCH_PLUGINS", raising=False)
-        reset_registries()
-        try:
-            code = main(list(args))
-        finally:
-            mp.undo()
-            reset_registries()
+    env = {"TTA_BENCH_CACHE": str(cache), "TQDM_DISABLE": "1", "TTA_BENCH_PLUGINS": None}
+    with on_sys_path(root, env):
+        code = main(list(args))
     captured = capsys.readouterr()
     return code, captured.out, captured.err
 

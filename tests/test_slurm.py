@@ -20,7 +20,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-from processes import run_on_one_thread, sweep_on_one_thread
+from processes import on_sys_path, run_on_one_thread, sweep_on_one_thread
 
 from tta_bench.report import leaderboard as report
 from tta_bench.run import results
@@ -205,24 +205,6 @@ SLEEPY = ["method=sleepy", "seeds=[0]", "protocol.severities=[1,2,3]"]
 SLEEP = "method.seconds=0.4"
 
 
-@contextlib.contextmanager
-def _test_plugin_here(cache: Path) -> Iterator[None]:
-    """This process on the test plugin alone (as ``harness/tests/conftest.py`` sets up the
-    harness's tests), its cache under ``cache``; everything restored after."""
-    from tta_bench.registry import reset_registries
-
-    with pytest.MonkeyPatch.context() as mp:
-        mp.syspath_prepend(str(TEST_PLUGIN))
-        mp.setenv("TTA_BENCH_PLUGINS", TEST_PLUGINS)
-        mp.setenv("TTA_BENCH_CACHE", str(cache))
-        reset_registries()
-        try:
-            yield
-        finally:
-            mp.undo()
-            reset_registries()
-
-
 #: The episodic cell the last test splits over two array tasks.
 EPISODIC = ["method=mura", "seeds=[0]", "protocol.reset=episodic_batch",
             "protocol.shifts=[contrast]", "protocol.max_images=40",
@@ -299,7 +281,8 @@ def test_a_preempted_and_a_requeued_task_lose_nothing(cluster, episodic_sweep, t
     assert merged["method"] == "sleepy" and len(merged["cells"]) == total
     # the same run, uninterrupted, in this process (no sleep: it computes the same cells)
     alone = tmp_path / "alone.json"
-    with _test_plugin_here(tmp_path / "cache"):
+    here = {"TTA_BENCH_PLUGINS": TEST_PLUGINS, "TTA_BENCH_CACHE": str(tmp_path / "cache")}
+    with on_sys_path(TEST_PLUGIN, here):  # this process on the test plugin alone
         run_on_one_thread(*SLEEPY, "method.seconds=0", "progress=false", "--quiet",
                           "--output", str(alone))  # fmt: skip
     assert _scores(merged) == _scores(results.load_results(alone))
