@@ -151,36 +151,23 @@ def _runner_method(name: str, classifier, source_images, seed: int = 0):
 UPDATE_AFTER_64 = ("rotta", "sotta")
 
 
-@pytest.fixture(scope="module", params=METHODS)
-def built(request, default_bundle, source_images):
-    """``(name, backbone, user_state)`` for each method: the shared backbone of its cheap
-    adapter and the user's model state from before it was built. The test makes its own
-    fresh ``Adapter`` objects over it, as ``spawn()`` and ``tta-bench serve``'s sessions
-    do."""
-    user_state = {k: v.clone() for k, v in default_bundle.clip.state_dict().items()}
-    return (
-        request.param,
-        _adapter(request.param, default_bundle, source_images).backbone,
-        user_state,
-    )
-
-
+@pytest.mark.parametrize("name", METHODS)
 def test_adapter_adapts_as_the_method_does_and_resets_and_spawns_fresh(
-    built, default_bundle, classifier, shifted, source_images
+    name, default_bundle, classifier, shifted, source_images
 ):
     """Each step equals the runner's method's step; after three calls a spawned sibling
     and a reset adapter give a fresh adapter's first logits; the user's model and the
     shared backbone are never changed, nor written in place."""
     x, other = shifted
-    name, backbone, user_state = built
-    adapter = Adapter.from_backbone(backbone)
+    user_state = {k: v.clone() for k, v in default_bundle.clip.state_dict().items()}
+    adapter = _adapter(name, default_bundle, source_images)
     shared = adapter.backbone.model
     shared_state = {k: v.clone() for k, v in shared.state_dict().items()}
     # Written at all, even with its own values, a shared tensor breaks a concurrent
     # adapter's backward in another thread (autograd checks the version counter).
     adapted = set(adapter.backbone.adapted)
     versions = {k: t._version for k, t in _named_tensors(shared) if k not in adapted}
-    fresh = Adapter.from_backbone(backbone)(x).logits  # another adapter's first call
+    fresh = Adapter.from_backbone(adapter.backbone)(x).logits  # another adapter's first call
 
     method = _runner_method(name, classifier, source_images)
     for seed, batch in ((3, other), (4, x)):  # two calls: the adaptation state carries over
