@@ -283,6 +283,30 @@ def test_text_hash_is_memoised_per_module(monkeypatch):
     assert text_head.text_state_sha256(model) != first and calls
 
 
+def test_vocabulary_hash_is_memoised_per_shared_vocabulary(monkeypatch):
+    """Tokenizers built per model around one shared tokenizer (the shipped tiny model's
+    bundles) hash its vocabulary once; a vocabulary that grows is hashed again."""
+    from open_clip.tokenizer import SimpleTokenizer
+
+    class Wrapper:  # a bundle's tokenizer: forwards to the shared one
+        def __init__(self, inner):
+            self.inner = inner
+
+        def __getattr__(self, name):
+            return getattr(self.inner, name)
+
+    shared = SimpleTokenizer(context_length=16)
+    first = text_head._vocab_sha256(Wrapper(shared))
+    calls = []
+    original = text_head.hashlib.sha256
+    monkeypatch.setattr(text_head.hashlib, "sha256", lambda *a: calls.append(1) or original(*a))
+    assert text_head._vocab_sha256(Wrapper(shared)) == first and calls == []
+    shared.encoder["zzz-new-token</w>"] = len(shared.encoder)
+    assert text_head._vocab_sha256(Wrapper(shared)) != first and calls == [1]
+    # another tokenizer with an equal vocabulary: hashed, to the same digest
+    assert text_head._vocab_sha256(SimpleTokenizer(context_length=16)) == first
+
+
 def test_text_hash_takes_zero_dim_tensors():
     model = torch.nn.Module()
     model.temperature = torch.nn.Parameter(torch.tensor(0.5))  # 0-d, text side
