@@ -268,8 +268,8 @@ def text_state_sha256(clip: nn.Module) -> str:
     for name, tensor in tensors:
         t = tensor.detach().cpu().contiguous()
         h.update(f"{name}|{t.dtype}|{tuple(t.shape)};".encode())
-        if t.numel():  # reshape: a 0-d tensor cannot be viewed as bytes
-            h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+        if t.numel():  # the bytes in place, uncopied (reshape: a 0-d tensor has no byte view)
+            h.update(t.reshape(-1).view(torch.uint8).numpy())
     digest = h.hexdigest()
     _TEXT_HASHES[clip] = (fingerprint, digest)
     return digest
