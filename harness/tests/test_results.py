@@ -225,3 +225,12 @@ def test_fields_added_at_a_behaviour_preserving_default_stay_out_of_the_run_key(
     assert method_config_hash(After()) == method_config_hash(Before())
     assert method_config_hash(After(rotate=10.0)) != method_config_hash(Before())
     assert method_config_hash(Undeclared()) != method_config_hash(Before())
+
+
+def test_package_versions_are_read_once_and_each_caller_gets_its_own_copy(monkeypatch):
+    first = results.package_versions()
+    assert first["torch"] and set(first) == set(results.PACKAGES)
+    first["torch"] = "edited by a caller"
+    monkeypatch.setattr(results.md, "version", lambda name: pytest.fail(f"read {name} again"))
+    again = results.package_versions()
+    assert again["torch"] != "edited by a caller" and again == results.package_versions()

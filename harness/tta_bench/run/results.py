@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import datetime as dt
+import functools
 import importlib.metadata as md
 import json
 import platform
@@ -44,6 +45,14 @@ PACKAGES = (
 
 
 def package_versions() -> dict[str, str | None]:
+    """The installed versions of ``PACKAGES`` (None: not installed), as this process first
+    read them: the packages it has imported do not change while it runs, and each record
+    asks (nine metadata scans of ``sys.path``)."""
+    return dict(_package_versions())
+
+
+@functools.cache
+def _package_versions() -> dict[str, str | None]:
     out: dict[str, str | None] = {}
     for name in PACKAGES:
         try:
