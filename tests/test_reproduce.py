@@ -4,7 +4,8 @@
 its reference accuracies (the frozen model on the same batches, as ``zeroshot`` scores
 them) equal ``zeroshot``'s committed cells: the frozen model's numbers on 1 and on 2
 threads. Each run is recomputed in a fresh process with an empty cache (nothing
-pretrained, nothing cached from earlier tests).
+pretrained, nothing cached from earlier tests); the zero-shot one is started by the
+installed ``tta-bench`` console script.
 
 ``benchmarks/reproduce.py`` does the same for every committed method and also under AVX2
 kernels; this test keeps the cheap part in the suite, so a change that moves the committed
@@ -15,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -28,15 +30,18 @@ ROOT = Path(__file__).resolve().parents[1]
 COMMITTED = ROOT / "results" / "digits-c"
 
 
-def _seed0(method: str, tmp_path: Path, threads: str) -> tuple[dict, str]:
+def _seed0(method: str, tmp_path: Path, threads: str, *command: str) -> tuple[dict, str]:
+    """``method``'s seed 0 on the default suite in a fresh process on ``threads`` threads
+    with an empty cache: its record and what it printed. ``command``: how the CLI is
+    started (default ``python -m tta_bench.cli``)."""
     out = tmp_path / f"{method}-{threads}.json"
     env = {
         **os.environ,
         "OMP_NUM_THREADS": threads,
         "TTA_BENCH_CACHE": str(tmp_path / f"cache-{threads}"),
     }
-    cmd = [sys.executable, "-m", "tta_bench.cli", "run", "--method", method, "--quiet"]
-    cmd += ["--output", str(out), "seeds=[0]"]
+    cmd = [*(command or (sys.executable, "-m", "tta_bench.cli")), "run", "--method", method]
+    cmd += ["--quiet", "--output", str(out), "seeds=[0]"]
     done = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr[-3000:]
     return json.loads(out.read_text()), done.stdout + done.stderr
@@ -60,7 +65,13 @@ def _assert_equal_to_zeroshot(fresh: dict, log: str, key: str) -> None:
 
 
 def test_zeroshot_seed0_on_one_thread_equals_the_committed_cells(tmp_path):
-    _assert_equal_to_zeroshot(*_seed0("zeroshot", tmp_path, "1"), "accuracy")
+    """Through the installed ``tta-bench`` console script, as a user types it (the CLI's
+    end-to-end test of the entry point: tests/test_cli.py)."""
+    script = shutil.which("tta-bench")
+    assert script, "the tta-bench console script is not installed"
+    fresh, log = _seed0("zeroshot", tmp_path, "1", script)
+    assert "zeroshot on digits-c" in log  # the table, printed
+    _assert_equal_to_zeroshot(fresh, log, "accuracy")
 
 
 def test_tent_seed0_on_two_threads_is_within_one_image_and_its_reference_equal(tmp_path):
