@@ -256,3 +256,21 @@ def test_a_one_class_domain_warns_that_its_accuracy_means_nothing(tmp_path, fres
         warnings.simplefilter("always")
         sources.open_source(_folder_stream(tmp_path / "two"), 16, cache="never")
     assert _one_class_warnings(caught) == []
+
+
+def test_a_streams_labels_follow_its_row_order_and_a_missing_one_is_refused():
+    """``DomainStream.labels`` reads the label column whole (Arrow), in the dataset's row
+    order after ``select`` and ``shuffle`` (an indices mapping), as the rows read one by
+    one give them; a row without a label is refused, not read as a number."""
+    import datasets
+
+    from tta_bench.data import DomainStream
+
+    table = datasets.Dataset.from_dict({"image": [None] * 6, "label": [0, 1, 2, 0, 1, 2]})
+    for ds in (table, table.select([5, 3, 1, 4]).shuffle(seed=1)):
+        stream = DomainStream("d", ["a", "b", "c"], ["{}"], ds, "fp")
+        assert stream.labels.dtype == np.int64
+        assert stream.labels.tolist() == [row["label"] for row in ds]
+    unlabeled = datasets.Dataset.from_dict({"image": [None, None], "label": [0, None]})
+    with pytest.raises((TypeError, ValueError)):
+        DomainStream("d", ["a"], ["{}"], unlabeled, "fp")

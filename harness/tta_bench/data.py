@@ -77,7 +77,13 @@ class DomainStream:
 
     @property
     def labels(self) -> np.ndarray:
-        return np.asarray(self.dataset["label"], dtype=np.int64)
+        """The rows' labels, in the dataset's row order (its indices mapping applied), read
+        as one Arrow column: ``numpy.asarray(dataset["label"])`` reads the lazy column that
+        recent ``datasets`` return a row at a time (~10x slower; every run reads them)."""
+        column = self.dataset.with_format("arrow")["label"]
+        if column.null_count:  # no label: the row-by-row read names the failure
+            return np.asarray(self.dataset["label"], dtype=np.int64)
+        return np.asarray(column.to_numpy(), dtype=np.int64)
 
 
 #: What ``DataInventory.status`` can say of a domain's data: ``found`` (all there, as
