@@ -75,11 +75,14 @@ def digits_c_spec(method: str, seeds: list[int], protocol: dict[str, Any], **fie
 #: What the contract and adapter tests change in a method's defaults: the properties they
 #: check hold for any view count, source-set size, iteration or prompt count, and the
 #: official ones (63 views, 2,000 source images for EATA's Fisher and RMT's warm-up and
-#: replay, WATT-P's 50 meta-iterations, CLIPArTT's, CLIPTTA's and UnInfo's 10 steps a batch,
-#: DynaPrompt's 12 prompts) make one setup or step seconds long on a CPU. ``None`` in the
-#: default (WATT's per-mode official count) is replaced too.
-CHEAP = {"views": 3, "n_views": 3, "augmentations": 3, "source_size": 128, "fisher_size": 128,
-         "meta_iterations": 2, "steps": 2, "buffer_size": 3}  # fmt: skip
+#: replay in batches of 64, GTTA's 10,000, WATT-P's 50 meta-iterations and WATT's 2
+#: iterations per template, CLIPArTT's, CLIPTTA's and UnInfo's 10 steps a batch,
+#: DynaPrompt's 12 prompts) make one setup or step seconds long on a CPU. RMT keeps two
+#: warm-up steps (32 source images in batches of 16). ``None`` in the default (WATT's
+#: per-mode official count) is replaced too.
+CHEAP = {"views": 3, "n_views": 3, "augmentations": 3, "source_size": 32,
+         "source_batch_size": 16, "fisher_size": 128, "meta_iterations": 2, "iterations": 1,
+         "steps": 2, "buffer_size": 3}  # fmt: skip
 
 
 def cheap_overrides(method_cls: Any) -> dict[str, int]:
