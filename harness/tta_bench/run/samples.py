@@ -29,6 +29,7 @@ import hashlib
 import json
 import re
 import struct
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -248,9 +249,12 @@ def verify_cell(
         raise ValueError(f"{path} is not cell {key} of this run: {'; '.join(wrong)}")
 
 
-def open_cell(folder: Path, shift: str, severity: int, seed: int) -> CellFile:
-    """The cell's file, read once: its rows and the digest of its data pages; a missing or
-    unreadable file is a ``ValueError`` naming it."""
+def open_cell(
+    folder: Path, shift: str, severity: int, seed: int, columns: Sequence[str] | None = None
+) -> CellFile:
+    """The cell's file, read once: its rows (``columns``: only those of them the file has,
+    default all) and the digest of its data pages (over the whole file, whatever is read);
+    a missing or unreadable file is a ``ValueError`` naming it."""
     import pyarrow as pa
     import pyarrow.parquet as pq
 
@@ -260,8 +264,14 @@ def open_cell(folder: Path, shift: str, severity: int, seed: int) -> CellFile:
     try:
         raw = path.read_bytes()
         # ParquetFile.read: the same table as read_table (schema metadata included) without
-        # the dataset layer's set-up, about half the cost on a cell file (docs/speed.md)
-        return CellFile(path, pq.ParquetFile(pa.BufferReader(raw)).read(), data_digest(raw))
+        # the dataset layer's set-up, about half the cost on a cell file; on one thread: a
+        # cell file is a few KB, less than a thread pool's start costs (docs/speed.md)
+        parquet = pq.ParquetFile(pa.BufferReader(raw))
+        if columns is not None:
+            names = set(parquet.schema_arrow.names)
+            columns = [c for c in columns if c in names]
+        table = parquet.read(columns=columns, use_threads=False)
+        return CellFile(path, table, data_digest(raw))
     except Exception as exc:  # pyarrow's own errors (truncated or not Parquet)
         raise ValueError(f"{path}: not a readable per-sample Parquet file ({exc})") from exc
 
