@@ -37,7 +37,6 @@ resolved in ``tta_bench.prompts``; ``resolve_templates`` is still importable fro
 
 from __future__ import annotations
 
-import contextlib
 import hashlib
 import itertools
 import json
@@ -305,22 +304,16 @@ def tokenizer_identity(
     }
 
 
-#: tokenizer -> (id and size of its vocabulary, the vocabulary's SHA-256)
-_VOCAB_HASHES: weakref.WeakKeyDictionary[Any, tuple[tuple[int, int], str | None]] = (
-    weakref.WeakKeyDictionary()
-)
-#: id of a tokenizer's own vocabulary dict (its ``encoder``) -> (that dict, its size, its
-#: SHA-256), the most recent few: wrappers built per model (a bundle's tokenizer around a
-#: shared one) hold the same dict. The dict is kept, so that its id names it while here.
-_ENCODER_HASHES: dict[int, tuple[dict[Any, Any], int, str]] = {}
-_ENCODER_MEMO_SIZE = 8
+#: id of a tokenizer's vocabulary dict (its ``encoder``) -> (the dict, its size, its SHA-256),
+#: the last few: each bundle's tokenizer may wrap one shared tokenizer (the dict is held, so
+#: that its id names it while here).
+_VOCAB_HASHES: dict[int, tuple[dict[Any, Any], int, str]] = {}
 
 
 def _vocab_sha256(tokenizer: Any) -> str | None:
     """SHA-256 of the tokenizer's vocabulary (``encoder``, or a wrapped HF tokenizer's
-    ``get_vocab()``), None when it exposes none; memoised per tokenizer and per ``encoder``
-    dict (~0.02-0.1 s for CLIP's 49,408 entries, and methods build several heads per cell,
-    each bundle with its own tokenizer object around one shared vocabulary)."""
+    ``get_vocab()``), None when it exposes none; memoised per ``encoder`` dict (~0.02-0.1 s
+    for CLIP's 49,408 entries, and methods build several heads per cell)."""
     vocab = getattr(tokenizer, "encoder", None)
     encoder = isinstance(vocab, dict)
     if not encoder:
@@ -328,24 +321,16 @@ def _vocab_sha256(tokenizer: Any) -> str | None:
         vocab = get_vocab() if callable(get_vocab) else None
     if not isinstance(vocab, dict):
         return None
-    stamp = (id(vocab), len(vocab))
-    with contextlib.suppress(TypeError):  # not weak-referenceable: no memo
-        memo = _VOCAB_HASHES.get(tokenizer)
-        if memo is not None and memo[0] == stamp:
-            return memo[1]
-    held = _ENCODER_HASHES.get(id(vocab)) if encoder else None
+    held = _VOCAB_HASHES.get(id(vocab))
     if held is not None and held[0] is vocab and held[1] == len(vocab):
-        digest = held[2]
-    else:
-        blob = json.dumps(sorted(vocab.items(), key=lambda kv: str(kv[0])), default=str)
-        digest = hashlib.sha256(blob.encode()).hexdigest()
-        if encoder:
-            _ENCODER_HASHES.pop(id(vocab), None)
-            _ENCODER_HASHES[id(vocab)] = (vocab, len(vocab), digest)
-            while len(_ENCODER_HASHES) > _ENCODER_MEMO_SIZE:
-                del _ENCODER_HASHES[next(iter(_ENCODER_HASHES))]
-    with contextlib.suppress(TypeError):
-        _VOCAB_HASHES[tokenizer] = (stamp, digest)
+        return held[2]
+    blob = json.dumps(sorted(vocab.items(), key=lambda kv: str(kv[0])), default=str)
+    digest = hashlib.sha256(blob.encode()).hexdigest()
+    if encoder:  # (a get_vocab() dict is a new one at each call)
+        _VOCAB_HASHES.pop(id(vocab), None)
+        _VOCAB_HASHES[id(vocab)] = (vocab, len(vocab), digest)
+        while len(_VOCAB_HASHES) > 8:
+            del _VOCAB_HASHES[next(iter(_VOCAB_HASHES))]
     return digest
 
 
