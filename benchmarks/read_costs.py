@@ -5,8 +5,14 @@ with the reader the harness and the plugin use against the one they replaced:
   or runs anything reads it) with ``tta_bench.catalog.SAFE_LOADER`` (libyaml's safe loader
   where PyYAML has it) against PyYAML's pure-Python ``SafeLoader``;
 * **per-sample file**: one committed cell file of ``results/digits-c`` (bytes already in
-  memory) read as ``tta_bench.run.samples.open_cell`` reads it, ``pq.ParquetFile(...).read()``,
-  against ``pq.read_table``, averaged over the first ``--files`` files;
+  memory) read as ``tta_bench.run.samples.open_cell`` reads it, ``pq.ParquetFile(...).read()``
+  on one thread, against ``pq.read_table``, averaged over the first ``--files`` files; and
+  the five columns a paired comparison reads (``report.paired.read_run``) against the whole
+  file read on the thread pool, as ``open_cell`` read it before;
+* **domain labels**: the digits test split's labels as ``DomainStream.labels`` reads them
+  (one Arrow column) against ``numpy.asarray`` over the dataset's lazy ``Column``;
+* **vocabulary hash**: ``text_head._vocab_sha256`` of a new tiny-clip-digits tokenizer (a
+  bundle's wrapper around the shared one: its memo) against hashing the vocabulary again;
 * **default dataset**: the digits test split's stream (``mura_plugin.datasets.digits``), its
   HF dataset built once per process, against building it at every call (every image
   encoded as PNG);
@@ -28,6 +34,8 @@ Run it on an idle machine (``uptime``): the figures are timings. Nothing else is
 from __future__ import annotations
 
 import argparse
+import hashlib
+import json
 import statistics
 import time
 from collections.abc import Callable
@@ -41,7 +49,7 @@ import yaml
 
 from mura_plugin.datasets import digits as dg
 from mura_plugin.models import tiny_clip
-from tta_bench import catalog
+from tta_bench import catalog, text_head
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -57,6 +65,99 @@ def _fmt(values: list[float], scale: float, unit: str) -> str:
     return f"{statistics.median(v):.2f} {unit} ({min(v):.2f}-{max(v):.2f})"
 
 
+#: (reader used, reader replaced, per call, scale, unit) by what is read
+Pairs = dict[str, tuple[Callable[[], object], Callable[[], object], float, float, str]]
+
+
+def _file_pairs(text: str, raw: list[bytes]) -> Pairs:
+    """The catalogue and the per-sample files, each pair of readers checked to agree."""
+    assert yaml.load(text, Loader=catalog.SAFE_LOADER) == yaml.load(text, Loader=yaml.SafeLoader)
+    paired = ["index", "batch", "label", "prediction", "reference"]
+
+    def one_thread(r: bytes) -> pa.Table:
+        return pq.ParquetFile(pa.BufferReader(r)).read(use_threads=False)
+
+    def paired_columns(r: bytes) -> pa.Table:
+        file = pq.ParquetFile(pa.BufferReader(r))
+        names = set(file.schema_arrow.names)
+        return file.read(columns=[c for c in paired if c in names], use_threads=False)
+
+    for r in raw:
+        new, old = one_thread(r), pq.read_table(pa.BufferReader(r))
+        assert new.equals(old, check_metadata=True)
+        assert paired_columns(r).equals(old.select(paired_columns(r).column_names))
+    per = 1.0 / len(raw)
+    return {
+        "catalogue (registry.yaml)": (
+            lambda: yaml.load(text, Loader=catalog.SAFE_LOADER),
+            lambda: yaml.load(text, Loader=yaml.SafeLoader),
+            1.0, 1e3, "ms",
+        ),
+        f"per-sample file (mean of {len(raw)})": (
+            lambda: [one_thread(r) for r in raw],
+            lambda: [pq.read_table(pa.BufferReader(r)) for r in raw],
+            per, 1e3, "ms",
+        ),
+        f"paired columns (mean of {len(raw)})": (
+            lambda: [paired_columns(r) for r in raw],
+            lambda: [pq.ParquetFile(pa.BufferReader(r)).read() for r in raw],
+            per, 1e3, "ms",
+        ),
+    }  # fmt: skip
+
+
+def _data_pairs() -> Pairs:
+    """The digits stream and its labels, each pair of readers checked to agree."""
+    names = tuple(dg.digits(split="test").classnames)
+    stream = dg.digits(split="test")
+    assert np.array_equal(stream.labels, np.asarray(stream.dataset["label"], dtype=np.int64))
+
+    def digits_each_call():  # what a call built before: the split's dataset, every time
+        return dg._dataset.__wrapped__("test", None, names)
+
+    new_ds, old_ds = stream.dataset, digits_each_call()
+    assert new_ds["label"] == old_ds["label"]
+    assert all(np.array_equal(np.asarray(new_ds[i]["image"]), np.asarray(old_ds[i]["image"]))
+               for i in range(0, len(new_ds), 37))  # fmt: skip
+    return {
+        "domain labels (digits test)": (
+            lambda: stream.labels,
+            lambda: np.asarray(stream.dataset["label"], dtype=np.int64),
+            1.0, 1e3, "ms",
+        ),
+        "digits test stream": (lambda: dg.digits(split="test"), digits_each_call, 1.0, 1e3, "ms"),
+    }  # fmt: skip
+
+
+def _model_pairs() -> Pairs:
+    """The default model and its vocabulary's hash, each pair checked to agree."""
+    vocab = tiny_clip.tokenizer().encoder
+
+    def vocab_each_call() -> str:  # what each head key did before: the whole vocabulary
+        blob = json.dumps(sorted(vocab.items(), key=lambda kv: str(kv[0])), default=str)
+        return hashlib.sha256(blob.encode()).hexdigest()
+
+    def vocab_memo() -> str:
+        wrapper = tiny_clip.ShippedTokenizer(set(tiny_clip.trained_token_ids()))
+        return text_head._vocab_sha256(wrapper)
+
+    def model_each_call():  # what a call did before: a new model, the file loaded into it
+        model, recipe = tiny_clip.load_shipped(tiny_clip.SHIPPED_WEIGHTS)
+        tokenizer = tiny_clip.ShippedTokenizer(set(tiny_clip.trained_token_ids()))
+        return model, recipe, tokenizer, tiny_clip.file_sha256(tiny_clip.SHIPPED_WEIGHTS)
+
+    assert vocab_memo() == vocab_each_call()
+    new_sd = tiny_clip.tiny_clip_digits().clip.state_dict()
+    old_sd = model_each_call()[0].state_dict()
+    assert all(torch.equal(new_sd[k], v) for k, v in old_sd.items())
+    return {
+        "vocabulary hash (tiny-clip)": (vocab_memo, vocab_each_call, 1.0, 1e3, "ms"),
+        "default model (tiny-clip-digits)": (
+            tiny_clip.tiny_clip_digits, model_each_call, 1.0, 1e3, "ms",
+        ),
+    }  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=7)
@@ -64,65 +165,12 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if args.repeats < 1 or args.files < 1:
         parser.error(f"--repeats and --files must be >= 1, got {args.repeats}, {args.files}")
-
     text = (ROOT / "registry.yaml").read_text(encoding="utf-8")
     files = sorted((ROOT / "results" / "digits-c").glob("*.samples/*.parquet"))[: args.files]
     if not files:
         parser.error(f"no per-sample files under {ROOT / 'results' / 'digits-c'}")
     raw = [f.read_bytes() for f in files]
-    assert yaml.load(text, Loader=catalog.SAFE_LOADER) == yaml.load(text, Loader=yaml.SafeLoader)
-    for r in raw:
-        new, old = pq.ParquetFile(pa.BufferReader(r)).read(), pq.read_table(pa.BufferReader(r))
-        assert new.equals(old, check_metadata=True)
-
-    names = tuple(dg.digits(split="test").classnames)
-
-    def digits_each_call():  # what a call built before: the split's dataset, every time
-        return dg._dataset.__wrapped__("test", None, names)
-
-    def model_each_call():  # what a call did before: a new model, the file loaded into it
-        model, recipe = tiny_clip.load_shipped(tiny_clip.SHIPPED_WEIGHTS)
-        tokenizer = tiny_clip.ShippedTokenizer(set(tiny_clip.trained_token_ids()))
-        return model, recipe, tokenizer, tiny_clip.file_sha256(tiny_clip.SHIPPED_WEIGHTS)
-
-    new_ds, old_ds = dg.digits(split="test").dataset, digits_each_call()
-    assert new_ds["label"] == old_ds["label"]
-    assert all(np.array_equal(np.asarray(new_ds[i]["image"]), np.asarray(old_ds[i]["image"]))
-               for i in range(0, len(new_ds), 37))  # fmt: skip
-    new_sd = tiny_clip.tiny_clip_digits().clip.state_dict()
-    old_sd = model_each_call()[0].state_dict()
-    assert all(torch.equal(new_sd[k], v) for k, v in old_sd.items())
-
-    pairs = {
-        "catalogue (registry.yaml)": (
-            lambda: yaml.load(text, Loader=catalog.SAFE_LOADER),
-            lambda: yaml.load(text, Loader=yaml.SafeLoader),
-            1.0,
-            1e3,
-            "ms",
-        ),
-        f"per-sample file (mean of {len(raw)})": (
-            lambda: [pq.ParquetFile(pa.BufferReader(r)).read() for r in raw],
-            lambda: [pq.read_table(pa.BufferReader(r)) for r in raw],
-            1.0 / len(raw),
-            1e3,
-            "ms",
-        ),
-        "digits test stream": (
-            lambda: dg.digits(split="test"),
-            digits_each_call,
-            1.0,
-            1e3,
-            "ms",
-        ),
-        "default model (tiny-clip-digits)": (
-            tiny_clip.tiny_clip_digits,
-            model_each_call,
-            1.0,
-            1e3,
-            "ms",
-        ),
-    }
+    pairs = {**_file_pairs(text, raw), **_data_pairs(), **_model_pairs()}
     print(f"{'what':32s} {'used: median (range)':26s} {'replaced':26s} ratio")
     for name, (used, replaced, per, scale, unit) in pairs.items():
         used(), replaced()  # warm-up

@@ -10,7 +10,6 @@ from __future__ import annotations
 import multiprocessing as mp
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
@@ -19,7 +18,6 @@ import torch
 from tta_bench import text_head
 from tta_bench.catalog import catalog
 from tta_bench.model import ModelBundle, Preprocess, ZeroShotClassifier
-from tta_bench.run.cost import PeakMemory
 
 U = 2.0**-24  # float32 unit roundoff
 
@@ -160,28 +158,10 @@ def test_chunk_size_must_be_a_positive_int(clip, tokenizer, bad):
         text_head.encode_class_embeddings(clip, tokenizer, ["cat"], ["a {}."], chunk_size=bad)
 
 
-@pytest.mark.slow
-def test_imagenet_1000_classes_x_80_templates_in_bounded_memory(tokenizer, imagenet, tmp_cache):
-    """The head that could not be built (one 80,000-prompt call): in chunks of 256 prompts
-    the process grows by a bounded amount. At this tower's width (32) one call over all
-    prompts would hold [80000, 77, 128] float MLP activations alone: 3.2 GB."""
-    names, templates = imagenet
-    assert (len(names), len(templates)) == (1000, 80)
-    model = tiny_text_clip(seed=1)
-    with Recorder(model, keep=False) as rec, PeakMemory(torch.device("cpu")) as mem:
-        start = time.perf_counter()
-        head = text_head.class_embeddings(model, tokenizer, names, templates, chunk_size=256)
-        seconds = time.perf_counter() - start
-    print(f"\n1000 x 80 head: {seconds:.1f} s, RSS growth {mem.peak_bytes / 2**20:.0f} MiB")
-    assert head.shape == (1000, 32) and bool(torch.isfinite(head).all())
-    assert max(rec.batches) <= 256 and sum(rec.batches) == 80_000
-    assert mem.peak_bytes < 300 * 2**20
-    # a few classes against the unchunked computation, and the cache hit without encoding
-    ref, _ = legacy_head(model, tokenizer, names[:3], templates)
-    assert torch.allclose(head[:3], ref, atol=1e-5, rtol=0)
-    with Recorder(model, keep=False) as rec:
-        again = text_head.class_embeddings(model, tokenizer, names, templates, chunk_size=256)
-    assert rec.batches == [] and torch.equal(again, head)
+# The memory an ImageNet-sized head needs (1,000 classes x 80 templates in chunks, against
+# 300 MiB) is a target, measured by benchmarks/text_head_memory.py, not asserted here: the
+# chunks, their equality with the unchunked computation and the cache are the tests above
+# and below.
 
 
 # -- the cache -------------------------------------------------------------------------
