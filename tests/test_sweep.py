@@ -42,7 +42,7 @@ def test_seed_lists_become_one_job_per_seed():
     ]
 
 
-def test_sweep_runs_jobs_merges_and_a_rerun_does_no_work(tmp_path, capfd):
+def test_sweep_runs_jobs_merges_and_a_rerun_does_no_work(tmp_path):
     sweep_dir = tmp_path / "sweep"
     first = sweep_on_one_thread(
         "--dir", str(sweep_dir), "method=zeroshot,tent", "seeds=[0,1]", *SMALL,
@@ -65,20 +65,19 @@ def test_sweep_runs_jobs_merges_and_a_rerun_does_no_work(tmp_path, capfd):
         assert checks["accuracy"].stored == 2 and checks["accuracy"].max_difference == 0.0
     mtimes = {p: p.stat().st_mtime_ns for p in runs}
 
-    # The same sweep again, its jobs in two joblib worker processes (they print to this
-    # process's standard output, captured at its file descriptor): every job finds its
-    # file done. The workers are stopped after it, not left idle for loky's timeout.
-    from joblib.externals.loky import get_reusable_executor
-
-    capfd.readouterr()
-    try:
-        sweep_on_one_thread("--dir", str(sweep_dir), "method=zeroshot,tent", "seeds=[0,1]",
-                            *SMALL, "hydra/launcher=joblib", "hydra.launcher.n_jobs=2")  # fmt: skip
-    finally:
-        get_reusable_executor().shutdown(wait=True)
-    printed = capfd.readouterr().out
-    assert printed.count("(1 skipped as finished)") == 4
-    pids = set(re.findall(r"\[job \d+ pid (\d+)\]", printed))
+    # The same sweep again, from its own process in two joblib worker processes: every job
+    # finds its file done.
+    again = _sweep(
+        "--dir",
+        str(sweep_dir),
+        "method=zeroshot,tent",
+        "seeds=[0,1]",
+        *SMALL,
+        "hydra/launcher=joblib",
+        "hydra.launcher.n_jobs=2",
+    )
+    assert again.stdout.count("(1 skipped as finished)") == 4
+    pids = set(re.findall(r"\[job \d+ pid (\d+)\]", again.stdout))
     assert pids and str(os.getpid()) not in pids
     assert {p: p.stat().st_mtime_ns for p in runs} == mtimes  # no job rewrote its file
     assert "joblib" in (sweep_dir / "multirun.yaml").read_text()
