@@ -88,13 +88,22 @@ def _fmt(values: list[float], unit: str) -> str:
     return f"{statistics.median(values):.1f} {unit} ({min(values):.1f}-{max(values):.1f})"
 
 
+def _positive(text: str) -> int:
+    """An argparse type: an integer of at least 1 (exit 2 naming the value otherwise)."""
+    try:
+        value = int(text)
+    except ValueError:
+        value = 0
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be an integer >= 1, got {text!r}")
+    return value
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--repeats", type=int, default=3)
-    parser.add_argument("--chunk", type=int, default=256)
+    parser.add_argument("--repeats", type=_positive, default=3, help="builds timed (3)")
+    parser.add_argument("--chunk", type=_positive, default=256, help="prompts a call (256)")
     args = parser.parse_args(argv)
-    if args.repeats < 1 or args.chunk < 1:
-        parser.error(f"--repeats and --chunk must be >= 1, got {args.repeats}, {args.chunk}")
     import open_clip
 
     tokenizer = open_clip.get_tokenizer("ViT-B-32")
