@@ -180,15 +180,7 @@ class ZeroShotClassifier(nn.Module):
 def state_sha256(module: nn.Module) -> str:
     """SHA-256 of a module's state (every tensor's name, dtype, shape and bytes, in
     ``state_dict`` order): identical weights give the identical hash on any machine."""
-    import hashlib
-
-    h = hashlib.sha256()
-    for name, tensor in module.state_dict().items():
-        t = tensor.detach().cpu().contiguous()
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)};".encode())
-        if t.numel():  # the bytes in place, uncopied (reshape: a 0-d tensor has no byte view)
-            h.update(t.reshape(-1).view(torch.uint8).numpy())
-    return h.hexdigest()
+    return text_head.tensors_sha256(module.state_dict().items())
 
 
 def count_parameters(module: nn.Module, trainable_only: bool = False) -> int:

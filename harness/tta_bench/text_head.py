@@ -45,7 +45,7 @@ import struct
 import time
 import warnings
 import weakref
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -253,8 +253,6 @@ def text_state_sha256(clip: nn.Module) -> str:
     place through autograd-visible ops (an optimiser step, ``load_state_dict``, an in-place
     op under ``no_grad``: each bumps the tensor's version counter). Writes through
     ``tensor.data`` bypass version counters; a caller doing that must not rely on the memo."""
-    import torch
-
     tensors = _text_tensors(clip)
     fingerprint = tuple(
         (name, t.data_ptr(), t._version, tuple(t.shape), str(t.dtype), str(t.device))
@@ -263,15 +261,22 @@ def text_state_sha256(clip: nn.Module) -> str:
     memo = _TEXT_HASHES.get(clip)
     if memo is not None and memo[0] == fingerprint:
         return memo[1]
-    h = hashlib.sha256()
-    for name, tensor in tensors:
-        t = tensor.detach().cpu().contiguous()
-        h.update(f"{name}|{t.dtype}|{tuple(t.shape)};".encode())
-        if t.numel():  # the bytes in place, uncopied (reshape: a 0-d tensor has no byte view)
-            h.update(t.reshape(-1).view(torch.uint8).numpy())
-    digest = h.hexdigest()
+    digest = tensors_sha256(tensors)
     _TEXT_HASHES[clip] = (fingerprint, digest)
     return digest
+
+
+def tensors_sha256(named: Iterable[tuple[str, torch.Tensor]]) -> str:
+    """SHA-256 of named tensors, in order: names, dtypes, shapes and bytes (read in place)."""
+    import torch
+
+    h = hashlib.sha256()
+    for name, tensor in named:
+        t = tensor.detach().cpu().contiguous()
+        h.update(f"{name}|{t.dtype}|{tuple(t.shape)};".encode())
+        if t.numel():  # reshape: a 0-d tensor has no byte view
+            h.update(t.reshape(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
 
 
 def tokenizer_identity(
@@ -304,9 +309,8 @@ def tokenizer_identity(
     }
 
 
-#: id of a tokenizer's vocabulary dict (its ``encoder``) -> (the dict, its size, its SHA-256),
-#: the last few: each bundle's tokenizer may wrap one shared tokenizer (the dict is held, so
-#: that its id names it while here).
+#: id of a tokenizer's ``encoder`` dict -> (the dict, held so that its id names it; its size;
+#: its SHA-256), the last few: each bundle's tokenizer may wrap one shared tokenizer.
 _VOCAB_HASHES: dict[int, tuple[dict[Any, Any], int, str]] = {}
 
 
