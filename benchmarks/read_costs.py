@@ -50,6 +50,8 @@ import yaml
 from mura_plugin.datasets import digits as dg
 from mura_plugin.models import tiny_clip
 from tta_bench import catalog, text_head
+from tta_bench.report.paired import PAIRED_COLUMNS
+from tta_bench.run import samples
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -72,15 +74,12 @@ Pairs = dict[str, tuple[Callable[[], object], Callable[[], object], float, float
 def _file_pairs(text: str, raw: list[bytes]) -> Pairs:
     """The catalogue and the per-sample files, each pair of readers checked to agree."""
     assert yaml.load(text, Loader=catalog.SAFE_LOADER) == yaml.load(text, Loader=yaml.SafeLoader)
-    paired = ["index", "batch", "label", "prediction", "reference"]
 
-    def one_thread(r: bytes) -> pa.Table:
-        return pq.ParquetFile(pa.BufferReader(r)).read(use_threads=False)
+    def one_thread(r: bytes) -> pa.Table:  # as samples.open_cell reads a file
+        return samples.table_of(r)
 
-    def paired_columns(r: bytes) -> pa.Table:
-        file = pq.ParquetFile(pa.BufferReader(r))
-        names = set(file.schema_arrow.names)
-        return file.read(columns=[c for c in paired if c in names], use_threads=False)
+    def paired_columns(r: bytes) -> pa.Table:  # as report.paired.read_run reads one
+        return samples.table_of(r, PAIRED_COLUMNS)
 
     for r in raw:
         new, old = one_thread(r), pq.read_table(pa.BufferReader(r))

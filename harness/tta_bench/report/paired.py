@@ -128,7 +128,7 @@ def _rerun_hint(path: Path) -> str:
 
 
 #: The columns a paired comparison reads of a cell file (``reference``: where logged).
-_PAIRED_COLUMNS = ("index", "batch", "label", "prediction", "reference")
+PAIRED_COLUMNS = ("index", "batch", "label", "prediction", "reference")
 
 
 def read_run(
@@ -149,7 +149,7 @@ def read_run(
         file = samples.cell_file(folder, *key)
         if not file.is_file():
             raise ValueError(f"{path}: no per-sample file {str(file)!r}; {_rerun_hint(path)}")
-        found = samples.open_cell(folder, *key, columns=_PAIRED_COLUMNS)
+        found = samples.open_cell(folder, *key, columns=PAIRED_COLUMNS)
         samples.verify_cell(found, run_key=run_key, key=key, method=label, n=int(cells[key]["n"]))
         table = found.table
         out[key] = CellRows(

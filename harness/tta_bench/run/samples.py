@@ -255,25 +255,29 @@ def open_cell(
     """The cell's file, read once: its rows (``columns``: only those of them the file has,
     default all) and the digest of its data pages (over the whole file, whatever is read);
     a missing or unreadable file is a ``ValueError`` naming it."""
-    import pyarrow as pa
-    import pyarrow.parquet as pq
-
     path = cell_file(folder, shift, severity, seed)
     if not path.is_file():
         raise ValueError(f"no per-sample file {str(path)!r} for cell ({shift}, {severity}, {seed})")
     try:
         raw = path.read_bytes()
-        # ParquetFile.read: the same table as read_table (schema metadata included) without
-        # the dataset layer's set-up, about half the cost on a cell file; on one thread: a
-        # cell file is a few KB, less than a thread pool's start costs (docs/speed.md)
-        parquet = pq.ParquetFile(pa.BufferReader(raw))
-        if columns is not None:
-            names = set(parquet.schema_arrow.names)
-            columns = [c for c in columns if c in names]
-        table = parquet.read(columns=columns, use_threads=False)
-        return CellFile(path, table, data_digest(raw))
+        return CellFile(path, table_of(raw, columns), data_digest(raw))
     except Exception as exc:  # pyarrow's own errors (truncated or not Parquet)
         raise ValueError(f"{path}: not a readable per-sample Parquet file ({exc})") from exc
+
+
+def table_of(raw: bytes, columns: Sequence[str] | None = None) -> Any:
+    """A cell file's bytes as a ``pyarrow.Table`` (``columns``: those of them it has).
+    ``ParquetFile.read``: the same table as ``read_table`` (schema metadata included)
+    without the dataset layer's set-up, about half the cost on a cell file; on one thread:
+    a cell file is a few KB, less than a thread pool's start costs (docs/speed.md)."""
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+
+    parquet = pq.ParquetFile(pa.BufferReader(raw))
+    if columns is not None:
+        names = set(parquet.schema_arrow.names)
+        columns = [c for c in columns if c in names]
+    return parquet.read(columns=columns, use_threads=False)
 
 
 def read_cell(folder: Path, shift: str, severity: int, seed: int) -> Any:
