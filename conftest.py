@@ -2,6 +2,9 @@
 
 * torch gets at most two threads, shared out among pytest-xdist's workers (one each for two
   workers on two cores): oversubscribed cores make every torch process many times slower.
+  It is set where tests run (each worker, or the one process of ``-n 0``); pytest-xdist's
+  controller only hands out tests and never imports torch, so the workers start ~2 s
+  sooner (torch's import).
 * Bytecode is written even where ``PYTHONDONTWRITEBYTECODE`` is set (as on some CI and
   sandbox machines): the suite starts dozens of interpreters (CLI runs, sweeps, SLURM
   tasks) and each pytest-xdist worker rewrites every test module's asserts; without
@@ -24,14 +27,30 @@ import os
 import sys
 
 import pytest
-import torch
 
 sys.dont_write_bytecode = False
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)  # the interpreters the tests start, too
 os.environ.setdefault("OMP_WAIT_POLICY", "PASSIVE")  # read as each one loads OpenMP
 
-_WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
-torch.set_num_threads(max(1, min(2, torch.get_num_threads()) // _WORKERS))
+
+def _runs_tests(config: pytest.Config) -> bool:
+    """Whether this process runs tests: a pytest-xdist worker, or a run without workers
+    (``-n 0``, or pytest-xdist absent); not the controller of a distributed run."""
+    if hasattr(config, "workerinput"):
+        return True
+    return (getattr(config.option, "numprocesses", None) or 0) == 0
+
+
+@pytest.hookimpl(tryfirst=True)
+def pytest_sessionstart(session: pytest.Session) -> None:
+    """Before any test module is collected (collection imports torch anyway in a process
+    that runs tests): torch's thread count, shared out among the workers."""
+    if not _runs_tests(session.config):
+        return
+    import torch
+
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    torch.set_num_threads(max(1, min(2, torch.get_num_threads()) // workers))
 
 
 def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:

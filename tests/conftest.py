@@ -4,7 +4,6 @@ real digits data. No mocks of our own code."""
 from __future__ import annotations
 
 import pytest
-import torch
 
 
 @pytest.fixture(scope="session")
@@ -32,6 +31,8 @@ def classifier(default_bundle, digits_stream):
 @pytest.fixture(scope="session")
 def test_images(digits_stream):
     """Clean digits test images [N, 3, 32, 32] in [0, 1] and labels [N]."""
+    import torch
+
     from mura_plugin.datasets.digits import digits_arrays
 
     x, y = digits_arrays("test")
@@ -43,6 +44,8 @@ def noisy_images(test_images):
     """The first 6 test digits with Gaussian noise (sigma 0.3, generator seed 0), clamped
     to [0, 1]: the batch the method tests adapt on. Noise is drawn row after row, so its
     first k rows are the batch of k such images."""
+    import torch
+
     images, _ = test_images
     noisy = images[:6] + 0.3 * torch.randn(
         6, *images.shape[1:], generator=torch.Generator().manual_seed(0)

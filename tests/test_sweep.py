@@ -11,7 +11,8 @@ import sys
 import pytest
 from processes import run_on_one_thread, sweep_on_one_thread
 
-from tta_bench.run import results
+from tta_bench.registry import registry
+from tta_bench.run import results, sweep
 from tta_bench.run.rescore import rescore
 from tta_bench.run.sweep import first_job, split_seed_overrides
 
@@ -40,6 +41,28 @@ def test_seed_lists_become_one_job_per_seed():
         "seeds=[0]",
         "suite=digits-c",
     ]
+
+
+@pytest.mark.parametrize(
+    ("overrides", "methods", "models"),
+    [
+        (["method=zeroshot,tent", "seeds=[0],[1]"], ["zeroshot", "tent"], ["tiny-clip-digits"]),
+        (["method=choice(tent-digits,mura)", "model=tiny-clip-digits"], ["tent", "mura"],
+         ["tiny-clip-digits"]),  # a preset: its method
+        (["seeds=[0]"], ["zeroshot"], ["tiny-clip-digits"]),  # the catalogue's defaults
+        (["method=glob(t*)"], None, ["tiny-clip-digits"]),  # a glob picks among all
+        (["~method"], None, ["tiny-clip-digits"]),
+    ],
+)  # fmt: skip
+def test_a_sweep_stores_the_configs_of_the_methods_it_names(overrides, methods, models,
+                                                            monkeypatch):  # fmt: skip
+    """Storing a method's config imports its module (torch, torchvision, the plugin's
+    modules): a sweep stores those its overrides name, all of them only for an open
+    choice."""
+    stored = []
+    monkeypatch.setattr("tta_bench.config._register", lambda m, d: stored.append((m, d)))
+    sweep.register_configs(overrides)
+    assert stored == [(methods or registry("methods").names(), models)]
 
 
 def test_sweep_runs_jobs_merges_and_a_rerun_does_no_work(tmp_path):

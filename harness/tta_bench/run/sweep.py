@@ -102,35 +102,48 @@ def check_launcher(overrides: Sequence[str]) -> str:
 CHECKED_CHOICES = ("method", "model", "suite")
 
 
-def check_choices(overrides: Sequence[str]) -> None:
-    """Every value of the ``method=``, ``model=`` and ``suite=`` overrides (each value of a
-    sweep, ``a,b`` or ``choice(a,b)``) must be a registered method or preset, a registered
-    model, a catalogue suite: else the registry's ``UnknownNameError`` (a ``ValueError``:
-    "did you mean ...? Available: ..."), before anything is composed or launched (Hydra
-    would stop at the first job that names it, after the jobs before it ran). A ``glob``
-    sweep picks among registered names already; a value Hydra cannot parse is left to it."""
+def choice_values(overrides: Sequence[str]) -> dict[str, list[str] | None]:
+    """The values each ``method=``, ``model=`` and ``suite=`` override names (every value of
+    a sweep, ``a,b`` or ``choice(a,b)``), by key; None where they are open: a ``glob``
+    sweep (it picks among registered names), a deletion, or a value Hydra cannot parse
+    (Hydra reports it, naming the override). Keys no override sets are absent."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.core.override_parser.types import ValueType
 
-    from tta_bench import catalog
-    from tta_bench.config import resolve_method
-
     parser = OverridesParser.create()
+    found: dict[str, list[str] | None] = {}
     for text in overrides:
-        if text.split("=", 1)[0].strip().lstrip("+~") not in CHECKED_CHOICES:
+        key = text.split("=", 1)[0].strip().lstrip("+~")
+        if key not in CHECKED_CHOICES:
             continue
         try:
             override = parser.parse_overrides([text])[0]
         except Exception:  # Hydra's grammar errors: Hydra reports them, naming the override
+            found[key] = None
             continue
         if override.is_delete() or override.value_type == ValueType.GLOB_CHOICE_SWEEP:
+            found[key] = None
             continue
-        key = override.get_key_element().lstrip("+~")
         if override.is_sweep_override():
             values = [str(v) for v in override.sweep_string_iterator()]
         else:
             values = [override.get_value_element_as_str()]
-        for value in values:
+        if key not in found or found[key] is not None:
+            found[key] = [*(found.get(key) or []), *values]
+    return found
+
+
+def check_choices(overrides: Sequence[str]) -> None:
+    """Every value of the ``method=``, ``model=`` and ``suite=`` overrides
+    (``choice_values``) must be a registered method or preset, a registered model, a
+    catalogue suite: else the registry's ``UnknownNameError`` (a ``ValueError``: "did you
+    mean ...? Available: ..."), before anything is composed or launched (Hydra would stop
+    at the first job that names it, after the jobs before it ran)."""
+    from tta_bench import catalog
+    from tta_bench.config import resolve_method
+
+    for key, values in choice_values(overrides).items():
+        for value in values or ():
             if key == "method":
                 resolve_method(value)
             elif key == "model":
@@ -192,13 +205,31 @@ def first_job(overrides: Sequence[str]) -> list[str]:
     return out
 
 
-def register_configs() -> None:
-    """Store the run config and every registered method/model as Hydra config nodes."""
+def register_configs(overrides: Sequence[str] = ()) -> None:
+    """Store the run config and the methods and models the sweep's ``overrides`` name
+    (``choice_values``; a preset's method; the catalogue's default where none is named)
+    as Hydra config nodes; every registered one where the values are open (a ``glob``
+    sweep). A method's config is its class's, so storing one imports its module: a sweep
+    of two methods no longer imports all of them (each import of torchvision and the
+    plugin's modules cost ~2 s a sweep's start)."""
     from hydra.core.config_store import ConfigStore
 
-    from tta_bench.config import _register, run_config
+    from tta_bench import catalog
+    from tta_bench.config import _register, resolve_method, run_config
 
-    _register(registry("methods").names(), registry("models").names())
+    named = choice_values(overrides)
+
+    def names(key: str, group: str) -> list[str]:
+        if key in named and named[key] is None:
+            return registry(group).names()
+        chosen = named.get(key) or [catalog.default_or_none(key)]
+        if None in chosen:  # no catalogue default: Hydra asks for the choice
+            return registry(group).names()
+        if key == "method":
+            chosen = [resolve_method(c)[0] for c in chosen]
+        return list(dict.fromkeys(chosen))
+
+    _register(names("method", "methods"), names("model", "models"))
     ConfigStore.instance().store(name=CONFIG_NAME, node=run_config())
 
 
@@ -477,7 +508,7 @@ def main(
 
     overrides = rewrite_switches(overrides)  # ``<switch>=true``: ``profile=NAME``
     check_choices(overrides)  # every name of every value list, before Hydra launches one
-    register_configs()
+    register_configs(overrides)
     ConfigStore.instance().store(
         group="hydra/sweeper",
         name="tta_bench_packing",
