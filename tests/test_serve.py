@@ -293,13 +293,18 @@ def _tree(root: Path) -> set[str]:
 
 
 @pytest.mark.slow
-def test_cli_serves_until_ctrl_c_and_never_writes_uploads(tmp_path):
-    """The installed command in a subprocess, with its temporary and cache directories
-    pointed at empty folders: a 2.7 MB upload (Starlette would spool it to a temporary file
-    past 1 MB) leaves no file anywhere in them; SIGINT stops it cleanly."""
+def test_cli_serves_with_a_token_file_until_ctrl_c_and_never_writes_uploads(tmp_path):
+    """The installed command in a subprocess with ``--token-file`` and its temporary and
+    cache directories pointed at empty folders: 401 without the token, 200 with it, the
+    token nowhere in the process's command line; a 2.7 MB upload (Starlette would spool it
+    to a temporary file past 1 MB) leaves no file anywhere in them; SIGINT stops it
+    cleanly. (One process for both: each start loads the model, ~7 CPU-s.)"""
     dirs = {name: tmp_path / name for name in ("tmp", "cache", "xdg")}
     for d in dirs.values():
         d.mkdir()
+    token = tmp_path / "token"
+    token.write_text("file-s3cret\n")
+    token.chmod(0o600)
     env = {
         **os.environ,
         "TMPDIR": str(dirs["tmp"]),
@@ -308,16 +313,21 @@ def test_cli_serves_until_ctrl_c_and_never_writes_uploads(tmp_path):
         "OMP_NUM_THREADS": "1",
     }
     env.pop("TTA_BENCH_SERVE_TOKEN", None)
-    with serve_cli("--no-auth", "--max-body-mb", "8", env=env) as (proc, url):
+    with serve_cli("--token-file", str(token), "--max-body-mb", "8", env=env) as (proc, url):
+        assert b"file-s3cret" not in Path(f"/proc/{proc.pid}/cmdline").read_bytes()
         before = {name: _tree(d) for name, d in dirs.items()}
         rng = np.random.default_rng(1)
         big = _png(rng.integers(0, 256, (950, 950, 3), dtype=np.uint8))
         assert len(big) > 2_500_000
+        good = {"Authorization": "Bearer file-s3cret"}
         with httpx.Client(base_url=url, timeout=120) as client:
-            r = client.post("/predict", files=[("image", ("big.png", big, "image/png"))])
+            assert client.get("/info").status_code == 401
+            info = client.get("/info", headers=good).json()
+            assert info["auth"] == "bearer" and info["method"] == "zeroshot"
+            files = [("image", ("big.png", big, "image/png"))]
+            r = client.post("/predict", files=files, headers=good)
             assert r.status_code == 200, r.text
             assert r.json()["predictions"][0]["file"] == "big.png"
-            assert client.get("/info").json()["method"] == "zeroshot"
         assert {name: _tree(d) for name, d in dirs.items()} == before
         proc.send_signal(signal.SIGINT)
         assert proc.wait(timeout=30) == 0

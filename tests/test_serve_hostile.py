@@ -9,7 +9,6 @@ from __future__ import annotations
 import io
 import logging
 import os
-import signal
 import socket
 import time
 from pathlib import Path
@@ -18,7 +17,6 @@ from urllib.parse import urlsplit
 import httpx
 import numpy as np
 import pytest
-from processes import serve_cli
 
 from tta_bench.deploy.adapter import Adapter
 from tta_bench.deploy.serve import Limits, Service, running
@@ -406,23 +404,8 @@ def test_help_and_startup_line_say_which_auth_is_in_force(default_bundle, capsys
             _service(default_bundle, token=bad)
 
 
-@pytest.mark.slow
-def test_cli_token_file_guards_the_service_and_stays_out_of_ps(tmp_path):
-    """The installed command in a subprocess with --token-file: 401 without the token, 200
-    with it, and the token is nowhere in the process's command line."""
-    path = tmp_path / "token"
-    path.write_text("file-s3cret\n")
-    path.chmod(0o600)
-    env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    env.pop("TTA_BENCH_SERVE_TOKEN", None)
-    with serve_cli("--token-file", str(path), env=env) as (proc, url):
-        assert b"file-s3cret" not in Path(f"/proc/{proc.pid}/cmdline").read_bytes()
-        with httpx.Client(base_url=url, timeout=30) as client:
-            assert client.get("/info").status_code == 401
-            good = {"Authorization": "Bearer file-s3cret"}
-            assert client.get("/info", headers=good).json()["auth"] == "bearer"
-        proc.send_signal(signal.SIGINT)
-        assert proc.wait(timeout=30) == 0
+# The token file through the installed command (401 without it, 200 with it, never on the
+# command line): tests/test_serve.py, test_cli_serves_with_a_token_file_until_ctrl_c_...
 
 
 # -- 5. bad addresses before anything is built; disconnects are one log line ----------------
