@@ -9,12 +9,14 @@ neither is possible every test here is skipped with the reason."""
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import re
 import shutil
 import subprocess
 import sys
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -132,7 +134,9 @@ def _job_logs(sweep_dir: Path) -> str:
     return "\n".join(p.read_text() for p in sorted((sweep_dir / ".submitit").rglob("*_log.*")))
 
 
-def test_an_array_sweep_ranks_as_the_same_sweep_run_locally(cluster, tmp_path):
+def test_an_array_sweep_ranks_as_the_same_sweep_run_locally(cluster, preempted_sweep, tmp_path):
+    # ``preempted_sweep``: started now, so that its sleeping task and the thread that
+    # interrupts it run while this test computes; the preemption test checks it.
     grid = ["method=zeroshot,tda,tent", "seeds=[0,1]", *SMALL]
     on = tmp_path / "slurm"
     here = tmp_path / "local"
@@ -190,6 +194,18 @@ def _release_when_requeued(env: dict[str, str], job: str) -> None:
     subprocess.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], env=env, check=True)
 
 
+def _job_of(sweep_dir: Path, env: dict[str, str]) -> str | None:
+    """The running task of the sweep's one job, as squeue names it (``<id>`` or
+    ``<id>_0``): the job submitit made for this sweep (its folder ``.submitit/<id>``), never
+    another test's job on the same cluster."""
+    folder = sweep_dir / ".submitit"
+    ids = {p.name for p in folder.iterdir() if p.is_dir() and p.name.isdigit()}
+    for j, state, _ in _squeue(env):
+        if state == "RUNNING" and j.split("_")[0] in ids:
+            return j
+    return None
+
+
 #: The harness's own test plugin (``harness/tests/plugin``, found through ``PYTHONPATH``):
 #: its ``sleepy`` method is its frozen tiny classifier with a sleep per batch. The
 #: preemption test needs cells long enough to be interrupted; with a real method a cell
@@ -202,6 +218,7 @@ TEST_PLUGINS = "tta-bench,tta-bench-testplugin"
 #: task is killed (SIGTERM, which submitit ignores, then SIGKILL after the test cluster's
 #: KillWait of 2 s) before it could finish its remaining cells.
 SLEEPY = ["method=sleepy", "seeds=[0]", "protocol.severities=[1,2,3]"]
+SLEEPY_CELLS = 6
 SLEEP = "method.seconds=0.4"
 
 
@@ -215,8 +232,8 @@ EPISODIC = ["method=mura", "seeds=[0]", "protocol.reset=episodic_batch",
 def episodic_sweep(cluster, tmp_path_factory):
     """``(sweep folder, process)``: the sweep of the episodic test, its cell in two parts,
     started on the cluster when a test of this module first asks for it. The preemption
-    test does (it leaves its core idle while it waits on the scheduler and on its sleeping
-    tasks, which the two parts' tasks use); the episodic test waits for it and checks it.
+    test does (it waits for the interruptions of its sleeping task, which leaves a CPU to
+    the two parts' tasks); the episodic test waits for it and checks it.
     Where that test did not run (``-k``, or another worker took it), the sweep is waited for
     at the module's end, so that none of its tasks outlives the tests."""
     sweep_dir = tmp_path_factory.mktemp("episodic") / "sweep"
@@ -236,41 +253,90 @@ def episodic_sweep(cluster, tmp_path_factory):
                 proc.communicate()
 
 
-def test_a_preempted_and_a_requeued_task_lose_nothing(cluster, episodic_sweep, tmp_path):
-    total = 6
-    sweep_dir = tmp_path / "sweep"
+@dataclasses.dataclass
+class _Preempted:
+    """The preemption test's sweep and the thread that interrupts its task twice."""
+
+    sweep_dir: Path
+    env: dict[str, str]
+    proc: subprocess.Popen
+    interrupted_at: list[int] = dataclasses.field(default_factory=list)
+    failure: list[BaseException] = dataclasses.field(default_factory=list)
+    driver: threading.Thread | None = None
+
+    def interrupt_twice(self) -> None:
+        """1. the scheduler's preemption signal (submitit checkpoints and requeues the
+        task), once it finished a first cell; 2. an operator's requeue (the task is killed:
+        SIGTERM, then SIGKILL) once the rerun finished a cell. Run on a thread; what fails
+        is kept for the test to raise."""
+        part_of = lambda: next(iter((self.sweep_dir / "runs").glob("*.json")), None)  # noqa: E731
+        try:
+            part = _wait(part_of, "results")
+            job = _wait(lambda: _job_of(self.sweep_dir, self.env), "the sweep's job")
+            _wait(lambda: 1 <= _cells_in(part) <= SLEEPY_CELLS - 4, "a first finished cell")
+            subprocess.run(["scancel", "--signal=USR2", job], env=self.env, check=True)
+            self.interrupted_at.append(_cells_in(part))
+            _release_when_requeued(self.env, job)
+            _wait(lambda: _cells_in(part) > self.interrupted_at[0], "a cell of the rerun",
+                  timeout=60)  # fmt: skip
+            assert _cells_in(part) <= SLEEPY_CELLS - 3, "the rerun ran too fast to be interrupted"
+            subprocess.run(["scontrol", "requeue", job], env=self.env, check=True)
+            self.interrupted_at.append(_cells_in(part))
+            _release_when_requeued(self.env, job)
+        except BaseException as e:  # noqa: BLE001 - raised again by the test
+            self.failure.append(e)
+
+
+@pytest.fixture(scope="module")
+def preempted_sweep(cluster, tmp_path_factory):
+    """The preemption test's sweep of the sleepy method, started on the cluster when a test
+    of this module first asks for it, with the thread that interrupts its task twice
+    (``_Preempted.interrupt_twice``). The array test asks first: the sleeping task and the
+    waits run while it computes, instead of holding this worker idle for ~40 s. Where the
+    preemption test did not run (``-k``, or another worker took it), the sweep is waited
+    for at the module's end, so that none of its tasks outlives the tests."""
+    tmp = tmp_path_factory.mktemp("preempted")
     path = os.pathsep.join(p for p in (str(TEST_PLUGIN), cluster.get("PYTHONPATH")) if p)
     env = {
         **cluster,
         "OMP_NUM_THREADS": "1",
         "PYTHONPATH": path,
         "TTA_BENCH_PLUGINS": TEST_PLUGINS,
-        "TTA_BENCH_CACHE": str(tmp_path / "cache"),
+        "TTA_BENCH_CACHE": str(tmp / "cache"),
     }
+    sweep_dir = tmp / "sweep"
     cmd = [sys.executable, "-m", "tta_bench.cli", "sweep", "--dir", str(sweep_dir), *SLEEPY,
            SLEEP, *ON_SLURM]  # fmt: skip
     proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                             text=True)  # fmt: skip
-    interrupted_at = []
+    state = _Preempted(sweep_dir, env, proc)
+    state.driver = threading.Thread(target=state.interrupt_twice, daemon=True)
+    state.driver.start()
     try:
-        part = _wait(lambda: next(iter((sweep_dir / "runs").glob("*.json")), None), "results")
-        job = _wait(lambda: next((j for j, s, _ in _squeue(env) if s == "RUNNING"), None), "job")
-        # 1. the scheduler's preemption signal: submitit checkpoints and requeues the task
-        _wait(lambda: 1 <= _cells_in(part) <= total - 4, "a first finished cell")
-        subprocess.run(["scancel", "--signal=USR2", job], env=env, check=True)
-        interrupted_at.append(_cells_in(part))
-        _release_when_requeued(env, job)
-        # 2. an operator's requeue: the task is killed (SIGTERM, then SIGKILL) and rerun
-        _wait(lambda: _cells_in(part) > interrupted_at[0], "a cell of the rerun", timeout=60)
-        assert _cells_in(part) <= total - 3, "the rerun ran too fast to be interrupted"
-        subprocess.run(["scontrol", "requeue", job], env=env, check=True)
-        interrupted_at.append(_cells_in(part))
-        _release_when_requeued(env, job)
-        out, _ = proc.communicate(timeout=300)
+        yield state
     finally:
+        state.driver.join(timeout=300)
         if proc.poll() is None:
-            proc.kill()
-    assert proc.returncode == 0, out[-3000:]
+            try:
+                proc.communicate(timeout=300)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+                proc.communicate()
+
+
+def test_a_preempted_and_a_requeued_task_lose_nothing(preempted_sweep, episodic_sweep, tmp_path):
+    state, sweep_dir = preempted_sweep, preempted_sweep.sweep_dir
+    state.driver.join(timeout=300)
+    assert not state.driver.is_alive(), "the interruptions did not finish"
+    if state.failure:
+        raise state.failure[0]
+    try:
+        out, _ = state.proc.communicate(timeout=300)
+    finally:
+        if state.proc.poll() is None:
+            state.proc.kill()
+    interrupted_at = state.interrupted_at
+    assert state.proc.returncode == 0, out[-3000:]
     logs = _job_logs(sweep_dir)
     assert "this job is preempted" in logs  # submitit read the signal as a preemption
     assert logs.count("Starting with JobEnvironment(job_id=") >= 3  # ran three times
@@ -278,7 +344,7 @@ def test_a_preempted_and_a_requeued_task_lose_nothing(cluster, episodic_sweep, t
     skipped = [int(s) for s in re.findall(r"\((\d+) skipped as finished\)", logs)]
     assert skipped and skipped[-1] >= interrupted_at[-1] >= 1, (skipped, interrupted_at)
     merged = results.load_results(next(sweep_dir.glob("*.json")))
-    assert merged["method"] == "sleepy" and len(merged["cells"]) == total
+    assert merged["method"] == "sleepy" and len(merged["cells"]) == SLEEPY_CELLS
     # the same run, uninterrupted, in this process (no sleep: it computes the same cells)
     alone = tmp_path / "alone.json"
     here = {"TTA_BENCH_PLUGINS": TEST_PLUGINS, "TTA_BENCH_CACHE": str(tmp_path / "cache")}
