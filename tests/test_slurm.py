@@ -224,7 +224,7 @@ SLEEP = "method.seconds=0.4"
 
 #: The episodic cell the last test splits over two array tasks.
 EPISODIC = ["method=mura", "seeds=[0]", "protocol.reset=episodic_batch",
-            "protocol.shifts=[contrast]", "protocol.max_images=40",
+            "protocol.shifts=[contrast]", "protocol.max_images=20",
             "protocol.batch_size=5"]  # fmt: skip
 
 
@@ -370,4 +370,4 @@ def test_one_episodic_cell_split_over_two_array_tasks_equals_the_whole(episodic_
     unsharded = results.load_results(whole)
     assert merged["protocol"]["id"] == unsharded["protocol"]["id"]
     assert _scores(merged) == _scores(unsharded)
-    assert merged["cells"][0]["n"] == 40 and merged["cells"][0]["batches"] == 8
+    assert merged["cells"][0]["n"] == 20 and merged["cells"][0]["batches"] == 4
