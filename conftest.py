@@ -3,8 +3,8 @@
 * torch gets at most two threads, shared out among pytest-xdist's workers (one each for two
   workers on two cores): oversubscribed cores make every torch process many times slower.
   It is set where tests run (each worker, or the one process of ``-n 0``); pytest-xdist's
-  controller only hands out tests and never imports torch, so the workers start ~2 s
-  sooner (torch's import).
+  controller only hands out tests and never imports torch, so the workers start sooner
+  (by torch's import).
 * Bytecode is written even where ``PYTHONDONTWRITEBYTECODE`` is set (as on some CI and
   sandbox machines): the suite starts dozens of interpreters (CLI runs, sweeps, SLURM
   tasks) and each pytest-xdist worker rewrites every test module's asserts; without

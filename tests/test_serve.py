@@ -298,7 +298,7 @@ def test_cli_serves_with_a_token_file_until_ctrl_c_and_never_writes_uploads(tmp_
     cache directories pointed at empty folders: 401 without the token, 200 with it, the
     token nowhere in the process's command line; a 2.7 MB upload (Starlette would spool it
     to a temporary file past 1 MB) leaves no file anywhere in them; SIGINT stops it
-    cleanly. (One process for both: each start loads the model, ~7 CPU-s.)"""
+    cleanly. (One process for both: each start of the service loads the model.)"""
     dirs = {name: tmp_path / name for name in ("tmp", "cache", "xdg")}
     for d in dirs.values():
         d.mkdir()

@@ -199,6 +199,8 @@ def _job_of(sweep_dir: Path, env: dict[str, str]) -> str | None:
     ``<id>_0``): the job submitit made for this sweep (its folder ``.submitit/<id>``), never
     another test's job on the same cluster."""
     folder = sweep_dir / ".submitit"
+    if not folder.is_dir():
+        return None
     ids = {p.name for p in folder.iterdir() if p.is_dir() and p.name.isdigit()}
     for j, state, _ in _squeue(env):
         if state == "RUNNING" and j.split("_")[0] in ids:
@@ -269,9 +271,9 @@ class _Preempted:
         task), once it finished a first cell; 2. an operator's requeue (the task is killed:
         SIGTERM, then SIGKILL) once the rerun finished a cell. Run on a thread; what fails
         is kept for the test to raise."""
-        part_of = lambda: next(iter((self.sweep_dir / "runs").glob("*.json")), None)  # noqa: E731
+        runs = self.sweep_dir / "runs"
         try:
-            part = _wait(part_of, "results")
+            part = _wait(lambda: next(iter(runs.glob("*.json")), None), "results")
             job = _wait(lambda: _job_of(self.sweep_dir, self.env), "the sweep's job")
             _wait(lambda: 1 <= _cells_in(part) <= SLEEPY_CELLS - 4, "a first finished cell")
             subprocess.run(["scancel", "--signal=USR2", job], env=self.env, check=True)
@@ -292,7 +294,7 @@ def preempted_sweep(cluster, tmp_path_factory):
     """The preemption test's sweep of the sleepy method, started on the cluster when a test
     of this module first asks for it, with the thread that interrupts its task twice
     (``_Preempted.interrupt_twice``). The array test asks first: the sleeping task and the
-    waits run while it computes, instead of holding this worker idle for ~40 s. Where the
+    waits run while it computes, instead of holding this worker idle. Where the
     preemption test did not run (``-k``, or another worker took it), the sweep is waited
     for at the module's end, so that none of its tasks outlives the tests."""
     tmp = tmp_path_factory.mktemp("preempted")
