@@ -92,15 +92,31 @@ def cluster(tmp_path_factory):
         subprocess.run(["bash", str(SCRIPT), "stop", str(folder)], timeout=60)
 
 
+def _start_cli(env: dict[str, str], *args: str) -> subprocess.Popen:
+    """``tta-bench ARGS`` started in a new interpreter on one thread, its output (stdout and
+    stderr) captured as text."""
+    cmd = [sys.executable, "-m", "tta_bench.cli", *args]
+    return subprocess.Popen(cmd, env={**env, "OMP_NUM_THREADS": "1"}, stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)  # fmt: skip
+
+
+def _reap(proc: subprocess.Popen, timeout: int = 300) -> None:
+    """Wait for a process a fixture started (up to ``timeout`` seconds, then kill it), so
+    that none of its cluster work outlives the tests."""
+    if proc.poll() is None:
+        try:
+            proc.communicate(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.communicate()
+
+
 @contextlib.contextmanager
 def _cli_meanwhile(env: dict[str, str], *args: str, timeout: int = 300) -> Iterator[None]:
     """``tta-bench ARGS`` in a new interpreter on one thread while the body runs (the test's
     local reference: the command mostly waits on the scheduler and its tasks); then waits
     for it and asserts that it succeeded. An error in the body kills it."""
-    env = {**env, "OMP_NUM_THREADS": "1"}
-    cmd = [sys.executable, "-m", "tta_bench.cli", *args]
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)  # fmt: skip
+    proc = _start_cli(env, *args)
     try:
         yield
         out, _ = proc.communicate(timeout=timeout)
@@ -239,20 +255,12 @@ def episodic_sweep(cluster, tmp_path_factory):
     Where that test did not run (``-k``, or another worker took it), the sweep is waited for
     at the module's end, so that none of its tasks outlives the tests."""
     sweep_dir = tmp_path_factory.mktemp("episodic") / "sweep"
-    cmd = [sys.executable, "-m", "tta_bench.cli", "sweep", "--dir", str(sweep_dir),
-           "--shards", "2", *EPISODIC, *ON_SLURM]  # fmt: skip
-    env = {**cluster, "OMP_NUM_THREADS": "1"}
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)  # fmt: skip
+    proc = _start_cli(cluster, "sweep", "--dir", str(sweep_dir), "--shards", "2", *EPISODIC,
+                      *ON_SLURM)  # fmt: skip
     try:
         yield sweep_dir, proc
     finally:
-        if proc.poll() is None:
-            try:
-                proc.communicate(timeout=300)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.communicate()
+        _reap(proc)
 
 
 @dataclasses.dataclass
@@ -301,16 +309,12 @@ def preempted_sweep(cluster, tmp_path_factory):
     path = os.pathsep.join(p for p in (str(TEST_PLUGIN), cluster.get("PYTHONPATH")) if p)
     env = {
         **cluster,
-        "OMP_NUM_THREADS": "1",
         "PYTHONPATH": path,
         "TTA_BENCH_PLUGINS": TEST_PLUGINS,
         "TTA_BENCH_CACHE": str(tmp / "cache"),
     }
     sweep_dir = tmp / "sweep"
-    cmd = [sys.executable, "-m", "tta_bench.cli", "sweep", "--dir", str(sweep_dir), *SLEEPY,
-           SLEEP, *ON_SLURM]  # fmt: skip
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
-                            text=True)  # fmt: skip
+    proc = _start_cli(env, "sweep", "--dir", str(sweep_dir), *SLEEPY, SLEEP, *ON_SLURM)
     state = _Preempted(sweep_dir, env, proc)
     state.driver = threading.Thread(target=state.interrupt_twice, daemon=True)
     state.driver.start()
@@ -318,12 +322,7 @@ def preempted_sweep(cluster, tmp_path_factory):
         yield state
     finally:
         state.driver.join(timeout=300)
-        if proc.poll() is None:
-            try:
-                proc.communicate(timeout=300)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.communicate()
+        _reap(proc)
 
 
 def test_a_preempted_and_a_requeued_task_lose_nothing(preempted_sweep, episodic_sweep, tmp_path):
