@@ -3,6 +3,9 @@
 
 * **used**: ``config.compose``: Hydra set up without a primary config directory and without
   reading the call stack; a node written into Hydra's config store only when it changed;
+  Hydra's own groups the run config never reads (logging, help, output, env) left out of
+  its defaults list; the store narrowed, while composing, to the run's own method and model
+  nodes (Hydra deep-copies the store at each composition);
 * **replaced**: the same composition through ``hydra.initialize(config_path=None)``, which
   reads every frame of the call stack (``inspect.stack()``) to find its caller's file, with
   the run, method and model nodes stored again at every call.

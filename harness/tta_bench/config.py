@@ -13,6 +13,7 @@ import contextlib
 import dataclasses
 import functools
 import inspect
+import threading
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any, Optional
@@ -187,16 +188,22 @@ def run_config() -> RunConfig:
     )
 
 
+#: One composition at a time: ``compose`` sets Hydra's global state and narrows the config
+#: store for its duration (a service's threads, a notebook's).
+_COMPOSING = threading.RLock()
+
+
 def _register(method_names: list[str], model_names: list[str]) -> None:
     from hydra.core.config_store import ConfigStore
 
     cs = ConfigStore.instance()
-    _store(cs, None, "tta_bench_run", run_config())
-    for name in method_names:
-        _store(cs, "method", name, registry("methods").get(name).Config)
-    for name in model_names:
-        factory = registry("models").get(name)
-        _store(cs, "model", name, factory_config(name, factory))
+    with _COMPOSING:  # never into a store a composition has narrowed
+        _store(cs, None, "tta_bench_run", run_config())
+        for name in method_names:
+            _store(cs, "method", name, registry("methods").get(name).Config)
+        for name in model_names:
+            factory = registry("models").get(name)
+            _store(cs, "model", name, factory_config(name, factory))
 
 
 #: (group, name) -> (the node this module stored there, the ConfigNode Hydra made of it)
@@ -295,18 +302,55 @@ def _search_path_overrides() -> list[str]:
     return [f"hydra.searchpath=[{','.join(paths)}]"]
 
 
+#: Hydra's own config groups that a composed run config never reads (the logging of a job
+#: Hydra runs, the help texts, the output and environment settings of ``hydra.main``):
+#: ``compose`` leaves them out of Hydra's defaults list (its ``~group`` deletion): Hydra
+#: loads and merges each of them at every composition (docs/speed.md). The run config it
+#: returns is the same (``harness/tests/test_config_compose.py``).
+UNREAD_HYDRA_GROUPS = (
+    "hydra/job_logging", "hydra/hydra_logging", "hydra/help", "hydra/hydra_help",
+    "hydra/output", "hydra/env",
+)  # fmt: skip
+
+
 def compose(overrides: list[str], method: str, model: str, preset: str | None = None) -> DictConfig:
     """Compose the run config for ``method`` (with its ``preset``, when given) and
     ``model`` (both already validated)."""
     from hydra import compose as hydra_compose
 
-    _register([method], [model])
-    with _hydra_without_config_dir():
-        cfg = hydra_compose(
-            config_name="tta_bench_run",
-            overrides=hydra_overrides(overrides, method, model, preset),
-        )
+    names = [o.lstrip("~+").split("=", 1)[0] for o in overrides]
+    unread = [f"~{g}" for g in UNREAD_HYDRA_GROUPS if g not in names]
+    with _COMPOSING:
+        _register([method], [model])
+        with _hydra_without_config_dir(), _store_narrowed_to(method, model):
+            cfg = hydra_compose(
+                config_name="tta_bench_run",
+                overrides=[*hydra_overrides(overrides, method, model, preset), *unread],
+            )
     return cfg
+
+
+@contextlib.contextmanager
+def _store_narrowed_to(method: str, model: str) -> Iterator[None]:
+    """Hydra's config store without the method and model nodes this module stored for
+    other methods and models; restored on exit. Hydra deep-copies the whole store at each
+    composition, so in a process that ran many methods (a sweep's, a test session's) every
+    composition grew with them. Nodes stored by anyone else stay."""
+    from hydra.core.config_store import ConfigStore
+
+    repo = ConfigStore.instance().repo
+    keep = {"method": f"{method}.yaml", "model": f"{model}.yaml"}
+    saved = {group: repo[group] for group in keep if isinstance(repo.get(group), dict)}
+    for group, nodes in saved.items():
+        repo[group] = {
+            file: node
+            for file, node in nodes.items()
+            if file == keep[group] or (group, file.removesuffix(".yaml")) not in _STORED
+        }
+    try:
+        yield
+    finally:
+        repo.update(saved)
 
 
 def hydra_overrides(
