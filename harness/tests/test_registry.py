@@ -36,6 +36,51 @@ def test_components_are_discovered_through_entry_points_with_their_origin():
     assert registry("metrics").origin("accuracy").distribution == "tta-bench"
 
 
+def test_a_scan_reads_each_distributions_name_and_version_once(monkeypatch):
+    """Reading a distribution's name or version parses its metadata file again; one
+    distribution declares many entry points, and a scan reads each once."""
+    import importlib.metadata as md
+
+    from tta_bench import registry as registry_module
+
+    reads: list[str] = []
+
+    class Dist:
+        def __init__(self, name: str, version: str):
+            self._name, self._version = name, version
+
+        @property
+        def metadata(self):
+            reads.append(self._name)
+            return {"Name": self._name}
+
+        @property
+        def version(self):
+            reads.append(self._name)
+            return self._version
+
+    one, other = Dist("dist-one", "1.0"), Dist("dist-two", "2.0")
+    eps = []
+    for name, dist in [("a", one), ("b", one), ("c", one), ("d", other), ("e", other)]:
+        ep = md.EntryPoint(name, f"pkg:{name}", "tta_bench.methods")
+        eps.append(ep._for(dist))  # as importlib.metadata binds an entry point to its dist
+    monkeypatch.setattr(registry_module, "_entry_points", lambda group: eps)
+    monkeypatch.delenv("TTA_BENCH_INCLUDE", raising=False)
+    monkeypatch.delenv("TTA_BENCH_PLUGINS", raising=False)
+    reset_registries()
+    try:
+        found = registry("methods")
+        origins = {n: (found.origin(n).distribution, found.origin(n).version) for n in "abcde"}
+    finally:
+        monkeypatch.undo()
+        reset_registries()
+    assert origins == {
+        "a": ("dist-one", "1.0"), "b": ("dist-one", "1.0"), "c": ("dist-one", "1.0"),
+        "d": ("dist-two", "2.0"), "e": ("dist-two", "2.0"),
+    }  # fmt: skip
+    assert sorted(reads) == ["dist-one", "dist-one", "dist-two", "dist-two"]
+
+
 def test_listing_imports_nothing_loading_imports_the_component():
     import sys
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import threading
+from pathlib import Path
 
 import pytest
 from filelock import FileLock
@@ -71,6 +72,41 @@ def test_table_refuses_a_hand_edited_file_naming_the_bad_field(
     assert path in err and expected in err, err
     with pytest.raises(ResultsFormatError, match="edited.json"):
         results.load_results(path)
+
+
+def test_the_same_contents_are_validated_once_and_any_change_again(finished, tmp_path, monkeypatch):
+    """Validation is a pure function of a file's bytes: contents that passed are not
+    validated again in this process (another path, the same file read again); changed
+    contents are, and bad contents are refused at every read."""
+    from tta_bench.run import schema
+
+    calls: list[str] = []
+    real = schema.validate
+
+    def spy(data, source):
+        calls.append(Path(source).name)
+        return real(data, source)
+
+    monkeypatch.setattr(schema, "validate", spy)
+    monkeypatch.setattr(results, "_VALID", {})
+    text = finished[0].read_text()
+    for name in ("a.json", "b.json"):
+        (tmp_path / name).write_text(text)
+        assert results.load_results(tmp_path / name) == finished[1]
+    assert calls == ["a.json"]
+    changed = json.loads(text)
+    changed["cells"][0]["time_per_sample_s"] = changed["cells"][0]["time_per_sample_s"] + 1.0
+    (tmp_path / "b.json").write_text(json.dumps(changed))
+    assert (
+        results.load_results(tmp_path / "b.json")["cells"][0]["time_per_sample_s"]
+        == changed["cells"][0]["time_per_sample_s"]
+    )
+    assert calls == ["a.json", "b.json"]
+    bad = _edited(tmp_path, finished[1], _set(["cells", 3, "severity"], 9))
+    for _ in range(2):
+        with pytest.raises(ResultsFormatError, match="greater than the maximum"):
+            results.load_results(bad)
+    assert calls[2:] == ["edited.json", "edited.json"]
 
 
 def test_table_refuses_a_nan_literal(finished, tmp_path, capsys):

@@ -92,14 +92,19 @@ def _entry_points(group: str) -> list[md.EntryPoint]:
     return list(md.entry_points(group=group))
 
 
-def _origin(group: str, ep: md.EntryPoint) -> Origin:
+def _origin(group: str, ep: md.EntryPoint, seen: dict[int, tuple[str, str]]) -> Origin:
+    """``ep``'s origin; ``seen`` holds the (name, version) of each distribution object met
+    in this scan: reading them parses the distribution's metadata file again at each
+    access, and one distribution declares many entry points."""
     dist = getattr(ep, "dist", None)
+    if dist is None:
+        label = ("unknown", "unknown")
+    elif id(dist) in seen:
+        label = seen[id(dist)]
+    else:
+        label = seen[id(dist)] = (dist.metadata["Name"], dist.version)
     return Origin(
-        group=group,
-        name=ep.name,
-        value=ep.value,
-        distribution=dist.metadata["Name"] if dist is not None else "unknown",
-        version=dist.version if dist is not None else "unknown",
+        group=group, name=ep.name, value=ep.value, distribution=label[0], version=label[1]
     )
 
 
@@ -124,8 +129,10 @@ class Registry(Generic[T]):
             from tta_bench import include  # --include: local files; imports no harness module
 
             found: list[tuple[Origin, Callable[[], Any]]] = []
-            for ep in _entry_points(self.group):
-                origin = _origin(self.group, ep)
+            eps = _entry_points(self.group)  # holds each distribution object while scanning
+            seen: dict[int, tuple[str, str]] = {}
+            for ep in eps:
+                origin = _origin(self.group, ep, seen)
                 if distribution_allowed(origin.distribution):
                     found.append((origin, ep.load))
             try:  # included files are explicit: never filtered out

@@ -303,14 +303,25 @@ def _reject_constant(name: str) -> Any:
     raise ValueError(f"non-standard JSON constant {name} (results files are strict JSON)")
 
 
+#: The sha256 digests of the file contents that passed ``validate`` in this process (at
+#: most ``_VALID_MAX``; then forgotten all at once): validation is a pure function of the
+#: bytes, and a leaderboard, a merge, a resumed run or a service reads the same files again
+#: and again; each read parses the file anew.
+_VALID: dict[bytes, None] = {}
+_VALID_MAX = 4096
+
+
 def load_results(path: str | Path) -> dict[str, Any]:
     """A results file, parsed as strict JSON and validated against the declared schema
     (``tta_bench.run.schema``); raises ``ValueError`` naming the file and the bad field."""
+    import hashlib
+
     from tta_bench.run.schema import ResultsFormatError, validate
 
     try:
-        with open(path, encoding="utf-8") as fh:
-            data = json.load(fh, parse_constant=_reject_constant)
+        with open(path, "rb") as fh:
+            raw = fh.read()
+        data = json.loads(raw.decode("utf-8"), parse_constant=_reject_constant)
     except json.JSONDecodeError as exc:
         raise ResultsFormatError(f"{path}: not valid JSON ({exc})") from exc
     except ValueError as exc:
@@ -321,7 +332,12 @@ def load_results(path: str | Path) -> dict[str, Any]:
         raise ResultsFormatError(
             f"{path}: (top level): expected a results object, got a JSON {type(data).__name__}"
         )
-    validate(data, str(path))
+    digest = hashlib.sha256(raw).digest()
+    if digest not in _VALID:
+        validate(data, str(path))
+        if len(_VALID) >= _VALID_MAX:
+            _VALID.clear()
+        _VALID[digest] = None
     return data
 
 
