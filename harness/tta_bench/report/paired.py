@@ -22,6 +22,7 @@ records and ``stats``; a difference is always A - B (method - baseline). Open-se
 
 from __future__ import annotations
 
+import functools
 import math
 import statistics
 from collections.abc import Callable, Hashable, Sequence
@@ -118,6 +119,22 @@ class CellRows:
     prediction: np.ndarray
     reference: np.ndarray | None
 
+    @functools.cached_property
+    def known(self) -> np.ndarray:
+        """The rows with an accuracy: an open-set cell's unknown rows (label -1) have none."""
+        return self.label >= 0
+
+    @functools.cached_property
+    def correct(self) -> np.ndarray:
+        """Whether each known row's prediction is its label."""
+        return (self.prediction == self.label)[self.known]
+
+    @functools.cached_property
+    def blocks(self) -> np.ndarray:
+        """The known rows' stream batches, numbered 0, 1, ... (a leaderboard pairs a run
+        with many others: computed once)."""
+        return np.unique(self.batch[self.known], return_inverse=True)[1].reshape(-1)
+
 
 def _scored(record: dict[str, Any]) -> dict[CellKey, dict[str, Any]]:
     return {results.cell_key(c): c for c in record["cells"] if not c.get("diverged")}
@@ -172,14 +189,15 @@ def _join_order(index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return order, np.arange(len(ordered)) - first
 
 
-def _align(key: CellKey, a: CellRows, b: CellRows, names: str) -> tuple[np.ndarray, np.ndarray]:
-    """Row orders of ``a`` (its stream order) and ``b`` that pair each sample of the cell
-    with itself; a ``ValueError`` naming the cell when the two streams differ (samples,
-    labels, batches)."""
+def _align(key: CellKey, a: CellRows, b: CellRows, names: str) -> np.ndarray | None:
+    """B's row of each of ``a``'s rows (in A's stream order), pairing each sample of the
+    cell with itself; None when both hold the same samples in the same order (the usual
+    case: row i is row i). A ``ValueError`` naming the cell when the two streams differ
+    (samples, labels, batches)."""
     cell = f"cell ({key[0]}, severity {key[1]}, seed {key[2]})"
-    if np.array_equal(a.index, b.index):  # one stream order (the usual case): row i is row i
-        oa = ob = np.arange(len(a.index))
-        same = True
+    if np.array_equal(a.index, b.index):
+        matched = None
+        in_b = b
     else:
         oa, occ_a = _join_order(a.index)
         ob, occ_b = _join_order(b.index)
@@ -188,22 +206,22 @@ def _align(key: CellKey, a: CellRows, b: CellRows, names: str) -> tuple[np.ndarr
             and np.array_equal(a.index[oa], b.index[ob])
             and np.array_equal(occ_a, occ_b)
         )
-    if not same:
-        raise ValueError(
-            f"{names}: {cell} holds other samples in the two runs ({len(oa)} vs {len(ob)} "
-            "rows); the streams must be identical"
-        )
+        if not same:
+            raise ValueError(
+                f"{names}: {cell} holds other samples in the two runs ({len(oa)} vs "
+                f"{len(ob)} rows); the streams must be identical"
+            )
+        matched = np.empty_like(ob)
+        matched[oa] = ob  # A's rows in stream order, each with B's row of the same sample
+        in_b = CellRows(b.index[matched], b.batch[matched], b.label[matched], b.prediction, None)
     for what, words in (("label", "labels"), ("batch", "batch numbers")):
-        bad = np.flatnonzero(getattr(a, what)[oa] != getattr(b, what)[ob])
+        bad = np.flatnonzero(getattr(a, what) != getattr(in_b, what))
         if len(bad):
-            first = int(a.index[oa][bad[0]])
             raise ValueError(
                 f"{names}: {cell}: {len(bad)} samples have different {words} in the two runs "
-                f"(first: dataset index {first}); the streams must be identical"
+                f"(first: dataset index {int(a.index[bad[0]])}); the streams must be identical"
             )
-    matched = np.empty_like(ob)
-    matched[oa] = ob  # A's rows in stream order, each with B's row of the same sample
-    return np.arange(len(oa)), matched
+    return matched
 
 
 def _pair_runs(
@@ -213,7 +231,9 @@ def _pair_runs(
     baseline: str,
     keys: Sequence[CellKey],
 ) -> PairedSamples:
-    """The pairs of cells ``keys``; ``b_rows`` None: B is A's own ``reference`` column."""
+    """The pairs of cells ``keys``; ``b_rows`` None: B is A's own ``reference`` column.
+    A's correct rows and batch numbers are computed once per cell rows (``CellRows``):
+    a leaderboard pairs each run with many."""
     names = f"{method!r} vs {baseline!r}"
     a_ok, b_ok, blocks = [], [], []
     offset = 0
@@ -226,18 +246,15 @@ def _pair_runs(
                     "(the run scored no reference); rerun with reference=true and "
                     "log_samples=true, or pass the baseline's results file"
                 )
-            oa = ob = np.arange(len(a.index))
-            b = CellRows(a.index, a.batch, a.label, a.reference, None)
+            b_prediction = a.reference
         else:
             b = b_rows[key]
-            oa, ob = _align(key, a, b, names)
-        label = a.label[oa]
-        known = label >= 0  # an open-set cell's unknown rows (-1) have no accuracy
-        a_ok.append((a.prediction[oa] == label)[known])
-        b_ok.append((b.prediction[ob] == label)[known])
-        _, batch_id = np.unique(a.batch[oa][known], return_inverse=True)
-        blocks.append(batch_id.reshape(-1) + offset)
-        offset += int(batch_id.max()) + 1 if len(batch_id) else 0
+            matched = _align(key, a, b, names)
+            b_prediction = b.prediction if matched is None else b.prediction[matched]
+        a_ok.append(a.correct)
+        b_ok.append((b_prediction == a.label)[a.known])
+        blocks.append(a.blocks + offset)
+        offset += int(a.blocks.max()) + 1 if len(a.blocks) else 0
     return PairedSamples(
         method=method,
         baseline=baseline,
