@@ -17,7 +17,16 @@ with the reader the harness and the plugin use against the one they replaced:
   HF dataset built once per process, against building it at every call (every image
   encoded as PNG);
 * **default model**: the ``tiny-clip-digits`` bundle, a deep copy of the model loaded once
-  per process, against loading the shipped file into a newly built model at every call.
+  per process, against loading the shipped file into a newly built model at every call;
+* **entry-point scan**: the origins of the methods group's entry points, each
+  distribution's name and version read once per scan (``registry._origin``'s memo) against
+  read at every entry point (each read parses the distribution's metadata file);
+* **results file**: a committed ``results/digits-c`` file loaded by ``load_results`` when its
+  contents passed validation before in the process, against parsed and validated again;
+* **pairing**: every ordered pair of the first ``--runs`` committed ``digits-c`` runs with
+  per-sample files (rows already read), paired as ``report.paired.pair_rows`` pairs them (each
+  run's correct rows and batch numbers computed once) against computing them again for every
+  pair, as it did before.
 
 Each measurement alternates the two readers ``--repeats`` times and prints the median and
 range of each and the ratio of the medians. Both readers are first checked to give the same
@@ -26,7 +35,7 @@ the same tensors).
 
 Usage::
 
-    python benchmarks/read_costs.py [--repeats 7] [--files 200]
+    python benchmarks/read_costs.py [--repeats 7] [--files 200] [--runs 8]
 
 Run it on an idle machine (``uptime``): the figures are timings. Nothing else is asserted.
 """
@@ -50,8 +59,10 @@ import yaml
 from mura_plugin.datasets import digits as dg
 from mura_plugin.models import tiny_clip
 from tta_bench import catalog, text_head
+from tta_bench import registry as registry_module
+from tta_bench.report import paired
 from tta_bench.report.paired import PAIRED_COLUMNS
-from tta_bench.run import samples
+from tta_bench.run import results, samples, schema
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -157,19 +168,101 @@ def _model_pairs() -> Pairs:
     }  # fmt: skip
 
 
+def _harness_pairs(runs: int) -> Pairs:
+    """The entry-point scan, a results file's load and the pairing of runs, each pair of
+    ways checked to agree."""
+    group = "tta_bench.methods"
+
+    def origins(share: bool) -> list[registry_module.Origin]:
+        seen: dict[int, tuple[str, str]] = {}
+        eps = registry_module._entry_points(group)
+        return [registry_module._origin(group, ep, seen if share else {}) for ep in eps]
+
+    assert origins(True) == origins(False)
+    path = ROOT / "results" / "digits-c" / "tent.json"
+
+    def validated_again() -> dict:
+        data = json.loads(path.read_text(encoding="utf-8"))
+        schema.validate(data, str(path))
+        return data
+
+    assert results.load_results(path) == validated_again()
+    found = sorted(p for p in (ROOT / "results" / "digits-c").glob("*.json")
+                   if samples.samples_dir(p).is_dir())[:runs]  # fmt: skip
+    read = [
+        (rec, paired.read_run(rec, p)) for rec, p in zip(map(results.load_results, found), found)
+    ]
+
+    def fresh(rows: dict) -> dict:  # new CellRows: their memos empty, as after read_run
+        return {k: paired.CellRows(v.index, v.batch, v.label, v.prediction, v.reference)
+                for k, v in rows.items()}  # fmt: skip
+
+    def pairs_now() -> list:
+        cold = [(rec, fresh(rows)) for rec, rows in read]
+        return [paired.pair_rows(a, ar, b, br) for a, ar in cold for b, br in cold if a is not b]
+
+    def pairs_before() -> list:  # each pair computed A's correct rows and batches again
+        out = []
+        for a, ar in read:
+            for b, br in read:
+                if a is b:
+                    continue
+                keys = [k for k in ar if k in br]
+                a_ok, b_ok, blocks, offset = [], [], [], 0
+                for key in keys:
+                    x, y = ar[key], br[key]
+                    assert np.array_equal(x.index, y.index)  # the committed runs: one order
+                    oa = ob = np.arange(len(x.index))
+                    for what in ("label", "batch"):
+                        assert not np.flatnonzero(getattr(x, what)[oa] != getattr(y, what)[ob]).size
+                    label = x.label[oa]
+                    known = label >= 0
+                    a_ok.append((x.prediction[oa] == label)[known])
+                    b_ok.append((y.prediction[ob] == label)[known])
+                    _, ids = np.unique(x.batch[oa][known], return_inverse=True)
+                    blocks.append(ids.reshape(-1) + offset)
+                    offset += int(ids.max()) + 1 if len(ids) else 0
+                out.append((np.concatenate(a_ok), np.concatenate(b_ok), np.concatenate(blocks)))
+        return out
+
+    for new, old in zip(pairs_now(), pairs_before()):
+        assert all(
+            np.array_equal(n, o) for n, o in zip((new.a_correct, new.b_correct, new.block), old)
+        )
+    n = len(read) * (len(read) - 1)
+    return {
+        "entry-point scan (methods)": (
+            lambda: origins(True), lambda: origins(False), 1.0, 1e3, "ms",
+        ),
+        "results file (tent, digits-c)": (
+            lambda: results.load_results(path), validated_again, 1.0, 1e3, "ms",
+        ),
+        f"pairing ({n} pairs of {len(read)} runs)": (pairs_now, pairs_before, 1.0, 1e3, "ms"),
+    }  # fmt: skip
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--repeats", type=int, default=7)
     parser.add_argument("--files", type=int, default=200)
+    parser.add_argument("--runs", type=int, default=8, help="runs paired in the pairing row")
     args = parser.parse_args(argv)
-    if args.repeats < 1 or args.files < 1:
-        parser.error(f"--repeats and --files must be >= 1, got {args.repeats}, {args.files}")
+    if args.repeats < 1 or args.files < 1 or args.runs < 2:
+        parser.error(
+            f"--repeats and --files must be >= 1 and --runs >= 2, got {args.repeats}, "
+            f"{args.files}, {args.runs}"
+        )
     text = (ROOT / "registry.yaml").read_text(encoding="utf-8")
     files = sorted((ROOT / "results" / "digits-c").glob("*.samples/*.parquet"))[: args.files]
     if not files:
         parser.error(f"no per-sample files under {ROOT / 'results' / 'digits-c'}")
     raw = [f.read_bytes() for f in files]
-    pairs = {**_file_pairs(text, raw), **_data_pairs(), **_model_pairs()}
+    pairs = {
+        **_file_pairs(text, raw),
+        **_data_pairs(),
+        **_model_pairs(),
+        **_harness_pairs(args.runs),
+    }
     print(f"{'what':32s} {'used: median (range)':26s} {'replaced':26s} ratio")
     for name, (used, replaced, per, scale, unit) in pairs.items():
         used(), replaced()  # warm-up
