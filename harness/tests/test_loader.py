@@ -159,11 +159,15 @@ def test_a_worker_leaves_the_signals_handled_in_python_to_the_main_process():
         raise AssertionError("a worker ran the main process's handler")
 
     previous = signal.signal(signal.SIGUSR2, preempted)
+    # Python's Ctrl-C handler, as an interactive run has it: a process started in a
+    # shell's background job inherits SIGINT ignored, and Python then installs none.
+    previous_int = signal.signal(signal.SIGINT, signal.default_int_handler)
     try:
         items = list(make_loader(_SignalsSeen(), LoaderSettings(1, False, 2, False), seed=0))
         assert signal.getsignal(signal.SIGUSR2) is preempted  # the main process's, kept
     finally:
         signal.signal(signal.SIGUSR2, previous)
+        signal.signal(signal.SIGINT, previous_int)
     assert [item["pid"] != os.getpid() for item in items] == [True, True]
     assert [item["usr2"] for item in items] == ["SIG_IGN", "SIG_IGN"]
     assert all(item["int"] is signal.default_int_handler for item in items)
