@@ -189,16 +189,19 @@ def _join_order(index: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
     return order, np.arange(len(ordered)) - first
 
 
+def _in_a_order(column: np.ndarray, matched: np.ndarray | None) -> np.ndarray:
+    """A column of B's rows in A's stream order (``matched``: ``_align``'s answer)."""
+    return column if matched is None else column[matched]
+
+
 def _align(key: CellKey, a: CellRows, b: CellRows, names: str) -> np.ndarray | None:
     """B's row of each of ``a``'s rows (in A's stream order), pairing each sample of the
     cell with itself; None when both hold the same samples in the same order (the usual
     case: row i is row i). A ``ValueError`` naming the cell when the two streams differ
     (samples, labels, batches)."""
     cell = f"cell ({key[0]}, severity {key[1]}, seed {key[2]})"
-    if np.array_equal(a.index, b.index):
-        matched = None
-        in_b = b
-    else:
+    matched = None
+    if not np.array_equal(a.index, b.index):
         oa, occ_a = _join_order(a.index)
         ob, occ_b = _join_order(b.index)
         same = (
@@ -213,9 +216,8 @@ def _align(key: CellKey, a: CellRows, b: CellRows, names: str) -> np.ndarray | N
             )
         matched = np.empty_like(ob)
         matched[oa] = ob  # A's rows in stream order, each with B's row of the same sample
-        in_b = CellRows(b.index[matched], b.batch[matched], b.label[matched], b.prediction, None)
     for what, words in (("label", "labels"), ("batch", "batch numbers")):
-        bad = np.flatnonzero(getattr(a, what) != getattr(in_b, what))
+        bad = np.flatnonzero(getattr(a, what) != _in_a_order(getattr(b, what), matched))
         if len(bad):
             raise ValueError(
                 f"{names}: {cell}: {len(bad)} samples have different {words} in the two runs "
@@ -249,8 +251,7 @@ def _pair_runs(
             b_prediction = a.reference
         else:
             b = b_rows[key]
-            matched = _align(key, a, b, names)
-            b_prediction = b.prediction if matched is None else b.prediction[matched]
+            b_prediction = _in_a_order(b.prediction, _align(key, a, b, names))
         a_ok.append(a.correct)
         b_ok.append((b_prediction == a.label)[a.known])
         blocks.append(a.blocks + offset)
