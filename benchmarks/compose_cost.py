@@ -10,6 +10,11 @@
   reads every frame of the call stack (``inspect.stack()``) to find its caller's file, with
   the run, method and model nodes stored again at every call.
 
+``config.compose`` keeps Hydra's composition of a run's group choices (method, model,
+``hydra/...``) per process and applies the run's other overrides to a copy: it is timed as
+a process's **first** run of its choices (nothing kept) and as a **later** run with other
+overrides (``protocol.max_images`` changes at every call).
+
 Both are timed with one method in Hydra's config store (a ``tta-bench run`` process) and with
 every registered method and model in it (a process that ran many, as a test worker or an
 in-process sweep). Each measurement alternates the two ``--repeats`` times and prints the
@@ -32,7 +37,9 @@ Run it on an idle machine (``uptime``): the figures are timings. Nothing else is
 from __future__ import annotations
 
 import argparse
+import copy
 import inspect
+import itertools
 import statistics
 import sys
 import time
@@ -53,14 +60,21 @@ def _replaced(overrides: list[str], method: str, model: str) -> Any:
     from hydra.core.config_store import ConfigStore
 
     cs = ConfigStore.instance()
+    saved = copy.copy(cs.repo), {g: copy.copy(cs.repo.get(g, {})) for g in ("method", "model")}
     cs.store(name="tta_bench_run", node=config.run_config())
     cs.store(group="method", name=method, node=registry("methods").get(method).Config)
     factory = registry("models").get(model)
     cs.store(group="model", name=model, node=config.factory_config(model, factory))
-    with initialize(config_path=None, version_base="1.3"):
-        return hydra_compose(
-            config_name="tta_bench_run", overrides=config.hydra_overrides(overrides, method, model)
-        )
+    try:
+        with initialize(config_path=None, version_base="1.3"):
+            return hydra_compose(
+                config_name="tta_bench_run",
+                overrides=config.hydra_overrides(overrides, method, model),
+            )
+    finally:  # the nodes config.compose stored, back (it would compose afresh otherwise)
+        cs.repo.clear()
+        cs.repo.update(saved[0])
+        cs.repo.update(saved[1])
 
 
 def _fmt(values: list[float]) -> str:
@@ -97,19 +111,32 @@ def main(argv: list[str] | None = None) -> int:
         import torch  # noqa: F401
     method, model = catalog.default("method"), catalog.default("model")
     overrides = ["seeds=[0]", "protocol.max_images=64"]
-    used = lambda: config.compose(list(overrides), method, model)  # noqa: E731
+    images = itertools.count(1)
+
+    def first() -> Any:
+        config.clear_compose_memo()
+        return config.compose(list(overrides), method, model)
+
+    def later() -> Any:
+        return config.compose(["seeds=[0]", f"protocol.max_images={next(images)}"], method, model)
+
     replaced = lambda: _replaced(list(overrides), method, model)  # noqa: E731
-    assert OmegaConf.to_container(used()) == OmegaConf.to_container(replaced())
+    assert OmegaConf.to_container(first()) == OmegaConf.to_container(replaced())
+    assert OmegaConf.to_container(config.compose(list(overrides), method, model)) == (
+        OmegaConf.to_container(replaced())
+    )
 
     runpy_frames = sum(f.filename == "<frozen runpy>" for f in inspect.stack(0))
     print(f"python -m: {'yes' if runpy_frames else 'no'} ({runpy_frames} runpy frames); "
           f"{len(sys.modules)} modules loaded; {method} on {model}")  # fmt: skip
     print(f"{'config store':28s} {'used: median (range)':24s} {'replaced':24s} ratio")
-    print(f"{'this run: 1 method':28s} {_pair(used, replaced, args.repeats)}")
+    for used, which in ((first, "first"), (later, "later")):
+        print(f"{'1 method, ' + which:28s} {_pair(used, replaced, args.repeats)}")
     methods, models = registry("methods").names(), registry("models").names()
     config._register(methods, models)
-    label = f"every one: {len(methods)} methods"
-    print(f"{label:28s} {_pair(used, replaced, args.repeats)}")
+    for used, which in ((first, "first"), (later, "later")):
+        label = f"{len(methods)} methods, {which}"
+        print(f"{label:28s} {_pair(used, replaced, args.repeats)}")
     return 0
 
 

@@ -10,11 +10,15 @@ which are put on the search path. Overrides use Hydra's grammar
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 import functools
+import importlib.util
 import inspect
+import os
 import threading
-from collections.abc import Iterator
+from collections import OrderedDict
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, Optional
 
@@ -248,7 +252,6 @@ class Preset:
 
 def presets() -> dict[str, Preset]:
     """Every method preset of the installed config packages (reads YAML only: no torch)."""
-    import importlib.util
     from pathlib import Path
 
     import yaml
@@ -294,9 +297,14 @@ def resolve_method(choice: str) -> tuple[str, str | None]:
     raise UnknownNameError("methods", choice, [*methods.names(), *found])
 
 
-def _search_path_overrides() -> list[str]:
+def _config_packages() -> list[str]:
+    """The plugins' Hydra config packages (``tta_bench.configs`` entry points)."""
     configs = registry("configs")
-    paths = [f"pkg://{configs.origin(n).value.split(':')[0]}" for n in configs.names()]
+    return [configs.origin(n).value.split(":")[0] for n in configs.names()]
+
+
+def _search_path_overrides() -> list[str]:
+    paths = [f"pkg://{package}" for package in _config_packages()]
     if not paths:
         return []
     return [f"hydra.searchpath=[{','.join(paths)}]"]
@@ -320,14 +328,173 @@ def compose(overrides: list[str], method: str, model: str, preset: str | None = 
 
     names = [o.lstrip("~+").split("=", 1)[0] for o in overrides]
     unread = [f"~{g}" for g in UNREAD_HYDRA_GROUPS if g not in names]
+    tail = [f"method={preset or method}", f"model={model}", *unread]
+
+    def composed(lines: list[str]) -> DictConfig:
+        with _hydra_without_config_dir():
+            return hydra_compose(config_name="tta_bench_run", overrides=lines)
+
     with _COMPOSING:
         _register([method], [model])
-        with _hydra_without_config_dir(), _store_narrowed_to(method, model):
-            cfg = hydra_compose(
-                config_name="tta_bench_run",
-                overrides=[*hydra_overrides(overrides, method, model, preset), *unread],
+        with _store_narrowed_to(method, model):
+            return _memoized(
+                _search_path_overrides(), overrides, tail, _config_packages(), composed
             )
+
+
+# -- compositions reused ---------------------------------------------------------------
+# Hydra composes a run config in two parts: it builds the defaults list from the config
+# group choices (``method=``, ``model=``, ``hydra/...``) and merges the configs it names,
+# then applies every other override (``seeds=[0]``, ``suite=...``,
+# ``protocol.batch_size=8``, ``+key=...``, ``~key``) to the result in the order given
+# (``ConfigLoaderImpl._apply_overrides_to_config``). The first part reads and merges YAML
+# and structured configs (~45 ms a run) and depends on the group choices, the config
+# store and the config files only. ``compose`` keeps its result per group choice, with
+# the store's nodes and the config packages' files it came from, and runs the second part
+# itself, with Hydra's own function, on a copy. The config returned and the error a bad
+# override raises are Hydra's (``harness/tests/test_compose_memo.py``). Overrides it
+# cannot split safely (a sweep, a ``@package``, a line that does not parse) go to Hydra
+# whole. The caller holds ``_COMPOSING``.
+
+#: Compositions kept (least recently used dropped first) and override lines kept parsed.
+_MAX_BASES = 64
+_MAX_PARSED = 4096
+
+#: group-choice key -> (store nodes, config files, the composed config before the rest)
+_BASES: OrderedDict[tuple, tuple[tuple, tuple, DictConfig]] = OrderedDict()
+_PARSED: dict[str, Any] = {}
+
+
+def clear_compose_memo() -> None:
+    """Forget the compositions kept (a test's fresh start)."""
+    _BASES.clear()
+    _PARSED.clear()
+
+
+def _memoized(
+    head: Sequence[str],
+    overrides: Sequence[str],
+    tail: Sequence[str],
+    packages: Sequence[str],
+    hydra_compose: Callable[[list[str]], DictConfig],
+) -> DictConfig:
+    """The config ``hydra_compose([*head, *overrides, *tail])`` returns: ``head`` and
+    ``tail`` are the harness's own overrides (the search path; the method and model
+    choices and the unread Hydra groups' deletions), ``overrides`` the run's, and
+    ``packages`` the config packages on the search path. ``hydra_compose`` runs inside
+    the caller's Hydra context and narrowed store."""
+    split = _split_overrides(overrides)
+    if split is None:
+        return hydra_compose([*head, *overrides, *tail])
+    groups, rest = split
+    key = (tuple(head), tuple(groups), tuple(tail))
+    nodes, files = _store_nodes(), _config_files(packages)
+    held = _BASES.get(key)
+    if held is None or not _same(held[0], nodes) or held[1] != files:
+        base = hydra_compose([*head, *groups, *tail])
+        _BASES[key] = held = (nodes, files, base)
+        while len(_BASES) > _MAX_BASES:
+            _BASES.popitem(last=False)
+    _BASES.move_to_end(key)
+    return _apply_rest(held[2], rest)
+
+
+def _apply_rest(base: DictConfig, rest: list[Any]) -> DictConfig:
+    """A copy of ``base`` with the config overrides applied as Hydra applies them."""
+    from hydra._internal.config_loader_impl import ConfigLoaderImpl
+    from hydra.errors import ConfigCompositionException
+    from omegaconf.errors import OmegaConfBaseException
+
+    cfg = copy.deepcopy(base)
+    try:
+        ConfigLoaderImpl._apply_overrides_to_config(rest, cfg)
+    except OmegaConfBaseException as exc:  # as Hydra's load_configuration wraps it
+        raise ConfigCompositionException() from exc
     return cfg
+
+
+def _split_overrides(overrides: Sequence[str]) -> tuple[list[str], list[Any]] | None:
+    """``(group and Hydra overrides, the others parsed)`` in their order, or None where
+    Hydra must see them whole: a sweep, a ``@package``, a line that does not parse."""
+    from hydra.core.override_parser.overrides_parser import OverridesParser
+    from hydra.errors import HydraException
+
+    groups: list[str] = []
+    rest: list[Any] = []
+    known = _group_names()
+    for line in overrides:
+        parsed = _PARSED.get(line)
+        if parsed is None:
+            try:
+                parsed = OverridesParser.create().parse_overrides([line])[0]
+            except HydraException:
+                return None
+            if len(_PARSED) >= _MAX_PARSED:
+                _PARSED.clear()
+            _PARSED[line] = parsed
+        if parsed.is_sweep_override() or parsed.package is not None:
+            return None
+        name = parsed.key_or_group
+        if parsed.is_hydra_override() or name == "hydra" or "/" in name or name in known:
+            groups.append(line)
+        else:
+            rest.append(parsed)
+    return groups, rest
+
+
+def _group_names() -> set[str]:
+    """The top-level config groups: the store's and each config package's folders."""
+    from hydra.core.config_store import ConfigStore
+
+    names = {k for k, v in ConfigStore.instance().repo.items() if isinstance(v, dict)}
+    for package in _config_packages():
+        for folder in _folders(package):
+            with os.scandir(folder) as entries:
+                names.update(e.name for e in entries if e.is_dir() and e.name != "__pycache__")
+    return names
+
+
+def _folders(package: str) -> list[str]:
+    spec = importlib.util.find_spec(package)
+    return list(spec.submodule_search_locations or []) if spec else []
+
+
+def _store_nodes() -> tuple[tuple[str, ...], tuple[Any, ...]]:
+    """The (narrowed) config store's node paths and nodes, compared by identity: storing a
+    node again makes a new one."""
+    from hydra.core.config_store import ConfigStore
+
+    paths: list[str] = []
+    nodes: list[Any] = []
+
+    def walk(tree: dict, prefix: str) -> None:
+        for name, value in tree.items():
+            if isinstance(value, dict):
+                walk(value, f"{prefix}{name}/")
+            else:
+                paths.append(prefix + name)
+                nodes.append(value)
+
+    walk(ConfigStore.instance().repo, "")
+    return tuple(paths), tuple(nodes)
+
+
+def _same(held: tuple, now: tuple) -> bool:
+    return held[0] == now[0] and all(a is b for a, b in zip(held[1], now[1], strict=True))
+
+
+def _config_files(packages: Sequence[str]) -> tuple:
+    """Each config package's files with their size and modification time: an edited
+    preset composes afresh."""
+    out = []
+    for package in packages:
+        for folder in _folders(package):
+            for root, dirs, files in os.walk(folder):
+                dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+                for name in sorted(files):
+                    st = os.stat(os.path.join(root, name))
+                    out.append((root, name, st.st_size, st.st_mtime_ns))
+    return tuple(out)
 
 
 @contextlib.contextmanager
