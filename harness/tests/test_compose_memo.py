@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import os
 import sys
-import threading
 
 import pytest
 from hydra import compose as hydra_compose
@@ -146,7 +145,7 @@ def test_a_node_stored_since_composes_afresh(hydra_calls):
 
 def test_an_edited_config_file_composes_afresh(hydra_calls, monkeypatch):
     files = [("pkg", "a.yaml", 1, 1)]
-    monkeypatch.setattr(config, "_config_files", lambda packages: tuple(files))
+    monkeypatch.setattr(config, "_config_files", lambda folders: tuple(files))
     config.compose([], METHOD, MODEL)
     config.compose([], METHOD, MODEL)
     files[0] = ("pkg", "a.yaml", 1, 2)
@@ -161,22 +160,9 @@ def test_config_files_see_a_touched_file(tmp_path, monkeypatch):
     preset = package / "method" / "p.yaml"
     preset.write_text("defaults: [norm_tent, _self_]\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    before = config._config_files(["memo_conf_pkg"])
+    folders = config._folders("memo_conf_pkg")
+    before = config._config_files(folders)
     assert [name for _, name, _, _ in before] == ["__init__.py", "p.yaml"]
     os.utime(preset, ns=(1, 1))
-    assert config._config_files(["memo_conf_pkg"]) != before
+    assert config._config_files(folders) != before
     sys.modules.pop("memo_conf_pkg", None)
-
-
-def test_threads_composing_at_once_each_get_their_own_config():
-    out: dict[int, object] = {}
-
-    def run(i: int) -> None:
-        out[i] = config.compose([f"seeds=[{i}]"], METHOD, MODEL)
-
-    threads = [threading.Thread(target=run, args=(i,)) for i in range(8)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    assert {i: list(cfg.seeds) for i, cfg in out.items()} == {i: [i] for i in range(8)}

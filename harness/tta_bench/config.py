@@ -261,10 +261,7 @@ def presets() -> dict[str, Preset]:
     for name in configs.names():
         origin = configs.origin(name)
         package = origin.value.split(":")[0]
-        spec = importlib.util.find_spec(package)
-        if spec is None or not spec.submodule_search_locations:
-            continue
-        for folder in spec.submodule_search_locations:
+        for folder in _folders(package):
             for path in sorted(Path(folder, "method").glob("*.yaml")):
                 text = path.read_text(encoding="utf-8")
                 data = yaml.safe_load(text) or {}
@@ -303,8 +300,9 @@ def _config_packages() -> list[str]:
     return [configs.origin(n).value.split(":")[0] for n in configs.names()]
 
 
-def _search_path_overrides() -> list[str]:
-    paths = [f"pkg://{package}" for package in _config_packages()]
+def _search_path_overrides(packages: Sequence[str] | None = None) -> list[str]:
+    """Hydra's search path override for ``packages`` (default: ``_config_packages()``)."""
+    paths = [f"pkg://{p}" for p in (_config_packages() if packages is None else packages)]
     if not paths:
         return []
     return [f"hydra.searchpath=[{','.join(paths)}]"]
@@ -336,10 +334,9 @@ def compose(overrides: list[str], method: str, model: str, preset: str | None = 
 
     with _COMPOSING:
         _register([method], [model])
+        packages = _config_packages()
         with _store_narrowed_to(method, model):
-            return _memoized(
-                _search_path_overrides(), overrides, tail, _config_packages(), composed
-            )
+            return _memoized(_search_path_overrides(packages), overrides, tail, packages, composed)
 
 
 # -- compositions reused ---------------------------------------------------------------
@@ -383,12 +380,13 @@ def _memoized(
     choices and the unread Hydra groups' deletions), ``overrides`` the run's, and
     ``packages`` the config packages on the search path. ``hydra_compose`` runs inside
     the caller's Hydra context and narrowed store."""
-    split = _split_overrides(overrides)
+    folders = [folder for package in packages for folder in _folders(package)]
+    split = _split_overrides(overrides, _group_names(folders))
     if split is None:
         return hydra_compose([*head, *overrides, *tail])
     groups, rest = split
     key = (tuple(head), tuple(groups), tuple(tail))
-    nodes, files = _store_nodes(), _config_files(packages)
+    nodes, files = _store_nodes(), _config_files(folders)
     held = _BASES.get(key)
     if held is None or not _same(held[0], nodes) or held[1] != files:
         base = hydra_compose([*head, *groups, *tail])
@@ -413,15 +411,17 @@ def _apply_rest(base: DictConfig, rest: list[Any]) -> DictConfig:
     return cfg
 
 
-def _split_overrides(overrides: Sequence[str]) -> tuple[list[str], list[Any]] | None:
-    """``(group and Hydra overrides, the others parsed)`` in their order, or None where
-    Hydra must see them whole: a sweep, a ``@package``, a line that does not parse."""
+def _split_overrides(
+    overrides: Sequence[str], known: set[str]
+) -> tuple[list[str], list[Any]] | None:
+    """``(group and Hydra overrides, the others parsed)`` in their order (``known``: the
+    top-level config groups), or None where Hydra must see them whole: a sweep, a
+    ``@package``, a line that does not parse."""
     from hydra.core.override_parser.overrides_parser import OverridesParser
     from hydra.errors import HydraException
 
     groups: list[str] = []
     rest: list[Any] = []
-    known = _group_names()
     for line in overrides:
         parsed = _PARSED.get(line)
         if parsed is None:
@@ -442,19 +442,20 @@ def _split_overrides(overrides: Sequence[str]) -> tuple[list[str], list[Any]] | 
     return groups, rest
 
 
-def _group_names() -> set[str]:
-    """The top-level config groups: the store's and each config package's folders."""
+def _group_names(folders: Sequence[str]) -> set[str]:
+    """The top-level config groups: the store's and the config packages' (``folders``)
+    subfolders."""
     from hydra.core.config_store import ConfigStore
 
     names = {k for k, v in ConfigStore.instance().repo.items() if isinstance(v, dict)}
-    for package in _config_packages():
-        for folder in _folders(package):
-            with os.scandir(folder) as entries:
-                names.update(e.name for e in entries if e.is_dir() and e.name != "__pycache__")
+    for folder in folders:
+        with os.scandir(folder) as entries:
+            names.update(e.name for e in entries if e.is_dir() and e.name != "__pycache__")
     return names
 
 
 def _folders(package: str) -> list[str]:
+    """The folders of an importable package (none for a module or a missing name)."""
     spec = importlib.util.find_spec(package)
     return list(spec.submodule_search_locations or []) if spec else []
 
@@ -483,17 +484,16 @@ def _same(held: tuple, now: tuple) -> bool:
     return held[0] == now[0] and all(a is b for a, b in zip(held[1], now[1], strict=True))
 
 
-def _config_files(packages: Sequence[str]) -> tuple:
-    """Each config package's files with their size and modification time: an edited
-    preset composes afresh."""
+def _config_files(folders: Sequence[str]) -> tuple:
+    """The config packages' (``folders``) files with their size and modification time: an
+    edited preset composes afresh."""
     out = []
-    for package in packages:
-        for folder in _folders(package):
-            for root, dirs, files in os.walk(folder):
-                dirs[:] = sorted(d for d in dirs if d != "__pycache__")
-                for name in sorted(files):
-                    st = os.stat(os.path.join(root, name))
-                    out.append((root, name, st.st_size, st.st_mtime_ns))
+    for folder in folders:
+        for root, dirs, files in os.walk(folder):
+            dirs[:] = sorted(d for d in dirs if d != "__pycache__")
+            for name in sorted(files):
+                st = os.stat(os.path.join(root, name))
+                out.append((root, name, st.st_size, st.st_mtime_ns))
     return tuple(out)
 
 
